@@ -1,0 +1,77 @@
+"""Configuration: one frozen dataclass per concern.
+
+`ModelConfig` is normalised once from a Hugging Face `config.json` (by the family's `normalise`);
+`EngineConfig` holds every engine knob and maps 1:1 onto CLI flags.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from edgemoe.errors import EdgeMoEError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP layers
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP (False)
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: str | None = None  # None | "head" (Qwen3: per head) | "full" (OLMoE: over all heads)
+    clip_qkv: float | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """'16GiB', '512MB', '2048' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise EdgeMoEError(f"cannot read size {text!r}: use a number with a unit, e.g. 16GiB or 512MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs. Defaults suit one consumer GPU or a laptop CPU."""
+
+    model: str | None = None  # None: the bundled demo model
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 8  # sequences decoded together
+    max_num_batched_tokens: int = 512  # tokens per prefill step (longer prompts are chunked)
+    kv_cache_memory: str | int = "auto"  # bytes for the paged KV cache; "auto" sizes it from the device
+    block_size: int = 16  # tokens per KV block
+    seed: int = 0  # for requests that give no seed
+    progress: bool = True  # progress bar while loading weights

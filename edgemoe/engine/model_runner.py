@@ -1,0 +1,74 @@
+"""Runs one scheduled batch through the model: builds the inputs and forward context, computes logits
+for the sequences that are due a token, samples. The sampled ids are the only host read of a step."""
+
+from __future__ import annotations
+
+import torch
+
+from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.engine.kv_cache import KVCache
+from edgemoe.engine.sampler import Sampler
+from edgemoe.engine.scheduler import Batch
+from edgemoe.models.decoder import MoEForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: MoEForCausalLM, kv: KVCache, device: torch.device) -> None:
+        self.model, self.kv, self.device = model, kv, device
+        self.sampler = Sampler()
+        kv.bind([layer.self_attn.attn for layer in model.model.layers])
+
+    def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        bs = self.kv.block_size
+        ids, positions, slots, context_lens = [], [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new):
+            start = seq.num_computed
+            ids += seq.token_ids[start : start + n]
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+            context_lens.append(start + n)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [self.kv.pad_block] * (width - len(s.block_table)) for s in batch.seqs]
+        ctx = ForwardContext(
+            is_prefill=batch.is_prefill,
+            slot_mapping=self._tensor(slots),
+            context_lens=self._tensor(context_lens),
+            block_tables=self._tensor(tables),
+            query_lens=list(batch.num_new) if batch.is_prefill else None,
+            context_lens_host=context_lens if batch.is_prefill else None,
+        )
+        return self._tensor(ids), self._tensor(positions), ctx
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> list[int | None]:
+        """Next token per sequence of the batch; None for a prefill chunk that does not end its prompt."""
+        input_ids, positions, ctx = self.prepare(batch)
+        set_context(ctx)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            set_context(None)
+        due = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + n == len(s.token_ids)]
+        if not due:
+            return [None] * len(batch.seqs)
+        ends = torch.tensor(batch.num_new).cumsum(0) - 1
+        rows = self._tensor([ends[i].item() for i in due])
+        logits = self.model.logits(hidden[rows])  # [due, vocab] float32
+        seqs = [batch.seqs[i] for i in due]
+        params = [s.params for s in seqs]
+        tokens = self.sampler(
+            logits,
+            self._tensor([p.temperature for p in params], torch.float32),
+            self._tensor([p.top_k for p in params]),
+            self._tensor([p.top_p for p in params], torch.float32),
+            self._tensor([p.min_p for p in params], torch.float32),
+            [None if p.greedy else s.generator for p, s in zip(params, seqs)],
+        ).tolist()
+        out: list[int | None] = [None] * len(batch.seqs)
+        for i, t in zip(due, tokens):
+            out[i] = t
+        return out

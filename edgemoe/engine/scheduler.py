@@ -1,0 +1,105 @@
+"""Decides what each step computes: prefill chunks first (admitting waiting requests), else one decode
+token for every running sequence. Owns KV block allocation and preemption.
+
+A step computes `n` not-yet-cached tokens per sequence. Prefill: several per sequence, up to a token
+budget (long prompts are chunked across steps). Decode: exactly the one token sampled last step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from edgemoe.engine.kv_cache import KVCache
+from edgemoe.engine.sequence import Sequence, Status
+
+
+@dataclass
+class Batch:
+    seqs: list[Sequence]
+    num_new: list[int]  # tokens each sequence computes this step
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.kv.block_size)
+
+    def schedule(self) -> Batch | None:
+        return self._prefill() or self._decode()
+
+    def _prefill(self) -> Batch | None:
+        budget, seqs, num_new = self.token_budget, [], []
+        candidates = [s for s in self.running if s.num_uncomputed > 1]
+        admitted = []
+        for seq in self.waiting:
+            if len(self.running) + len(admitted) >= self.max_num_seqs:
+                break
+            admitted.append(seq)
+        for seq in candidates + admitted:
+            if budget == 0:
+                break
+            n = min(seq.num_uncomputed, budget)
+            room = len(seq.block_table) * self.kv.block_size - seq.num_computed + self.kv.num_free * self.kv.block_size
+            n = min(n, room)
+            if n <= 0:
+                break
+            if seq.status is Status.WAITING and n < seq.num_uncomputed and self.running:
+                break  # do not start a request the cache cannot hold while others are mid-flight
+            self._grow(seq, seq.num_computed + n)
+            if seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+        return Batch(seqs, num_new, is_prefill=True) if seqs else None
+
+    def _decode(self) -> Batch | None:
+        seqs = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1:
+                continue  # preempted by an earlier sequence of this loop, or still in prefill
+            while len(seq.block_table) * self.kv.block_size < seq.num_computed + 1 and not self.kv.num_free:
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self._grow(seq, seq.num_computed + 1)
+                seqs.append(seq)
+        return Batch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
+
+    def _grow(self, seq: Sequence, tokens: int) -> None:
+        need = self.blocks_for(tokens) - len(seq.block_table)
+        if need > 0:
+            seq.block_table += self.kv.allocate(need)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a sequence's KV and queue it first; it will recompute prompt + output so far."""
+        self.running.remove(seq)
+        self.kv.release(seq.block_table)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.release(seq.block_table)
+        seq.status = Status.FINISHED

@@ -1,0 +1,68 @@
+"""One request's state as it moves through the engine, and what the user gets back."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from edgemoe.sampling_params import SamplingParams
+from edgemoe.tokenizer import IncrementalDetokenizer
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str  # generated text only
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    delta: str = ""  # text new since the previous step (streaming)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, detok: IncrementalDetokenizer,
+                 generator: torch.Generator | None, request_id: str | None = None) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.generator = generator
+        self.detok = detok
+        self.status = Status.WAITING
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.text = ""
+        self.emitted = 0  # characters of text already handed out
+        self.finish_reason: str | None = None
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def output(self) -> RequestOutput:
+        """Snapshot for the caller; the delta withholds text that could still become a stop string."""
+        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
+        end = max(self.emitted, len(self.text) - hold)
+        delta, self.emitted = self.text[self.emitted : end], end
+        return RequestOutput(self.request_id, self.token_ids[: self.num_prompt_tokens], self.output_ids,
+                             self.text, self.finish_reason, delta)

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE with a precomputed cos/sin table, rotate-half convention."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+
+    def build(self, device: torch.device | str) -> None:
+        """(Re)compute the table; called after weights are materialised on their device."""
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [positions, head_dim]
+        self.cos_sin = torch.stack((emb.cos(), emb.sin())).to(device)  # [2, positions, head_dim]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
+        cos, sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # [tokens, 1, head_dim] each
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

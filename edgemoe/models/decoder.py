@@ -1,0 +1,97 @@
+"""The decoder every supported family shares: pre-norm attention + (sparse MoE | dense MLP) blocks.
+
+Families differ only in config flags (qkv bias, q/k norm, shared expert, dense layers) and in
+checkpoint names, which their own files handle. Module names follow Hugging Face, so the loader is a
+small renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edgemoe.config import ModelConfig
+from edgemoe.layers.attention import PagedAttention
+from edgemoe.layers.mlp import GatedMLP
+from edgemoe.layers.norm import RMSNorm
+from edgemoe.layers.rotary import RotaryEmbedding
+from edgemoe.moe.layer import SparseMoE
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, block_size: int) -> None:
+        super().__init__()
+        h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.nq, self.nkv, self.d, self.clip = nq, nkv, d, cfg.clip_qkv
+        self.q_proj = nn.Linear(h, nq * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(nq * d, h, bias=cfg.o_proj_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(nq * d, cfg.rms_norm_eps), RMSNorm(nkv * d, cfg.rms_norm_eps)
+        self.rotary = [rotary]  # shared, and kept out of this module's parameters
+        self.attn = PagedAttention(nq, nkv, d, block_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [tokens, heads * head_dim]
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q, k, v = q.view(-1, self.nq, self.d), k.view(-1, self.nkv, self.d), v.view(-1, self.nkv, self.d)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, block_size: int) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, rotary, block_size)
+        self.is_moe = cfg.moe_layers[layer]
+        self.mlp = SparseMoE(cfg) if self.is_moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, block_size: int) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, block_size) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [tokens, hidden]
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.norm(x)
+
+
+class MoEForCausalLM(nn.Module):
+    """Token ids + positions of a flattened batch -> final hidden states; `logits` on chosen rows."""
+
+    def __init__(self, cfg: ModelConfig, block_size: int = 16) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, block_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,99 @@
+"""Build a model on the meta device, then stream its weights from safetensors into place.
+
+Checkpoints store routed experts either one tensor per expert (`...experts.N.gate_proj.weight`, Mixtral's
+`w1/w3/w2`) or fused (`...experts.gate_up_proj`, transformers >= 5); both land in the fused banks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from edgemoe.config import ModelConfig
+from edgemoe.errors import EdgeMoEError
+from edgemoe.models.decoder import MoEForCausalLM
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise EdgeMoEError(f"malformed {index}: {exc}") from None
+        files = [folder / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise EdgeMoEError(f"{index.name} names shards that are missing: {', '.join(missing[:3])}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise EdgeMoEError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def load_model(folder: Path, cfg: ModelConfig, family: ModuleType, device: torch.device, dtype: torch.dtype,
+               block_size: int, progress: bool = True) -> MoEForCausalLM:
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg, block_size).to(dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    load_weights(model, folder, family, progress)
+    model.model.rotary.build(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(model: MoEForCausalLM, folder: Path, family: ModuleType, progress: bool = True) -> None:
+    params = dict(model.named_parameters())
+    filled = dict.fromkeys(params, 0)
+    files = checkpoint_files(folder)
+    handles = [safe_open(f, framework="pt", device="cpu") for f in files]
+    keys = [(h, k) for h in handles for k in h.keys()]
+    with torch.no_grad():
+        for handle, key in tqdm(keys, desc="loading weights", unit="tensor", disable=not progress or None,
+                                leave=False):
+            name, target = _target(family.rename(key), params, model)
+            if target is None:
+                continue
+            src = handle.get_slice(key)
+            if list(src.get_shape()) != list(target.shape):
+                raise EdgeMoEError(f"tensor {key} has shape {src.get_shape()}, the config implies "
+                                   f"{list(target.shape)}")
+            target.copy_(handle.get_tensor(key))
+            filled[name] += target.numel()
+    missing = [n for n, p in params.items() if filled[n] < p.numel()]
+    if missing:
+        raise EdgeMoEError(f"checkpoint {folder} lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
+
+
+def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausalLM):
+    """Checkpoint tensor name -> (our parameter name, the tensor view to fill), or (name, None) to skip."""
+    m = _EXPERT.match(name)
+    if m:
+        bank, expert, part = m.group(1), int(m.group(2)), _PART[m.group(3)]
+        if part == "down":
+            pname = f"{bank}.down_proj"
+            return pname, _param(params, pname, name)[expert]
+        pname = f"{bank}.gate_up_proj"
+        w = _param(params, pname, name)[expert]
+        half = w.shape[0] // 2
+        return pname, w[:half] if part == "gate" else w[half:]
+    if _IGNORED.search(name) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+        return name, None
+    return name, _param(params, name, name)
+
+
+def _param(params: dict[str, torch.nn.Parameter], pname: str, key: str) -> torch.Tensor:
+    if pname not in params:
+        raise EdgeMoEError(f"unexpected tensor {key} in the checkpoint (does config.json match the weights?)")
+    return params[pname]

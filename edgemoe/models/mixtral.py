@@ -1,0 +1,31 @@
+"""Mixtral: every layer sparse, top-k weights always renormalised, `block_sparse_moe` names."""
+
+from __future__ import annotations
+
+from edgemoe.config import ModelConfig
+from edgemoe.errors import EdgeMoEError
+from edgemoe.models.registry import common_fields
+
+MODEL_TYPE = "mixtral"
+
+
+def normalise(hf: dict) -> ModelConfig:
+    fields = common_fields(hf)
+    window = hf.get("sliding_window")
+    if window is not None and window < fields["max_position_embeddings"]:
+        fields["max_position_embeddings"] = window  # within the window, attention is plain causal
+    if hf.get("num_local_experts", 0) < 1:
+        raise EdgeMoEError("mixtral config needs num_local_experts >= 1")
+    return ModelConfig(
+        **fields,
+        intermediate_size=0,
+        num_experts=hf["num_local_experts"],
+        top_k=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["intermediate_size"],
+        moe_layers=(True,) * hf["num_hidden_layers"],
+        norm_topk_prob=True,
+    )
+
+
+def rename(name: str) -> str:
+    return name.replace(".block_sparse_moe.", ".mlp.")

@@ -1,0 +1,61 @@
+"""Routed-expert compute: only the experts a token chose run (never all experts densely).
+
+Weights are two banks in Hugging Face's fused layout: `gate_up_proj [experts, 2 * inter, hidden]`
+(gate rows first) and `down_proj [experts, hidden, inter]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, hidden]; ids, weights: [tokens, top_k]
+        if ids.numel() <= self.gate_up_proj.shape[0]:
+            return gathered_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+        return grouped_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+
+
+def gathered_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor) -> torch.Tensor:
+    """One batched matmul over the (token, expert) pairs, with the pairs' weights gathered.
+
+    Fixed shapes and no host synchronisation (decode, CUDA graphs); costs a copy of each chosen expert,
+    so it is used only when there are few pairs.
+    """
+    tokens, top_k = ids.shape
+    flat = ids.flatten()
+    xs = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [pairs, hidden, 1]
+    gate, up = torch.bmm(w13[flat], xs)[:, :, 0].chunk(2, dim=-1)  # [pairs, inter] each
+    h = (F.silu(gate) * up)[:, :, None]
+    out = torch.bmm(w2[flat], h)[:, :, 0].view(tokens, top_k, -1)  # [tokens, top_k, hidden]
+    return (out * weights[:, :, None]).sum(dim=1)
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor) -> torch.Tensor:
+    """Pairs sorted by expert, one matmul per expert that has tokens (prefill: many tokens per expert)."""
+    tokens, top_k = ids.shape
+    order = ids.flatten().argsort(stable=True)  # pair indices grouped by expert
+    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
+    token_of_pair = order // top_k
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        tok = token_of_pair[start : start + n]
+        gate, up = F.linear(x[tok], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * weights.flatten()[pairs, None]
+        out.index_add_(0, tok, y)
+        start += n
+    return out

@@ -1,0 +1,5 @@
+import sys
+
+from edgemoe.cli import main
+
+sys.exit(main())

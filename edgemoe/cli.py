@@ -1,0 +1,112 @@
+"""The `edgemoe` command: generate, make-model. User errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from edgemoe.errors import EdgeMoEError
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="Hugging Face model folder (default: the bundled demo model)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    g.add_argument("--max-model-len", type=int, help="context limit in tokens (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default: 8)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per step (default: 512)")
+    g.add_argument("--kv-cache-memory", default="auto", help="KV cache size, e.g. 2GiB (default: auto)")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                kv_cache_memory=a.kv_cache_memory)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from edgemoe import __version__
+
+    parser = argparse.ArgumentParser(prog="edgemoe", description="Run Mixture-of-Experts language models.")
+    parser.add_argument("--version", action="version", version=f"edgemoe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout",
+                         description="Generate text from PROMPT (or standard input), streamed as it is produced.")
+    gen.add_argument("prompt", nargs="?", help="the prompt (default: read standard input)")
+    gen.add_argument("--chat", action="store_true", help="treat PROMPT as a user message; apply the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: 0.95)")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest (default: off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top prob")
+    gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    _engine_flags(gen)
+
+    mk = sub.add_parser("make-model", help="write a random-weight checkpoint (tests, benchmarks)",
+                        description="Write a random-weight checkpoint in Hugging Face layout, with a tokenizer.")
+    mk.add_argument("out", type=Path, help="output folder")
+    mk.add_argument("--family", default="qwen2_moe", help="qwen2_moe, qwen3_moe, mixtral or olmoe")
+    mk.add_argument("--size", default="tiny",
+                    help="tiny, small, or a real geometry: qwen3-30b-a3b, qwen1.5-moe-a2.7b, mixtral-8x7b "
+                         "(these fix the family)")
+    mk.add_argument("--layers", type=int, help="truncate to this many layers")
+    mk.add_argument("--layout", default="per-expert", help="per-expert (Hub style) or fused (transformers 5)")
+    mk.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    mk.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    from edgemoe import LLM, SamplingParams
+
+    prompt = a.prompt
+    if prompt is None:
+        prompt = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
+    if not prompt:
+        raise EdgeMoEError("no prompt: give PROMPT or pipe text to standard input")
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            min_p=a.min_p, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos)
+    llm = LLM(**_engine_kwargs(a))
+    request = [{"role": "user", "content": prompt}] if a.chat else prompt
+    start, n, last = time.perf_counter(), 0, None
+    for out in llm.stream(request, params, chat=a.chat):
+        sys.stdout.write(out.delta)
+        sys.stdout.flush()
+        n, last = len(out.token_ids), out
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, finish: {last.finish_reason}]",
+          file=sys.stderr)
+
+
+def cmd_make_model(a: argparse.Namespace) -> None:
+    from edgemoe.models.random_checkpoint import make_model
+
+    out = make_model(a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype)
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        {"generate": cmd_generate, "make-model": cmd_make_model}[args.command](args)
+    except EdgeMoEError as exc:
+        print(f"edgemoe: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""`edgemoe make-model`: write a random-weight checkpoint of a supported family in Hugging Face layout.
+
+For tests (tiny shapes) and benchmarks (real geometries, optionally truncated to fewer layers). The
+tokenizer is the demo model's; larger vocabularies simply have ids it never produces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from edgemoe.errors import EdgeMoEError
+from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.models.registry import families
+
+# geometry -> family and config fields (public config.json values for the real ones)
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                 shared_expert_intermediate_size=48, vocab_size=None, max_position_embeddings=1024),
+    "small": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                  num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128, intermediate_size=512,
+                  shared_expert_intermediate_size=512, vocab_size=None, max_position_embeddings=4096),
+    "qwen3-30b-a3b": dict(family="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+                          norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960),
+    "qwen1.5-moe-a2.7b": dict(family="qwen2_moe", hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
+                              num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
+                              moe_intermediate_size=1408, intermediate_size=5632,
+                              shared_expert_intermediate_size=5632, vocab_size=151936, rope_theta=1e6,
+                              max_position_embeddings=8192),
+    "mixtral-8x7b": dict(family="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+                         vocab_size=32000, rope_theta=1e6, max_position_embeddings=32768),
+}
+_PER_EXPERT = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # default: mlp, gate/up/down_proj
+
+
+def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) -> dict:
+    """A config.json that both transformers and edgemoe read."""
+    g = {**geometry, "vocab_size": geometry.get("vocab_size") or vocab_size}
+    if layers:
+        g["num_hidden_layers"] = layers
+    base = {
+        "model_type": family, "vocab_size": g["vocab_size"], "hidden_size": g["hidden_size"],
+        "num_hidden_layers": g["num_hidden_layers"], "num_attention_heads": g["num_attention_heads"],
+        "num_key_value_heads": g["num_key_value_heads"], "num_experts_per_tok": g["num_experts_per_tok"],
+        "max_position_embeddings": g["max_position_embeddings"], "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "rope_theta": g.get("rope_theta", 10000.0), "tie_word_embeddings": False, "dtype": "bfloat16",
+        "bos_token_id": 0, "eos_token_id": 0,
+    }
+    if "head_dim" in g:
+        base["head_dim"] = g["head_dim"]
+    if family == "qwen2_moe":
+        return {**base, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": g["num_experts"],
+                "moe_intermediate_size": g["moe_intermediate_size"], "intermediate_size": g["intermediate_size"],
+                "shared_expert_intermediate_size": g.get("shared_expert_intermediate_size", 0),
+                "norm_topk_prob": g.get("norm_topk_prob", False), "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "qkv_bias": True}
+    if family == "qwen3_moe":
+        return {**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": g["num_experts"],
+                "moe_intermediate_size": g["moe_intermediate_size"], "intermediate_size": g["intermediate_size"],
+                "norm_topk_prob": g.get("norm_topk_prob", True), "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "attention_bias": False, "head_dim": g.get("head_dim", g["hidden_size"] // g["num_attention_heads"])}
+    if family == "mixtral":
+        return {**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": g["num_experts"],
+                "intermediate_size": g["moe_intermediate_size"], "sliding_window": None}
+    if family == "olmoe":
+        return {**base, "architectures": ["OlmoeForCausalLM"], "num_experts": g["num_experts"],
+                "intermediate_size": g["moe_intermediate_size"], "norm_topk_prob": False, "clip_qkv": None}
+    raise EdgeMoEError(f"unknown family {family!r}; supported: {', '.join(sorted(families()))}")
+
+
+def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: torch.dtype):
+    """Yield (checkpoint name, tensor) in Hugging Face naming, experts per-expert or fused."""
+    cfg = families()[family].normalise(config)
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    prefix, gate, up, down = _PER_EXPERT.get(family, ("mlp", "gate_proj", "up_proj", "down_proj"))
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):  # norms near 1, not exactly 1, so that they matter in tests
+            t = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif name.endswith(".bias"):
+            t = 0.1 * torch.randn(p.shape, generator=gen)
+        else:  # unit-variance activations: fan-in scaling (embeddings: unit rows)
+            fan_in = p.shape[-1] if "embed_tokens" not in name else 1
+            t = torch.randn(p.shape, generator=gen) / math.sqrt(fan_in)
+        t = t.to(dtype)
+        if ".experts." not in name or layout == "fused":
+            yield name, t
+            continue
+        layer = name.split(".experts.")[0].replace(".mlp", f".{prefix}")
+        for e in range(t.shape[0]):
+            if name.endswith("gate_up_proj"):
+                g, u = t[e].chunk(2)
+                yield f"{layer}.experts.{e}.{gate}.weight", g.clone()
+                yield f"{layer}.experts.{e}.{up}.weight", u.clone()
+            else:
+                yield f"{layer}.experts.{e}.{down}.weight", t[e].clone()
+
+
+def make_model(out: Path, family: str, size: str, layers: int | None = None, layout: str = "per-expert",
+               seed: int = 0, dtype: str = "bfloat16", shard_bytes: int = 2 << 30) -> Path:
+    from edgemoe.engine.engine import demo_model_path
+
+    if size not in PRESETS:
+        raise EdgeMoEError(f"unknown size {size!r}; choose from {', '.join(PRESETS)}")
+    if layout not in ("per-expert", "fused"):
+        raise EdgeMoEError("layout must be per-expert or fused")
+    geometry = dict(PRESETS[size])
+    family = geometry.pop("family", family)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise EdgeMoEError("dtype must be bfloat16, float16 or float32")
+    demo = demo_model_path()
+    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
+    config = hf_config(family, geometry, vocab, layers)
+    config["dtype"] = dtype
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, out / name)
+    shards: list[list[str]] = []  # tensor names per shard, written as each fills (bounded memory)
+    current, size_now = {}, 0
+    for name, t in tqdm(random_tensors(family, config, layout, seed, torch_dtype), desc="writing", unit="tensor",
+                        leave=False, disable=None):
+        current[name] = t
+        size_now += t.numel() * t.element_size()
+        if size_now >= shard_bytes:
+            _flush(out, shards, current)
+            current, size_now = {}, 0
+    if current:
+        _flush(out, shards, current)
+    _name_shards(out, shards)
+    return out
+
+
+def _flush(out: Path, shards: list[list[str]], tensors: dict) -> None:
+    save_file(tensors, str(out / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+    shards.append(list(tensors))
+
+
+def _name_shards(out: Path, shards: list[list[str]]) -> None:
+    if len(shards) == 1:
+        (out / "shard-0.tmp").rename(out / "model.safetensors")
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"shard-{i}.tmp").rename(out / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))

@@ -1,4 +1,4 @@
-"""The `edgemoe` command: generate, make-model. User errors print one line and exit 2."""
+"""The `edgemoe` command: generate, make-model, serve, cache-sim. User errors print one line and exit 2."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from edgemoe.errors import EdgeMoEError
+from edgemoe.server.cli import add_serve_parser  # argparse only: the web stack is imported by cmd_serve
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -19,12 +20,33 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default: 8)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per step (default: 512)")
     g.add_argument("--kv-cache-memory", default="auto", help="KV cache size, e.g. 2GiB (default: auto)")
+    m = p.add_argument_group("expert offload")
+    m.add_argument("--moe-strategy", default="resident", help="resident (experts on the device) or offload")
+    m.add_argument("--moe-cache-slots", type=int, help="offload: experts the device cache holds")
+    m.add_argument("--moe-cache-fraction", type=float, help="offload: cache this fraction of all experts")
+    m.add_argument("--vram-budget", help="device memory for weights, KV and expert cache, e.g. 16GiB")
+    m.add_argument("--moe-policy", default="lru", help="offload: eviction policy, lru or scored (default: lru)")
+    m.add_argument("--moe-collect-stats", action="store_true", help="offload: count hits/misses per layer")
+    m.add_argument("--record-routing", metavar="FILE", help="save one sequence's routed expert ids (.npy)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
-                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                kv_cache_memory=a.kv_cache_memory)
+    return dict(
+        model=a.model,
+        device=a.device,
+        dtype=a.dtype,
+        max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        kv_cache_memory=a.kv_cache_memory,
+        moe_strategy=a.moe_strategy,
+        moe_cache_slots=a.moe_cache_slots,
+        moe_cache_fraction=a.moe_cache_fraction,
+        vram_budget=a.vram_budget,
+        moe_policy=a.moe_policy,
+        moe_collect_stats=a.moe_collect_stats,
+        record_routing=a.record_routing,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgemoe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout",
-                         description="Generate text from PROMPT (or standard input), streamed as it is produced.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text from a prompt, streamed to stdout",
+        description="Generate text from PROMPT (or standard input), streamed as it is produced.",
+    )
     gen.add_argument("prompt", nargs="?", help="the prompt (default: read standard input)")
     gen.add_argument("--chat", action="store_true", help="treat PROMPT as a user message; apply the chat template")
     gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
@@ -48,17 +73,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     _engine_flags(gen)
 
-    mk = sub.add_parser("make-model", help="write a random-weight checkpoint (tests, benchmarks)",
-                        description="Write a random-weight checkpoint in Hugging Face layout, with a tokenizer.")
+    mk = sub.add_parser(
+        "make-model",
+        help="write a random-weight checkpoint (tests, benchmarks)",
+        description="Write a random-weight checkpoint in Hugging Face layout, with a tokenizer.",
+    )
     mk.add_argument("out", type=Path, help="output folder")
     mk.add_argument("--family", default="qwen2_moe", help="qwen2_moe, qwen3_moe, mixtral or olmoe")
-    mk.add_argument("--size", default="tiny",
-                    help="tiny, small, or a real geometry: qwen3-30b-a3b, qwen1.5-moe-a2.7b, mixtral-8x7b "
-                         "(these fix the family)")
+    mk.add_argument(
+        "--size",
+        default="tiny",
+        help="tiny, small, or a real geometry: qwen3-30b-a3b, qwen1.5-moe-a2.7b, mixtral-8x7b (these fix the family)",
+    )
     mk.add_argument("--layers", type=int, help="truncate to this many layers")
     mk.add_argument("--layout", default="per-expert", help="per-expert (Hub style) or fused (transformers 5)")
     mk.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     mk.add_argument("--seed", type=int, default=0)
+    add_serve_parser(sub, _engine_flags)
+
+    sim = sub.add_parser(
+        "cache-sim",
+        help="replay a routing trace through the expert-cache policies",
+        description="Replay a routing trace (--record-routing) with one pool of SLOTS shared by all layers; "
+        "belady is Belady's MIN, the bound of any policy.",
+    )
+    sim.add_argument("trace", type=Path, help="routing trace, .npy int32 [steps, layers, top_k]")
+    sim.add_argument("--slots", type=int, required=True, help="expert slots in the pool")
+    sim.add_argument("--policy", default="lru,scored,belady", help="comma-separated (default: lru,scored,belady)")
+    sim.add_argument("--json", action="store_true", help='print {policy: {"hits", "misses", "hit_rate"}}')
     return parser
 
 
@@ -70,8 +112,16 @@ def cmd_generate(a: argparse.Namespace) -> None:
         prompt = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     if not prompt:
         raise EdgeMoEError("no prompt: give PROMPT or pipe text to standard input")
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            min_p=a.min_p, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos)
+    params = SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        seed=a.seed,
+        stop=a.stop,
+        ignore_eos=a.ignore_eos,
+    )
     llm = LLM(**_engine_kwargs(a))
     request = [{"role": "user", "content": prompt}] if a.chat else prompt
     start, n, last = time.perf_counter(), 0, None
@@ -81,8 +131,21 @@ def cmd_generate(a: argparse.Namespace) -> None:
         n, last = len(out.token_ids), out
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
-    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, finish: {last.finish_reason}]",
-          file=sys.stderr)
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, finish: {last.finish_reason}]", file=sys.stderr)
+    if a.moe_collect_stats:
+        _print_moe_stats(llm.moe_stats())
+
+
+def _print_moe_stats(stats: dict) -> None:
+    cols = ("accesses", "hits", "misses", "evictions", "bytes_copied")
+    lines = [
+        f"expert cache: {stats['slots']} slots, policy {stats['policy']}",
+        "layer " + " ".join(f"{c:>12}" for c in cols),
+    ]
+    for row in [*stats["layers"], {**stats["total"], "layer": "all"}]:
+        lines.append(f"{row['layer']:>5} " + " ".join(f"{row[c]:>12}" for c in cols))
+    lines.append(f"hit rate {stats['total']['hit_rate']:.3f}")
+    print("\n".join(lines), file=sys.stderr)
 
 
 def cmd_make_model(a: argparse.Namespace) -> None:
@@ -92,6 +155,25 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def cmd_serve(a: argparse.Namespace) -> None:
+    from edgemoe.server.cli import run_serve
+
+    run_serve(a, _engine_kwargs(a))
+
+
+def cmd_cache_sim(a: argparse.Namespace) -> None:
+    import json
+
+    from edgemoe.moe.cache_sim import run
+
+    results = run(a.trace, a.slots, [p.strip() for p in a.policy.split(",") if p.strip()], progress=not a.json)
+    if a.json:
+        print(json.dumps(results))
+        return
+    for policy, r in results.items():
+        print(f"{policy:>8}: hit rate {r['hit_rate']:.4f} ({r['hits']} hits, {r['misses']} misses)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -99,7 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        {"generate": cmd_generate, "make-model": cmd_make_model}[args.command](args)
+        commands = {
+            "generate": cmd_generate,
+            "make-model": cmd_make_model,
+            "serve": cmd_serve,
+            "cache-sim": cmd_cache_sim,
+        }
+        commands[args.command](args)
     except EdgeMoEError as exc:
         print(f"edgemoe: error: {exc}", file=sys.stderr)
         return 2

@@ -1,13 +1,14 @@
 """Configuration: one frozen dataclass per concern.
 
 `ModelConfig` is normalised once from a Hugging Face `config.json` (by the family's `normalise`);
-`EngineConfig` holds every engine knob and maps 1:1 onto CLI flags.
+`EngineConfig` holds every engine knob and maps 1:1 onto CLI flags; `ExpertCacheConfig` (its `moe` field) the
+expert-offload knobs, whose field names are the flags' names (`engine_config` splits flat keyword arguments).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edgemoe.errors import EdgeMoEError
 
@@ -47,8 +48,25 @@ class ModelConfig:
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -59,6 +77,44 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise EdgeMoEError(f"cannot read size {text!r}: use a number with a unit, e.g. 16GiB or 512MB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+MOE_STRATEGIES = ("resident", "offload")
+
+
+@dataclass(frozen=True)
+class ExpertCacheConfig:
+    """Where routed experts live. `offload`: host banks plus a device cache of slots, sized by exactly one of
+    `moe_cache_slots`, `moe_cache_fraction` (of all experts) or `vram_budget` (what dense weights and KV leave)."""
+
+    moe_strategy: str = "resident"  # "resident" | "offload"
+    moe_cache_slots: int | None = None
+    moe_cache_fraction: float | None = None
+    vram_budget: str | int | None = None  # e.g. "16GiB"; resident: checked, offload: sizes the cache
+    moe_policy: str = "lru"  # eviction policy: "lru" | "scored"
+    moe_collect_stats: bool = False  # per-layer accesses/hits/misses/evictions/bytes, counted on the device
+    record_routing: str | None = None  # .npy path: routed expert ids of one sequence's decode
+
+    def __post_init__(self) -> None:
+        from edgemoe.moe.expert_cache import POLICIES
+
+        if self.moe_strategy not in MOE_STRATEGIES:
+            raise EdgeMoEError(f"unknown moe_strategy {self.moe_strategy!r}: use resident or offload")
+        if self.moe_policy not in POLICIES:
+            raise EdgeMoEError(f"unknown moe_policy {self.moe_policy!r}: use {' or '.join(POLICIES)}")
+        sizes = [n for n in ("moe_cache_slots", "moe_cache_fraction", "vram_budget") if getattr(self, n) is not None]
+        if len(sizes) > 1:
+            raise EdgeMoEError(f"give one of moe_cache_slots, moe_cache_fraction, vram_budget (got {', '.join(sizes)})")
+        if self.moe_strategy == "resident" and (
+            self.moe_cache_slots is not None or self.moe_cache_fraction is not None or self.moe_collect_stats
+        ):
+            raise EdgeMoEError("moe_cache_slots, moe_cache_fraction and moe_collect_stats need moe_strategy offload")
+        if self.moe_cache_slots is not None and (not isinstance(self.moe_cache_slots, int) or self.moe_cache_slots < 1):
+            raise EdgeMoEError(f"moe_cache_slots must be an integer >= 1, got {self.moe_cache_slots!r}")
+        if self.moe_cache_fraction is not None and not 0 < self.moe_cache_fraction <= 1:
+            raise EdgeMoEError(f"moe_cache_fraction must be in (0, 1], got {self.moe_cache_fraction!r}")
+        if self.vram_budget is not None:
+            parse_size(self.vram_budget)
 
 
 @dataclass(frozen=True)
@@ -75,3 +131,14 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     seed: int = 0  # for requests that give no seed
     progress: bool = True  # progress bar while loading weights
+    moe: ExpertCacheConfig = field(default_factory=ExpertCacheConfig)
+
+
+def engine_config(**kwargs) -> EngineConfig:
+    """EngineConfig from flat keyword arguments (`LLM(...)`, CLI flags): expert-cache fields go to `moe`."""
+    moe_fields = ExpertCacheConfig.__dataclass_fields__
+    moe = {k: kwargs.pop(k) for k in list(kwargs) if k in moe_fields}
+    try:
+        return EngineConfig(**kwargs, moe=ExpertCacheConfig(**moe))
+    except TypeError as exc:
+        raise EdgeMoEError(f"unknown LLM option: {exc}") from None

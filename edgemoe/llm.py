@@ -4,25 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from edgemoe.config import EngineConfig
+from edgemoe.config import engine_config
 from edgemoe.engine.engine import LLMEngine
 from edgemoe.engine.sequence import RequestOutput
-from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
 
 class LLM:
-    """Offline inference. `model=None` loads the bundled demo model; keyword arguments are
-    `EngineConfig` fields (device, dtype, max_num_seqs, kv_cache_memory, ...)."""
+    """Offline inference. `model=None` loads the bundled demo model; keyword arguments are `EngineConfig` fields
+    (device, dtype, max_num_seqs, kv_cache_memory, ...) and `ExpertCacheConfig` fields (moe_strategy, ...)."""
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "auto", **kwargs) -> None:
-        try:
-            config = EngineConfig(model=model, device=device, dtype=dtype, **kwargs)
-        except TypeError as exc:
-            raise EdgeMoEError(f"unknown LLM option: {exc}") from None
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(engine_config(model=model, device=device, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -31,13 +26,20 @@ class LLM:
             prompts = [prompts]
         return self._run([(p, False) for p in prompts], params or SamplingParams())
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(
+        self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (or a list of them) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run([(c, True) for c in convs], params or SamplingParams())
 
-    def stream(self, prompt: Prompt | list[dict], params: SamplingParams | None = None,
-               chat: bool = False) -> Iterator[RequestOutput]:
+    def moe_stats(self) -> dict:
+        """Expert-cache counters per MoE layer and in total (needs moe_strategy="offload", moe_collect_stats=True)."""
+        return self.engine.moe_stats()
+
+    def stream(
+        self, prompt: Prompt | list[dict], params: SamplingParams | None = None, chat: bool = False
+    ) -> Iterator[RequestOutput]:
         """Yield outputs for one request as it advances; each carries the new text in `.delta`."""
         seq = self.engine.add_request(prompt, params or SamplingParams(), chat=chat)
         try:

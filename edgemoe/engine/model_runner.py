@@ -19,7 +19,12 @@ class ModelRunner:
         kv.bind([layer.self_attn.attn for layer in model.model.layers])
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+        """Host list -> device tensor without a host synchronisation: pinned staging, async copy. The staging
+        buffer cannot be reused too early: the step's sampled-id read waits for everything before it."""
+        host = torch.tensor(data, dtype=dtype)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         bs = self.kv.block_size
@@ -44,8 +49,11 @@ class ModelRunner:
         return self._tensor(ids), self._tensor(positions), ctx
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[int | None]:
-        """Next token per sequence of the batch; None for a prefill chunk that does not end its prompt."""
+    def compute_logits(self, batch: Batch) -> tuple[list[int], torch.Tensor | None]:
+        """Run the batch; return the indices of sequences due a token and their logits [due, vocab] (float32).
+
+        A sequence is due when this step computes its last uncached token (a prefill chunk that does not
+        end its prompt is not)."""
         input_ids, positions, ctx = self.prepare(batch)
         set_context(ctx)
         try:
@@ -54,10 +62,16 @@ class ModelRunner:
             set_context(None)
         due = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + n == len(s.token_ids)]
         if not due:
-            return [None] * len(batch.seqs)
-        ends = torch.tensor(batch.num_new).cumsum(0) - 1
-        rows = self._tensor([ends[i].item() for i in due])
-        logits = self.model.logits(hidden[rows])  # [due, vocab] float32
+            return due, None
+        ends = [sum(batch.num_new[: i + 1]) - 1 for i in due]
+        return due, self.model.logits(hidden[self._tensor(ends)])
+
+    def run(self, batch: Batch) -> list[int | None]:
+        """Next token per sequence of the batch; None for a prefill chunk that does not end its prompt."""
+        due, logits = self.compute_logits(batch)
+        out: list[int | None] = [None] * len(batch.seqs)
+        if not due:
+            return out
         seqs = [batch.seqs[i] for i in due]
         params = [s.params for s in seqs]
         tokens = self.sampler(
@@ -67,8 +81,7 @@ class ModelRunner:
             self._tensor([p.top_p for p in params], torch.float32),
             self._tensor([p.min_p for p in params], torch.float32),
             [None if p.greedy else s.generator for p, s in zip(params, seqs)],
-        ).tolist()
-        out: list[int | None] = [None] * len(batch.seqs)
+        ).tolist()  # the step's one host synchronisation
         for i, t in zip(due, tokens):
             out[i] = t
         return out

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """logits [seqs, vocab] float32; per-row params [seqs] -> probabilities with filtered tokens at 0."""
     logits = logits / temperature.clamp_min(1e-6)[:, None]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -28,16 +29,26 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        generators: list[torch.Generator],
+    ) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         if all(g is None for g in generators):
             return greedy
         probs = filtered_probs(logits, temperature, top_k, top_p, min_p)
-        noise = torch.stack([
-            torch.empty(logits.shape[-1], device=logits.device).exponential_(generator=g) if g is not None
-            else torch.ones(logits.shape[-1], device=logits.device)
-            for g in generators
-        ])
+        noise = torch.stack(
+            [
+                torch.empty(logits.shape[-1], device=logits.device).exponential_(generator=g)
+                if g is not None
+                else torch.ones(logits.shape[-1], device=logits.device)
+                for g in generators
+            ]
+        )
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temperature == 0, greedy, sampled)

@@ -35,8 +35,14 @@ class RequestOutput:
 
 
 class Sequence:
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, detok: IncrementalDetokenizer,
-                 generator: torch.Generator | None, request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        detok: IncrementalDetokenizer,
+        generator: torch.Generator | None,
+        request_id: str | None = None,
+    ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids = list(prompt_ids)
@@ -64,5 +70,11 @@ class Sequence:
         hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
         end = max(self.emitted, len(self.text) - hold)
         delta, self.emitted = self.text[self.emitted : end], end
-        return RequestOutput(self.request_id, self.token_ids[: self.num_prompt_tokens], self.output_ids,
-                             self.text, self.finish_reason, delta)
+        return RequestOutput(
+            self.request_id,
+            self.token_ids[: self.num_prompt_tokens],
+            self.output_ids,
+            self.text,
+            self.finish_reason,
+            delta,
+        )

@@ -42,33 +42,48 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_model(folder: Path, cfg: ModelConfig, family: ModuleType, device: torch.device, dtype: torch.dtype,
-               block_size: int, progress: bool = True) -> MoEForCausalLM:
+def load_model(
+    folder: Path,
+    cfg: ModelConfig,
+    family: ModuleType,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    progress: bool = True,
+    offload: bool = False,
+) -> MoEForCausalLM:
+    """`offload`: routed experts go to host banks (`edgemoe.moe.banks`) instead of the device."""
     with torch.device("meta"):
         model = MoEForCausalLM(cfg, block_size).to(dtype)
+    host = {}
+    if offload:
+        from edgemoe.moe.banks import offload_experts
+
+        host = offload_experts(model, dtype, pin=device.type == "cuda", progress=progress)
     model.to_empty(device=device)
     model.tie_weights()
-    load_weights(model, folder, family, progress)
+    load_weights(model, folder, family, progress, host)
     model.model.rotary.build(device)
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: MoEForCausalLM, folder: Path, family: ModuleType, progress: bool = True) -> None:
-    params = dict(model.named_parameters())
+def load_weights(
+    model: MoEForCausalLM, folder: Path, family: ModuleType, progress: bool = True, host: dict | None = None
+) -> None:
+    """Fill the model's parameters, and the `host` tensors (name -> host bank) that stand in for some."""
+    params = dict(model.named_parameters()) | (host or {})
     filled = dict.fromkeys(params, 0)
     files = checkpoint_files(folder)
     handles = [safe_open(f, framework="pt", device="cpu") for f in files]
     keys = [(h, k) for h in handles for k in h.keys()]
     with torch.no_grad():
-        for handle, key in tqdm(keys, desc="loading weights", unit="tensor", disable=not progress or None,
-                                leave=False):
+        for handle, key in tqdm(keys, desc="loading weights", unit="tensor", disable=not progress or None, leave=False):
             name, target = _target(family.rename(key), params, model)
             if target is None:
                 continue
             src = handle.get_slice(key)
             if list(src.get_shape()) != list(target.shape):
-                raise EdgeMoEError(f"tensor {key} has shape {src.get_shape()}, the config implies "
-                                   f"{list(target.shape)}")
+                raise EdgeMoEError(f"tensor {key} has shape {src.get_shape()}, the config implies {list(target.shape)}")
             target.copy_(handle.get_tensor(key))
             filled[name] += target.numel()
     missing = [n for n, p in params.items() if filled[n] < p.numel()]
@@ -90,6 +105,8 @@ def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausa
         return pname, w[:half] if part == "gate" else w[half:]
     if _IGNORED.search(name) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
         return name, None
+    if name not in params and ".shared_expert" in name and not model.config.shared_expert_intermediate_size:
+        return name, None  # a zero-width shared expert (Qwen2-MoE with shared_expert_intermediate_size 0)
     return name, _param(params, name, name)
 
 

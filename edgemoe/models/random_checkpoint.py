@@ -21,24 +21,76 @@ from edgemoe.models.registry import families
 
 # geometry -> family and config fields (public config.json values for the real ones)
 PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
-                 shared_expert_intermediate_size=48, vocab_size=None, max_position_embeddings=1024),
-    "small": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-                  num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128, intermediate_size=512,
-                  shared_expert_intermediate_size=512, vocab_size=None, max_position_embeddings=4096),
-    "qwen3-30b-a3b": dict(family="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
-                          norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960),
-    "qwen1.5-moe-a2.7b": dict(family="qwen2_moe", hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
-                              num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
-                              moe_intermediate_size=1408, intermediate_size=5632,
-                              shared_expert_intermediate_size=5632, vocab_size=151936, rope_theta=1e6,
-                              max_position_embeddings=8192),
-    "mixtral-8x7b": dict(family="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
-                         vocab_size=32000, rope_theta=1e6, max_position_embeddings=32768),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        intermediate_size=96,
+        shared_expert_intermediate_size=48,
+        vocab_size=None,
+        max_position_embeddings=1024,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=128,
+        intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        vocab_size=None,
+        max_position_embeddings=4096,
+    ),
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe",
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        intermediate_size=6144,
+        vocab_size=151936,
+        norm_topk_prob=True,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    ),
+    "qwen1.5-moe-a2.7b": dict(
+        family="qwen2_moe",
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=60,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1408,
+        intermediate_size=5632,
+        shared_expert_intermediate_size=5632,
+        vocab_size=151936,
+        rope_theta=1e6,
+        max_position_embeddings=8192,
+    ),
+    "mixtral-8x7b": dict(
+        family="mixtral",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=14336,
+        vocab_size=32000,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+    ),
 }
 _PER_EXPERT = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # default: mlp, gate/up/down_proj
 
@@ -49,32 +101,67 @@ def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) 
     if layers:
         g["num_hidden_layers"] = layers
     base = {
-        "model_type": family, "vocab_size": g["vocab_size"], "hidden_size": g["hidden_size"],
-        "num_hidden_layers": g["num_hidden_layers"], "num_attention_heads": g["num_attention_heads"],
-        "num_key_value_heads": g["num_key_value_heads"], "num_experts_per_tok": g["num_experts_per_tok"],
-        "max_position_embeddings": g["max_position_embeddings"], "rms_norm_eps": 1e-6, "hidden_act": "silu",
-        "rope_theta": g.get("rope_theta", 10000.0), "tie_word_embeddings": False, "dtype": "bfloat16",
-        "bos_token_id": 0, "eos_token_id": 0,
+        "model_type": family,
+        "vocab_size": g["vocab_size"],
+        "hidden_size": g["hidden_size"],
+        "num_hidden_layers": g["num_hidden_layers"],
+        "num_attention_heads": g["num_attention_heads"],
+        "num_key_value_heads": g["num_key_value_heads"],
+        "num_experts_per_tok": g["num_experts_per_tok"],
+        "max_position_embeddings": g["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "rope_theta": g.get("rope_theta", 10000.0),
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
     }
     if "head_dim" in g:
         base["head_dim"] = g["head_dim"]
     if family == "qwen2_moe":
-        return {**base, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": g["num_experts"],
-                "moe_intermediate_size": g["moe_intermediate_size"], "intermediate_size": g["intermediate_size"],
-                "shared_expert_intermediate_size": g.get("shared_expert_intermediate_size", 0),
-                "norm_topk_prob": g.get("norm_topk_prob", False), "decoder_sparse_step": 1,
-                "mlp_only_layers": [], "qkv_bias": True}
+        return {
+            **base,
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "num_experts": g["num_experts"],
+            "moe_intermediate_size": g["moe_intermediate_size"],
+            "intermediate_size": g["intermediate_size"],
+            "shared_expert_intermediate_size": g.get("shared_expert_intermediate_size", 0),
+            "norm_topk_prob": g.get("norm_topk_prob", False),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "qkv_bias": True,
+        }
     if family == "qwen3_moe":
-        return {**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": g["num_experts"],
-                "moe_intermediate_size": g["moe_intermediate_size"], "intermediate_size": g["intermediate_size"],
-                "norm_topk_prob": g.get("norm_topk_prob", True), "decoder_sparse_step": 1, "mlp_only_layers": [],
-                "attention_bias": False, "head_dim": g.get("head_dim", g["hidden_size"] // g["num_attention_heads"])}
+        return {
+            **base,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": g["num_experts"],
+            "moe_intermediate_size": g["moe_intermediate_size"],
+            "intermediate_size": g["intermediate_size"],
+            "norm_topk_prob": g.get("norm_topk_prob", True),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "attention_bias": False,
+            "head_dim": g.get("head_dim", g["hidden_size"] // g["num_attention_heads"]),
+        }
     if family == "mixtral":
-        return {**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": g["num_experts"],
-                "intermediate_size": g["moe_intermediate_size"], "sliding_window": None}
+        return {
+            **base,
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": g["num_experts"],
+            "intermediate_size": g["moe_intermediate_size"],
+            "sliding_window": None,
+        }
     if family == "olmoe":
-        return {**base, "architectures": ["OlmoeForCausalLM"], "num_experts": g["num_experts"],
-                "intermediate_size": g["moe_intermediate_size"], "norm_topk_prob": False, "clip_qkv": None}
+        return {
+            **base,
+            "architectures": ["OlmoeForCausalLM"],
+            "num_experts": g["num_experts"],
+            "intermediate_size": g["moe_intermediate_size"],
+            "norm_topk_prob": False,
+            "clip_qkv": None,
+        }
     raise EdgeMoEError(f"unknown family {family!r}; supported: {', '.join(sorted(families()))}")
 
 
@@ -107,8 +194,16 @@ def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: tor
                 yield f"{layer}.experts.{e}.{down}.weight", t[e].clone()
 
 
-def make_model(out: Path, family: str, size: str, layers: int | None = None, layout: str = "per-expert",
-               seed: int = 0, dtype: str = "bfloat16", shard_bytes: int = 2 << 30) -> Path:
+def make_model(
+    out: Path,
+    family: str,
+    size: str,
+    layers: int | None = None,
+    layout: str = "per-expert",
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    shard_bytes: int = 2 << 30,
+) -> Path:
     from edgemoe.engine.engine import demo_model_path
 
     if size not in PRESETS:
@@ -131,8 +226,13 @@ def make_model(out: Path, family: str, size: str, layers: int | None = None, lay
         shutil.copy(demo / name, out / name)
     shards: list[list[str]] = []  # tensor names per shard, written as each fills (bounded memory)
     current, size_now = {}, 0
-    for name, t in tqdm(random_tensors(family, config, layout, seed, torch_dtype), desc="writing", unit="tensor",
-                        leave=False, disable=None):
+    for name, t in tqdm(
+        random_tensors(family, config, layout, seed, torch_dtype),
+        desc="writing",
+        unit="tensor",
+        leave=False,
+        disable=None,
+    ):
         current[name] = t
         size_now += t.numel() * t.element_size()
         if size_now >= shard_bytes:

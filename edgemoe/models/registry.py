@@ -35,8 +35,9 @@ def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
             raise EdgeMoEError(f"malformed {gen}: {exc}") from None
     family = families().get(hf.get("model_type"))
     if family is None:
-        raise EdgeMoEError(f"unsupported model_type {hf.get('model_type')!r} in {path}; "
-                           f"supported: {', '.join(sorted(families()))}")
+        raise EdgeMoEError(
+            f"unsupported model_type {hf.get('model_type')!r} in {path}; supported: {', '.join(sorted(families()))}"
+        )
     try:
         return family.normalise(hf), family
     except (KeyError, TypeError, ValueError) as exc:

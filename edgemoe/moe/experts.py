@@ -24,8 +24,9 @@ class Experts(nn.Module):
         return grouped_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
 
 
-def gathered_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                     w2: torch.Tensor) -> torch.Tensor:
+def gathered_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
     """One batched matmul over the (token, expert) pairs, with the pairs' weights gathered.
 
     Fixed shapes and no host synchronisation (decode, CUDA graphs); costs a copy of each chosen expert,
@@ -40,8 +41,9 @@ def gathered_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     return (out * weights[:, :, None]).sum(dim=1)
 
 
-def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor) -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
     """Pairs sorted by expert, one matmul per expert that has tokens (prefill: many tokens per expert)."""
     tokens, top_k = ids.shape
     order = ids.flatten().argsort(stable=True)  # pair indices grouped by expert

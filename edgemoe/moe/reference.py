@@ -1,13 +1,17 @@
-"""Plain-torch reference of a sparse MoE block: one token, one expert at a time. Tests only."""
+"""Plain references, tests only: a sparse MoE block (one token, one expert at a time) and the expert cache's
+`ensure` (dicts and lists), the oracles of `SparseMoE` and `ExpertCache`."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 
-def moe_reference(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                  normalize: bool) -> torch.Tensor:
+def moe_reference(
+    x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, normalize: bool
+) -> torch.Tensor:
     """x: [tokens, hidden], gate: [experts, hidden], banks as in `Experts` -> [tokens, hidden]."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -18,3 +22,54 @@ def moe_reference(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: to
             gate_h, up_h = (w13[e] @ x[t]).chunk(2)
             out[t] += (probs[e].item() / total) * (w2[e] @ (F.silu(gate_h) * up_h))
     return out
+
+
+class EnsureReference:
+    """`ExpertCache.ensure` in plain Python: same policies and tie-breaking (free slots first, then by the policy's
+    key, larger first, then the lower slot; misses take victims in expert order), same float64 arithmetic."""
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int, policy: str, alpha: float = 0.25) -> None:
+        self.L, self.E, self.S, self.policy, self.alpha = num_layers, num_experts, num_slots, policy, alpha
+        self.slot_of: dict[tuple[int, int], int] = {}
+        self.owner: list[tuple[int, int] | None] = [None] * num_slots
+        self.last_use = [0] * num_slots
+        self.usage: dict[tuple[int, int], float] = {}
+        self.clock = 0
+
+    def _key(self, s: int, layer: int) -> float:
+        if self.policy == "lru":
+            return float(self.clock - self.last_use[s])
+        owner_layer, expert = self.owner[s]
+        p = self.usage.get((owner_layer, expert), 0.0)
+        distance = (owner_layer - layer - 1) % self.L + 1
+        return (self.L * (1 / p - 1) if p else math.inf) + distance
+
+    def ensure(self, layer: int, ids: list[int]) -> dict:
+        """-> {"hits", "misses": sorted expert lists, "copies": [(expert, slot, evicted (layer, expert) | None)],
+        "slots": the slot of each id}."""
+        self.clock += 1
+        needed = sorted(set(ids))
+        hits = [e for e in needed if (layer, e) in self.slot_of]
+        misses = [e for e in needed if (layer, e) not in self.slot_of]
+        protected = {self.slot_of[layer, e] for e in hits}
+
+        def rank(s: int) -> tuple:
+            if self.owner[s] is None:
+                return (0, 0.0, s)
+            return (2, 0.0, s) if s in protected else (1, -min(self._key(s, layer), 1e300), s)
+
+        victims = sorted(range(self.S), key=rank)
+        copies = []
+        for e, s in zip(misses, victims):
+            old = self.owner[s]
+            if old is not None:
+                del self.slot_of[old]
+            self.slot_of[layer, e] = s
+            self.owner[s] = (layer, e)
+            copies.append((e, s, old))
+        for e in needed:
+            self.last_use[self.slot_of[layer, e]] = self.clock
+        for e in range(self.E):
+            used = self.alpha if e in needed else 0.0
+            self.usage[layer, e] = self.usage.get((layer, e), 0.0) * (1 - self.alpha) + used
+        return {"hits": hits, "misses": misses, "copies": copies, "slots": [self.slot_of[layer, e] for e in ids]}

@@ -1,0 +1,40 @@
+"""Host banks: routed-expert weights in host memory, one contiguous `[experts, ...]` bank per MoE layer and weight
+kind (pinned when the device is CUDA, so that copies to the GPU run at full PCIe speed and a kernel can read
+them through unified addressing). The loader fills them straight from safetensors, one checkpoint tensor at a
+time, so peak host memory stays about the model's size.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.moe.offload import OffloadedExperts
+
+
+def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def offload_experts(
+    model: MoEForCausalLM, dtype: torch.dtype, pin: bool, progress: bool = True
+) -> dict[str, torch.Tensor]:
+    """Swap every MoE layer's `Experts` (still on the meta device) for `OffloadedExperts` over new host banks.
+
+    Returns the banks by Hugging Face-style parameter name (`model.layers.N.mlp.experts.gate_up_proj`), the
+    loader's targets for them; the swapped modules hold no parameters, so `to_empty` puts nothing of theirs on
+    the device."""
+    cfg = model.config
+    targets, index = {}, 0
+    layers = [(i, layer) for i, layer in enumerate(model.model.layers) if layer.is_moe]
+    desc = "allocating pinned expert banks" if pin else "allocating expert banks"
+    for i, layer in tqdm(layers, desc=desc, unit="layer", disable=not progress or None, leave=False):
+        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        w13 = allocate_bank((E, 2 * inter, H), dtype, pin)
+        w2 = allocate_bank((E, H, inter), dtype, pin)
+        layer.mlp.experts = OffloadedExperts(index, w13, w2)
+        targets[f"model.layers.{i}.mlp.experts.gate_up_proj"] = w13
+        targets[f"model.layers.{i}.mlp.experts.down_proj"] = w2
+        index += 1
+    return targets

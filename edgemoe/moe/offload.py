@@ -1,0 +1,149 @@
+"""Offloaded routed experts: each MoE layer's experts run over the shared device slot pool of an `ExpertCache`,
+their weights coming from host banks (`edgemoe.moe.banks`) on a miss. Also sizes the cache.
+
+Decode (at most S distinct experts in a layer's step, which the minimum cache size guarantees) is one `ensure`,
+one miss copy and the same expert kernel as resident experts, all fixed-shape and sync-free. Prefill may need
+more experts than there are slots: they are made resident in waves of at most S, in expert order, and each
+pair is computed exactly as the resident path would (same functions, same order), so outputs are bitwise
+equal to resident experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgemoe.config import ExpertCacheConfig, ModelConfig
+from edgemoe.errors import EdgeMoEError
+from edgemoe.moe.expert_cache import Ensured, ExpertCache
+from edgemoe.moe.experts import gathered_experts
+
+MiB = 2**20
+
+
+class OffloadedExperts(nn.Module):
+    """Drop-in for `Experts`; the banks are plain host tensors (not parameters), so no `.to()` moves them."""
+
+    def __init__(self, layer: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+        super().__init__()
+        self.layer = layer  # index among MoE layers
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj  # [E, 2I, H], [E, H, I] on the host
+        self.num_experts = gate_up_proj.shape[0]
+        self.cache: ExpertCache | None = None  # set by attach_expert_cache
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, hidden]; ids, weights: [tokens, top_k]; the same kernel choice as `Experts.forward`
+        pairs, E, S = ids.numel(), self.num_experts, self.cache.num_slots
+        if pairs <= E and (pairs <= S or E <= S):
+            got = self._load(ids)
+            return gathered_experts(x, got.slots, weights, self.cache.w13, self.cache.w2)
+        if pairs <= E:
+            return self._gathered_waves(x, ids, weights)
+        return self._grouped_waves(x, ids, weights)
+
+    def _load(self, ids: torch.Tensor) -> Ensured:
+        got = self.cache.ensure(self.layer, ids)
+        self.cache.copy_missing(got, self.gate_up_proj, self.down_proj)
+        return got
+
+    def _waves(self, experts: list[int]) -> Iterator[tuple[list[int], list[int]]]:
+        """Make `experts` resident at most S at a time, yielding (the wave's experts, their slots); each wave is
+        used before the next may evict it (prefill: syncs)."""
+        S = self.cache.num_slots
+        for start in range(0, len(experts), S):
+            wave = experts[start : start + S]
+            got = self._load(torch.tensor(wave, device=self.cache.device)[None])
+            yield wave, got.slots[0].tolist()
+
+    def _gathered_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`gathered_experts`, wave by wave. Batched matmuls are not batch-size invariant, so every wave runs them
+        over all pairs (those of other waves read some resident slot) and keeps its own pairs' rows."""
+        tokens, top_k = ids.shape
+        flat = ids.flatten()
+        xs = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [pairs, hidden, 1]
+        out = x.new_empty(flat.numel(), x.shape[1])  # [pairs, hidden]
+        for wave, slots in self._waves(torch.unique(flat).tolist()):
+            slot_of = torch.full((self.num_experts,), slots[0], dtype=torch.long, device=x.device)
+            slot_of[wave] = torch.tensor(slots, device=x.device)
+            in_wave = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
+            in_wave[wave] = True
+            slot = slot_of[flat]  # [pairs]
+            gate, up = torch.bmm(self.cache.w13[slot], xs)[:, :, 0].chunk(2, dim=-1)
+            h = (F.silu(gate) * up)[:, :, None]
+            out = torch.where(in_wave[flat][:, None], torch.bmm(self.cache.w2[slot], h)[:, :, 0], out)
+        return (out.view(tokens, top_k, -1) * weights[:, :, None]).sum(dim=1)
+
+    def _grouped_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`grouped_experts`, the experts made resident wave by wave (same pair order, same accumulation)."""
+        top_k = ids.shape[1]
+        order = ids.flatten().argsort(stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
+        starts = [sum(counts[:e]) for e in range(self.num_experts)]
+        token_of_pair = order // top_k
+        out = torch.zeros_like(x)
+        for wave, slots in self._waves([e for e, n in enumerate(counts) if n]):
+            for expert, slot in zip(wave, slots):
+                pairs = order[starts[expert] : starts[expert] + counts[expert]]
+                tok = token_of_pair[starts[expert] : starts[expert] + counts[expert]]
+                gate, up = F.linear(x[tok], self.cache.w13[slot]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.cache.w2[slot]) * weights.flatten()[pairs, None]
+                out.index_add_(0, tok, y)
+        return out
+
+
+def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return cfg.expert_params * dtype.itemsize
+
+
+def min_cache_slots(cfg: ModelConfig, max_num_seqs: int) -> int:
+    """The most distinct experts one layer can need in one decode step."""
+    return min(cfg.num_experts, max_num_seqs * cfg.top_k)
+
+
+def cache_slots(
+    moe: ExpertCacheConfig, cfg: ModelConfig, max_num_seqs: int, dtype: torch.dtype, room: int | None
+) -> int:
+    """Slots from `moe_cache_slots`, `moe_cache_fraction` of all experts, or what `room` bytes of device memory
+    hold (one scratch slot aside); capped at all experts."""
+    total = cfg.num_experts * sum(cfg.moe_layers)
+    minimum, per = min_cache_slots(cfg, max_num_seqs), expert_bytes(cfg, dtype)
+    why = (
+        f"the minimum is {minimum} slots ({minimum * per / MiB:.1f} MiB): one decode step of a layer needs "
+        f"min(experts {cfg.num_experts}, max_num_seqs {max_num_seqs} x top_k {cfg.top_k})"
+    )
+    if moe.moe_cache_slots is not None:
+        slots = moe.moe_cache_slots
+        if slots < minimum:
+            raise EdgeMoEError(f"moe_cache_slots {slots} is too small; {why}")
+    elif moe.moe_cache_fraction is not None:
+        slots = round(moe.moe_cache_fraction * total)
+        if slots < minimum:
+            raise EdgeMoEError(f"moe_cache_fraction {moe.moe_cache_fraction} gives {slots} of {total} experts; {why}")
+    else:
+        slots = room // per - 1
+        if slots < minimum:
+            raise EdgeMoEError(
+                f"the device memory left for the expert cache ({max(room, 0) / MiB:.1f} MiB) holds "
+                f"{max(slots, 0)} experts; {why}"
+            )
+    return min(slots, total)
+
+
+def attach_expert_cache(
+    model: nn.Module, slots: int, policy: str, collect_stats: bool, device: torch.device, dtype: torch.dtype
+) -> ExpertCache:
+    """One cache and slot pool (S slots + a scratch slot) for all of `model`'s offloaded MoE layers."""
+    cfg = model.config
+    layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    cache = ExpertCache(len(layers), cfg.num_experts, slots, policy, device, expert_bytes(cfg, dtype), collect_stats)
+    cache.attach_pool(
+        torch.empty(slots + 1, 2 * inter, H, dtype=dtype, device=device),
+        torch.empty(slots + 1, H, inter, dtype=dtype, device=device),
+    )
+    for m in layers:
+        m.cache = cache
+    return cache

@@ -1,0 +1,133 @@
+"""Shared fixtures: tiny random checkpoints written by transformers' own classes (the oracle)."""
+
+from __future__ import annotations
+
+import math
+import zlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgemoe import demo_model_path
+
+VOCAB = 6144  # the demo tokenizer's vocabulary, so that text prompts work on tiny models too
+
+# id -> (family, config overrides). Shapes cover GQA/MQA/MHA, explicit head_dim, norm_topk_prob on/off,
+# shared expert on/off, dense layers between MoE layers, tied and untied embeddings.
+TINY = {
+    "qwen2-gqa-shared-dense": (
+        "qwen2_moe",
+        dict(num_key_value_heads=2, shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False),
+    ),
+    "qwen2-mqa-tied-step2": (
+        "qwen2_moe",
+        dict(
+            num_key_value_heads=1,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=2,
+            num_hidden_layers=4,
+            norm_topk_prob=True,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2-no-shared": ("qwen2_moe", dict(num_key_value_heads=2, shared_expert_intermediate_size=0)),
+    "qwen3-head-dim": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=32, norm_topk_prob=True, mlp_only_layers=[0])),
+    "qwen3-mqa-tied": ("qwen3_moe", dict(num_key_value_heads=1, norm_topk_prob=False, tie_word_embeddings=True)),
+    "mixtral-gqa": ("mixtral", dict(num_key_value_heads=2)),
+    "olmoe-mha-clip": ("olmoe", dict(num_key_value_heads=4, clip_qkv=4.0)),
+}
+
+
+def hf_model(family: str, **overrides):
+    """A transformers model of `family` with small shapes and weights scaled so outputs are not flat."""
+    import transformers
+
+    cls = {"qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "olmoe": "Olmoe"}[family]
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if family in ("qwen2_moe", "qwen3_moe"):
+        base.update(num_experts=8, moe_intermediate_size=32)
+    elif family == "mixtral":
+        base.update(num_local_experts=8, intermediate_size=32)
+    else:
+        base.update(num_experts=8, intermediate_size=32)
+    base.update(overrides)
+    config = getattr(transformers, f"{cls}Config")(**base)
+    torch.manual_seed(zlib.crc32(repr(sorted(overrides.items())).encode()))  # stable across processes
+    model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name:  # small: otherwise tied models just echo their input token
+                p.copy_(0.1 * torch.randn_like(p))
+            elif p.numel():
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    return model
+
+
+def save_checkpoint(model, folder: Path, layout: str) -> Path:
+    """per-expert: transformers' save_pretrained (Hub layout); fused: the raw state dict (transformers >= 5)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if layout == "per-expert":
+        model.save_pretrained(folder)
+    else:
+        model.config.save_pretrained(folder)
+        state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_path() / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: (case id, layout) -> (folder, transformers model); built once per session."""
+    cache: dict = {}
+
+    def get(case: str, layout: str):
+        if (case, layout) not in cache:
+            family, overrides = TINY[case]
+            model = hf_model(family, **overrides)
+            folder = save_checkpoint(model, tmp_path_factory.mktemp(f"{case}-{layout}"), layout)
+            cache[case, layout] = (folder, model)
+        return cache[case, layout]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def demo_llm():
+    from edgemoe import LLM
+
+    return LLM(progress=False)
+
+
+@pytest.fixture(scope="session")
+def demo_hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model_path(), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(demo_model_path())

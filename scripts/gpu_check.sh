@@ -8,7 +8,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 rc=0
-GPU_REPORT="$out/bf16_report.json" python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | grep -v -i warn | tail -60 | tee "$out/gpu_tests.log"
+GPU_REPORT="$out/bf16_report.json" python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tail -80 | tee "$out/gpu_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 for dtype in bfloat16 float32; do
   python3 benchmarks/decode_speed.py --device cuda --dtype "$dtype" --json "$out/decode_$dtype.json" || rc=1

@@ -43,8 +43,13 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False)
     decode_rate(llm, 1, 8)  # warm-up
     rows = {f"batch{b}": round(decode_rate(llm, b, args.tokens), 1) for b in (1, 4)}
-    result = {"model": args.model or "demo", "device": args.device, "dtype": str(llm.engine.dtype),
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "decode_tok_s": rows}
+    result = {
+        "model": args.model or "demo",
+        "device": args.device,
+        "dtype": str(llm.engine.dtype),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "decode_tok_s": rows,
+    }
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import zlib
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest

@@ -1,0 +1,366 @@
+"""The HTTP app: OpenAI routes over the engine loop, an API-key guard, and error handlers that turn every
+malformed request into a 4xx OpenAI error body (`{"error": {"message", "type", "param", "code"}}`).
+
+Bodies are read and parsed here rather than by FastAPI so that each failure has its own status: 415 for
+a wrong content type, 413 for an oversized body (checked while reading, not after), 400 for bad JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from edgemoe.engine.engine import LLMEngine
+from edgemoe.errors import EdgeMoEError
+from edgemoe.sampling_params import SamplingParams
+from edgemoe.server.engine_loop import EngineLoop, RequestHandle
+from edgemoe.server.metrics import CONTENT_TYPE, Metrics
+from edgemoe.server.protocol import (
+    DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    ResponseBuilder,
+    error_body,
+    parse_request,
+    sse,
+    usage,
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str  # what /v1/models lists and requests must name
+    model_aliases: frozenset[str] = frozenset()  # other names accepted in requests (the --model path)
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+
+
+@dataclass
+class _State:
+    engine_loop: EngineLoop
+    config: ServerConfig
+    names: set[str]
+    # Tokenizing (chat template, long prompts) runs off the event loop. An own pool rather than Starlette's,
+    # whose idle non-daemon worker threads hold up the process exit for seconds.
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "edgemoe-tokenize"))
+
+
+def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) -> FastAPI:
+    state = _State(engine_loop, config, {config.model_id, *config.model_aliases})
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="edgemoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    _add_error_handlers(app, metrics)
+    app.add_middleware(_ApiKeyGuard, api_key=config.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine_loop.ready:
+            return JSONResponse({"status": "ok"})
+        status = "stopping" if engine_loop.engine is not None else "loading"
+        return JSONResponse(error_body(f"the server is {status}", "server_error", code=status), status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(config.model_id)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        _check_model(model, state.names)
+        return _model_card(config.model_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(request, True, state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _complete(request, False, state)
+
+    return app
+
+
+def _model_card(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "edgemoe"}
+
+
+def _check_model(model: str | None, names: set[str]) -> None:
+    if model is not None and model not in names:
+        raise RequestError(
+            404,
+            f"the model {model!r} does not exist; this server serves {sorted(names)[0]!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def _complete(request: Request, chat: bool, state: _State) -> Response:
+    engine_loop = state.engine_loop
+    body = await _read_json(request, state.config.max_body_bytes)
+    req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+    _check_model(req.model, state.names)
+    engine = engine_loop.engine
+    if engine is None:
+        raise RequestError(
+            503, "the model is still loading", code="unavailable", type="server_error", headers={"Retry-After": "1"}
+        )
+    prompt_ids = await asyncio.get_running_loop().run_in_executor(state.pool, _tokenize, engine, req)
+    handle = RequestHandle(prompt_ids, _sampling_params(req, len(prompt_ids), engine.max_model_len))
+    engine_loop.submit(handle)
+    try:
+        await handle.accepted  # the engine's own checks (KV room) fail here, before any byte is sent
+    except asyncio.CancelledError:
+        engine_loop.abort(handle)
+        raise
+    builder = ResponseBuilder(chat, state.config.model_id, req.include_usage)
+    if req.stream:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(_stream(handle, builder, engine_loop), media_type="text/event-stream", headers=headers)
+    return JSONResponse(await _collect(request, handle, builder, engine_loop))
+
+
+async def _read_json(request: Request, limit: int) -> object:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise RequestError(
+            415, f"Content-Type must be application/json, got {media or 'none'!r}", code="unsupported_media_type"
+        )
+    too_big = RequestError(413, f"the request body is larger than {limit} bytes", code="payload_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:  # ValueError covers bad UTF-8 and giant integers
+        message = exc.args[0] if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+        raise RequestError(400, f"the request body is not valid JSON: {message}", code="invalid_json") from None
+
+
+def _tokenize(engine: LLMEngine, req: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    """Prompt ids, checked: runs in a worker thread (templates and tokenizers are thread-safe) so that a long
+    prompt does not stall the event loop, and so that the engine thread only sees valid ids."""
+    tok = engine.tokenizer
+    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    try:
+        if isinstance(req, ChatCompletionRequest):
+            text = tok.apply_chat_template([m.for_template() for m in req.messages])
+            text.encode()  # a lone surrogate (valid JSON, invalid Unicode) would fail deep in the tokenizer
+            ids = tok.encode(text, add_special_tokens=False)
+        elif isinstance(req.prompt, str):
+            req.prompt.encode()
+            ids = tok.encode(req.prompt)
+        else:
+            ids = req.prompt
+            vocab = engine.model_config.vocab_size
+            if max(ids) >= vocab:
+                raise RequestError(400, f"token ids must be below the vocabulary size {vocab}", param, "invalid_value")
+    except EdgeMoEError as exc:
+        raise RequestError(400, str(exc), param, "invalid_value") from None
+    except UnicodeEncodeError:
+        raise RequestError(400, "the text is not valid Unicode (lone surrogate)", param, "invalid_value") from None
+    if not ids:
+        raise RequestError(400, "the prompt is empty", param, "invalid_value")
+    return ids
+
+
+def _sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, prompt_len: int, max_len: int
+) -> list[SamplingParams]:
+    """One SamplingParams per choice. Without max_tokens a request gets DEFAULT_MAX_TOKENS, or what the
+    context has left if that is less; an explicit max_tokens that does not fit is an error, not truncated."""
+    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    if prompt_len >= max_len:
+        raise RequestError(
+            400, f"the prompt has {prompt_len} tokens; the context limit is {max_len}", param, "context_length_exceeded"
+        )
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, max_len - prompt_len)
+    elif prompt_len + max_tokens > max_len:
+        name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        raise RequestError(
+            400,
+            f"the prompt ({prompt_len} tokens) plus {name} ({max_tokens}) exceeds the context "
+            f"limit of {max_len} tokens",
+            name,
+            "context_length_exceeded",
+        )
+    base = dict(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        stop=list(req.stop or ()),
+        ignore_eos=req.ignore_eos,
+    )
+    try:
+        return [SamplingParams(**base, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
+    except EdgeMoEError as exc:
+        raise RequestError(400, str(exc), code="invalid_value") from None
+
+
+async def _stream(handle: RequestHandle, builder: ResponseBuilder, engine_loop: EngineLoop):
+    """SSE body. If the client goes away, Starlette cancels this generator: `finally` aborts the sequences."""
+    try:
+        if builder.chat:
+            for i in range(len(handle.params)):
+                yield builder.chunk(i, "", role=True)
+        async for index, out in handle.outputs():
+            if out.delta or out.finish_reason:
+                yield builder.chunk(index, out.delta, out.finish_reason)
+        if builder.include_usage:
+            yield builder.usage_chunk(usage(*handle.usage()))
+    except RequestError as exc:  # the status line is gone already: the error travels as an event
+        yield sse(exc.body())
+    finally:
+        if not handle.done:
+            engine_loop.abort(handle)
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder, engine_loop: EngineLoop) -> dict:
+    """Wait for every choice, or for the client to leave (then abort: nobody will read the answer)."""
+
+    async def finish() -> None:
+        async for _ in handle.outputs():
+            pass
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.ensure_future(finish()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            task.cancel()
+        if not handle.done:
+            engine_loop.abort(handle)
+    if not work.done() or work.cancelled():
+        raise RequestError(499, "the client disconnected", code="client_disconnected")
+    work.result()  # raises the engine loop's error, if any
+    texts = [f.text for f in handle.finals]
+    return builder.response(texts, [f.finish_reason for f in handle.finals], usage(*handle.usage()))
+
+
+class _ApiKeyGuard:
+    """With an API key set, every route but /health needs `Authorization: Bearer KEY` (checked before the body
+    is read, and before routing, so unknown paths do not reveal themselves either)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.key is None or scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        body = error_body("missing or wrong API key: send the header Authorization: Bearer KEY", code="invalid_api_key")
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    def reply(status: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
+        metrics.errors.labels(str(status)).inc()
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return reply(exc.status, exc.body(), exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return reply(exc.status_code, error_body(message, code=code), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in err["loc"]) or None
+        return reply(400, error_body(f"{param}: {err['msg']}", param=param, code="invalid_value"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return reply(500, error_body("internal server error", "server_error", code="internal_error"))
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, plus: print the URL once the model is ready; on SIGINT/SIGTERM refuse new requests (503), let
+    those in flight finish for up to `grace_s`, then end the rest with an error. A second signal skips the wait."""
+
+    def __init__(
+        self, config: uvicorn.Config, engine_loop: EngineLoop, url: str, model_id: str, grace_s: float
+    ) -> None:
+        super().__init__(config)
+        self.engine_loop, self.url, self.model_id, self.grace_s = engine_loop, url, model_id, grace_s
+        self.signals = 0
+        self.announced = False
+        self.deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        # A signal handler runs between two bytecodes of the event loop thread: taking a lock here could
+        # deadlock, so it only counts, and on_tick (a coroutine on the loop, every 0.1 s) acts on it.
+        self.signals += 1
+        if self.signals > 2:
+            self.should_exit = self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self.announced and self.started and self.engine_loop.ready:
+            self.announced = True
+            print(f"edgemoe: serving {self.model_id} at {self.url}/v1 (Ctrl-C to stop)", flush=True)
+        if self.engine_loop.error:
+            self.should_exit = True
+        if self.signals:
+            self._drain()
+        return await super().on_tick(counter)
+
+    def _drain(self) -> None:
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.grace_s
+            self.engine_loop.begin_drain()
+            if self.engine_loop.live:
+                print(
+                    f"edgemoe: shutting down: finishing {self.engine_loop.live} sequences in flight "
+                    "(Ctrl-C again to stop now)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if self.signals > 1 or self.engine_loop.live == 0 or now > self.deadline:
+            self.engine_loop.stop()
+            self.should_exit = True

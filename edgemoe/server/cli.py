@@ -1,0 +1,127 @@
+"""`edgemoe serve`: flags, and the process around the app (socket, engine thread, uvicorn, shutdown).
+
+Start-up order: bind the socket (a busy port fails at once, in one line), start uvicorn and the engine
+thread together (/health answers 503 while the weights load), print the URL once the model is ready.
+Shutdown on SIGINT/SIGTERM: refuse new requests with 503, let those in flight finish for up to
+SHUTDOWN_GRACE_S, then end the rest with an error event; a second signal skips the wait.
+
+Only argparse is imported at module level: `edgemoe generate` must not pay for importing the web stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from edgemoe.errors import EdgeMoEError
+
+SHUTDOWN_GRACE_S = 30.0
+DEMO_MODEL_ID = "edgemoe-demo"
+
+
+def add_serve_parser(sub: argparse._SubParsersAction, engine_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /health, /metrics), with continuous batching. A request without max_tokens "
+        "gets up to 256 tokens (fewer if the context has less room left).",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default: 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument(
+        "--max-running",
+        type=int,
+        help="sequences decoded together (same as --max-num-seqs, which it overrides; default: 8)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="sequences that may wait for a slot; beyond that requests get 429 (default: 64)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="largest request body; larger ones get 413 (default: 4194304)",
+    )
+    engine_flags(p)
+
+
+def _check_flags(a: argparse.Namespace) -> None:
+    if not 0 <= a.port <= 65535:
+        raise EdgeMoEError(f"--port must be in 0..65535, got {a.port}")
+    if a.max_running is not None and a.max_running < 1:
+        raise EdgeMoEError(f"--max-running must be >= 1, got {a.max_running}")
+    if a.max_queue < 0:
+        raise EdgeMoEError(f"--max-queue must be >= 0, got {a.max_queue}")
+    if a.max_body_bytes < 1:
+        raise EdgeMoEError(f"--max-body-bytes must be >= 1, got {a.max_body_bytes}")
+    if a.api_key is not None and not a.api_key.strip():
+        raise EdgeMoEError("--api-key must not be empty")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise EdgeMoEError(f"cannot resolve --host {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise EdgeMoEError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
+    _check_flags(a)  # the cheap checks first, so that a typo fails at once rather than after the imports
+    if a.max_running is not None:
+        engine_kwargs["max_num_seqs"] = a.max_running
+    model = engine_kwargs.get("model")
+    if model and not Path(model).is_dir():  # the engine checks the rest, while /health says 503
+        raise EdgeMoEError(f"model path {model} does not exist or is not a folder")
+    model_id = Path(model).resolve().name if model else DEMO_MODEL_ID
+    sock = _bind(a.host, a.port)
+
+    import uvicorn
+
+    from edgemoe.llm import LLM
+    from edgemoe.server.app import GracefulServer, ServerConfig, create_app
+    from edgemoe.server.engine_loop import EngineLoop
+    from edgemoe.server.metrics import Metrics
+
+    metrics = Metrics()
+    engine_loop = EngineLoop(
+        lambda: LLM(**engine_kwargs, progress=sys.stderr.isatty()).engine,
+        engine_kwargs.get("max_num_seqs", 8),
+        a.max_queue,
+        metrics,
+    )
+    config = ServerConfig(model_id, frozenset({model} if model else ()), a.api_key, a.max_body_bytes)
+    app = create_app(engine_loop, metrics, config)
+    uv_config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    server = GracefulServer(uv_config, engine_loop, _url(sock), model_id, SHUTDOWN_GRACE_S)
+    print(f"edgemoe: loading {model or 'the demo model'} ...", file=sys.stderr, flush=True)
+    engine_loop.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine_loop.stop()
+        engine_loop.join(timeout=10)
+    if engine_loop.error:
+        raise EdgeMoEError(engine_loop.error)

@@ -1,0 +1,53 @@
+"""Prometheus metrics of one server, in their own registry (so that tests and embedders get no globals).
+
+Counts are per sequence: a request with `n` choices runs `n` sequences. The engine thread writes them
+all; prometheus-client's metrics are thread-safe, and /metrics renders them from the event loop.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# 5 ms .. 60 s: a CPU demo step is ~5 ms, a long prompt on a big offloaded model takes seconds
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+_TOKEN_LATENCY = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("edgemoe_num_requests_running", "Sequences being decoded", registry=r)
+        self.waiting = Gauge("edgemoe_num_requests_waiting", "Sequences admitted but not yet running", registry=r)
+        self.kv_usage = Gauge("edgemoe_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", registry=r)
+        self.prompt_tokens = Counter("edgemoe_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("edgemoe_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(
+            "edgemoe_sequences_finished",
+            "Sequences that ended, by finish reason "
+            "(stop, length, abort: the client left, error: the server stopped or failed)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.errors = Counter("edgemoe_request_errors", "Error responses, by HTTP status", ["status"], registry=r)
+        self.ttft = Histogram(
+            "edgemoe_time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY, registry=r
+        )
+        self.itl = Histogram(
+            "edgemoe_inter_token_latency_seconds",
+            "Time between consecutive tokens of a sequence",
+            buckets=_TOKEN_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "edgemoe_e2e_request_latency_seconds",
+            "Arrival to the last token of a sequence",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.ready = Gauge("edgemoe_ready", "1 once the model is loaded and the server accepts requests", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

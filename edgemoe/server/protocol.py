@@ -1,0 +1,258 @@
+"""The OpenAI wire format: request models (strict pydantic), response and SSE chunk builders, error bodies.
+
+Requests are validated strictly (no "1" for 1, no true for 1, no NaN) so that a client's mistake comes
+back as a 400 naming the field instead of being silently coerced. Fields we do not implement but that
+change the meaning of a request (tools, logprobs, penalties, ...) are rejected when set to anything but
+their no-op value; harmless ones (user, metadata, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_MAX_TOKENS = 256  # when a request gives none: this, or what the context has left if that is less
+
+
+def _no(v: Any) -> bool:
+    return v is None or v is False or v == 0 or v == [] or v == {} or v == "none"
+
+
+# field -> is this value a no-op we can accept without implementing the feature?
+_UNSUPPORTED = {
+    "tools": _no,
+    "tool_choice": _no,
+    "functions": _no,
+    "function_call": _no,
+    "logprobs": _no,
+    "top_logprobs": _no,
+    "logit_bias": _no,
+    "presence_penalty": _no,
+    "frequency_penalty": _no,
+    "echo": _no,
+    "suffix": lambda v: v in (None, ""),
+    "best_of": lambda v: v in (None, 1),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "audio": _no,
+    "modalities": lambda v: v in (None, ["text"]),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM extension: fixed-length outputs for benchmarks
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else v or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return stops
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _Request:
+        for name, value in (self.model_extra or {}).items():
+            ok = _UNSUPPORTED.get(name)
+            if ok is not None and not ok(value):
+                raise _FieldError(name, f"{name} is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        """OpenAI allows content as a list of parts; we take text parts and join them."""
+        if isinstance(v, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+                raise ValueError('content parts must be {"type": "text", "text": "..."} (only text is supported)')
+            return "".join(p["text"] for p in v)
+        return v
+
+    def for_template(self) -> dict:
+        # chat templates know "system"; "developer" is OpenAI's newer name for it
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        """A string or token ids; a batch is accepted only when it holds exactly one prompt."""
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            if len(v) > 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            v = v[0]
+        if isinstance(v, str) and not v:
+            raise ValueError("the prompt is empty")
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("the prompt is empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+                raise ValueError("token ids must be integers >= 0")
+        return v
+
+
+class _FieldError(ValueError):
+    """A model-level check that knows which field is at fault."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
+class RequestError(Exception):
+    """Becomes an OpenAI error response: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def parse_request(model: type[_Request], body: Any) -> _Request:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, _FieldError):
+            raise RequestError(400, cause.message, cause.param, "invalid_value") from None
+        param = ".".join(str(p) for p in err["loc"]) or None
+        message = err["msg"].removeprefix("Value error, ")
+        code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
+        raise RequestError(400, f"{param}: {message}" if param else message, param, code) from None
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+class ResponseBuilder:
+    """Builds the bodies of one request's response: one id and one timestamp for every chunk."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, texts: list[str], finish_reasons: list[str], usage: dict) -> dict:
+        if self.chat:
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
+                for i, (t, f) in enumerate(zip(texts, finish_reasons))
+            ]
+            body = self._envelope("chat.completion", choices)
+        else:
+            choices = [
+                {"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                for i, (t, f) in enumerate(zip(texts, finish_reasons))
+            ]
+            body = self._envelope("text_completion", choices)
+        body["usage"] = usage
+        return body
+
+    def chunk(self, index: int, text: str, finish_reason: str | None = None, role: bool = False) -> str:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("chat.completion.chunk", [choice])
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        if self.include_usage:  # OpenAI: with include_usage, every other chunk says usage: null
+            body["usage"] = None
+        return sse(body)
+
+    def usage_chunk(self, usage: dict) -> str:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage
+        return sse(body)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(body: dict | str) -> str:
+    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"

@@ -51,13 +51,12 @@ class Scheduler:
         for seq in candidates + admitted:
             if budget == 0:
                 break
-            n = min(seq.num_uncomputed, budget)
             room = len(seq.block_table) * self.kv.block_size - seq.num_computed + self.kv.num_free * self.kv.block_size
-            n = min(n, room)
+            if seq.status is Status.WAITING and room <= seq.num_uncomputed and self.running:
+                break  # start a request only once its whole prompt (and one token) fits beside the others
+            n = min(seq.num_uncomputed, budget, room)
             if n <= 0:
                 break
-            if seq.status is Status.WAITING and n < seq.num_uncomputed and self.running:
-                break  # do not start a request the cache cannot hold while others are mid-flight
             self._grow(seq, seq.num_computed + n)
             if seq.status is Status.WAITING:
                 self.waiting.remove(seq)

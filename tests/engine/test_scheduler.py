@@ -115,3 +115,18 @@ def test_bad_prompts(demo_llm) -> None:
         with pytest.raises(EdgeMoEError):
             demo_llm.generate([prompt] if isinstance(prompt, list) else prompt, GREEDY)
     assert not demo_llm.engine.has_unfinished()
+
+
+def test_long_prompt_starts_while_others_decode() -> None:
+    """A prompt longer than the prefill budget is chunked in beside running requests, not starved."""
+    engine = LLM(progress=False, max_num_batched_tokens=8).engine
+    first = engine.add_request("ROMEO.\n", SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    while first.num_uncomputed != 1:
+        engine.step()
+    long = engine.add_request("word " * 40, SamplingParams(max_tokens=4, temperature=0))
+    for _ in range(3):
+        engine.step()
+    assert long.num_computed > 0 and first.finish_reason is None
+    while engine.has_unfinished():
+        engine.step()
+    assert len(long.output_ids) == 4 and len(first.output_ids) == 60

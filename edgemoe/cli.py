@@ -101,7 +101,36 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--slots", type=int, required=True, help="expert slots in the pool")
     sim.add_argument("--policy", default="lru,scored,belady", help="comma-separated (default: lru,scored,belady)")
     sim.add_argument("--json", action="store_true", help='print {policy: {"hits", "misses", "hit_rate"}}')
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="offloaded decode speed against the PCIe/HBM bound (GPU)",
+        description="Offloaded decode at batch 1 on a random-weight model of a real geometry, "
+        "against the bound t >= HBM bytes / HBM bw + missed bytes / PCIe bw, measured in the same run.",
+    )
+    b.add_argument(
+        "--geometry",
+        default="qwen3-30b-a3b",
+        help="qwen3-30b-a3b (default), qwen1.5-moe-a2.7b, mixtral-8x7b; tiny, small",
+    )
+    b.add_argument("--layers", type=int, help="truncate to this many layers (quick runs)")
+    b.add_argument("--context", type=int, default=4096, help="tokens already in the KV cache (default: 4096)")
+    b.add_argument("--moe-cache-fraction", help="comma-separated fractions of all experts to cache (a sweep)")
+    b.add_argument("--vram-budget", help="size the cache from a device memory budget instead, e.g. 16GiB")
+    b.add_argument("--moe-policy", default="lru,scored", help="comma-separated policies (default: lru,scored)")
+    b.add_argument("--routing-trace", help="FILE (.npy from --record-routing) or 'synthetic' (default: the router)")
+    b.add_argument("--steps", type=int, default=64, help="timed decode steps (default: 64)")
+    b.add_argument("--warmup", type=int, default=32, help="decode steps before timing (default: 32)")
+    b.add_argument("--prefill", type=int, default=512, help="prompt tokens for the prefill timing (0: skip)")
+    b.add_argument("--mode", default="eager,graph", help="eager, graph (one CUDA graph per step) or both")
+    b.add_argument("--device", default="cuda")
+    b.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    b.add_argument("--json", type=Path, help="write the results here")
+    b.add_argument("--plot", type=Path, help="PNG of tok/s against cache size (needs matplotlib)")
 
 
 def cmd_generate(a: argparse.Namespace) -> None:
@@ -161,6 +190,12 @@ def cmd_serve(a: argparse.Namespace) -> None:
     run_serve(a, _engine_kwargs(a))
 
 
+def cmd_bench(a: argparse.Namespace) -> None:
+    from edgemoe.bench import cmd_bench as run
+
+    run(a)
+
+
 def cmd_cache_sim(a: argparse.Namespace) -> None:
     import json
 
@@ -186,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             "make-model": cmd_make_model,
             "serve": cmd_serve,
             "cache-sim": cmd_cache_sim,
+            "bench": cmd_bench,
         }
         commands[args.command](args)
     except EdgeMoEError as exc:

@@ -103,7 +103,8 @@ class LLMEngine:
 
     def _place(self, moe: ExpertCacheConfig) -> ExpertCache | None:
         """Allocate the KV cache and, when experts are offloaded, the expert cache, within `vram_budget` if set:
-        device memory = dense weights + KV + expert slots (+ one scratch slot)."""
+        device memory = dense weights + KV + expert slots (+ one scratch slot). Without a budget, an explicitly
+        sized slot pool comes first and the KV cache takes its usual share of what is left."""
         offload, cfg = moe.moe_strategy == "offload", self.model_config
         weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         budget = None if moe.vram_budget is None else parse_size(moe.vram_budget)
@@ -117,11 +118,17 @@ class LLMEngine:
         reserve = (min_cache_slots(cfg, self.config.max_num_seqs) + 1) * per_expert if offload else 0
         per_block = bytes_per_block(cfg, self.config.block_size, self.dtype)
         if budget is not None and budget - weights - reserve < per_block:
-            raise EdgeMoEError(
-                f"vram_budget {moe.vram_budget} is too small: dense weights take {weights / MiB:.1f} MiB, one KV block "
-                f"{per_block / MiB:.2f} MiB, the smallest expert cache {reserve / MiB:.1f} MiB; the minimum is "
-                f"{(weights + per_block + reserve) / MiB:.1f} MiB"
+            parts = (
+                f"{'dense ' if offload else ''}weights take {weights / MiB:.1f} MiB, one KV block {per_block / MiB:.2f}"
             )
+            parts += f" MiB, the smallest expert cache {reserve / MiB:.1f} MiB" if offload else " MiB"
+            raise EdgeMoEError(
+                f"vram_budget {moe.vram_budget} is too small: {parts}; the minimum is "
+                f"{(weights + per_block + reserve) / MiB:.1f} MiB{'' if offload else ' (or use moe_strategy offload)'}"
+            )
+        cache = None
+        if offload and budget is None:
+            cache = self._attach_cache(moe, cache_slots(moe, cfg, self.config.max_num_seqs, self.dtype, None))
         self.kv = KVCache(
             cfg,
             self._num_kv_blocks(None if budget is None else budget - weights - reserve),
@@ -135,20 +142,21 @@ class LLMEngine:
                 f"vram_budget {moe.vram_budget} is too small for kv_cache_memory {self.config.kv_cache_memory}: the "
                 f"minimum is {(weights + kv_bytes + reserve) / MiB:.1f} MiB"
             )
-        if not offload:
-            return None
-        slots = cache_slots(
-            moe, cfg, self.config.max_num_seqs, self.dtype, None if budget is None else budget - weights - kv_bytes
-        )
+        if offload and cache is None:
+            slots = cache_slots(moe, cfg, self.config.max_num_seqs, self.dtype, budget - weights - kv_bytes)
+            note = f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, KV {kv_bytes / MiB:.1f} MiB"
+            cache = self._attach_cache(moe, slots, note)
+        return cache
+
+    def _attach_cache(self, moe: ExpertCacheConfig, slots: int, note: str = "") -> ExpertCache:
+        cfg = self.model_config
         cache = attach_expert_cache(self.model, slots, moe.moe_policy, moe.moe_collect_stats, self.device, self.dtype)
-        total = cfg.num_experts * sum(cfg.moe_layers)
-        line = (
-            f"edgemoe: expert cache: {slots} of {total} experts ({100 * slots / total:.1f} %), "
-            f"{(slots + 1) * per_expert / MiB:.1f} MiB, policy {moe.moe_policy}"
+        total, size = cfg.num_experts * sum(cfg.moe_layers), (slots + 1) * expert_bytes(cfg, self.dtype)
+        print(
+            f"edgemoe: expert cache: {slots} of {total} experts ({100 * slots / total:.1f} %), {size / MiB:.1f} MiB, "
+            f"policy {moe.moe_policy}{note}",
+            file=sys.stderr,
         )
-        if budget is not None:
-            line += f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, KV {kv_bytes / MiB:.1f} MiB"
-        print(line, file=sys.stderr)
         return cache
 
     def moe_stats(self) -> dict:

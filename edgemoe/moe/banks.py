@@ -6,15 +6,30 @@ time, so peak host memory stays about the model's size.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from tqdm import tqdm
 
+from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.moe.offload import OffloadedExperts
 
 
 def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    """An uninitialised bank, page-locked in place when `pin` (cudaHostRegister, exact size: torch's pinned
+    allocator rounds each allocation up to a power of two, which would cost up to twice the experts' size)."""
+    bank = torch.empty(shape, dtype=dtype)
+    if pin and bank.numel():
+        cudart = torch.cuda.cudart()
+        ptr, size = bank.data_ptr(), bank.numel() * bank.element_size()
+        err = cudart.cudaHostRegister(ptr, size, 3)  # portable | mapped: any GPU reads it through unified addressing
+        if int(err) != 0:
+            raise EdgeMoEError(
+                f"cannot pin {size / 2**30:.2f} GiB of host memory for an expert bank (CUDA error {int(err)})"
+            )
+        weakref.finalize(bank, cudart.cudaHostUnregister, ptr)
+    return bank
 
 
 def offload_experts(

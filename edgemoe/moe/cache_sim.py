@@ -36,6 +36,32 @@ def load_trace(path: str | Path) -> np.ndarray:
     return trace.astype(np.int64)
 
 
+def synthetic_trace(
+    steps: int, layers: int, experts: int, top_k: int, skew: float = 1.0, repeat: float = 0.3, seed: int = 0
+) -> np.ndarray:
+    """A skewed routing trace, int32 [steps, layers, top_k], for benchmarks on random weights (which route
+    almost uniformly). Per layer, expert popularity follows Zipf(`skew`) over a random permutation of the
+    experts; each of a token's k picks repeats one of the layer's previous-step experts with probability
+    `repeat` (temporal locality, as real routers show), else is drawn by popularity; picks are distinct."""
+    rng = np.random.default_rng(seed)
+    popularity = 1.0 / np.arange(1, experts + 1) ** skew
+    popularity /= popularity.sum()
+    ranks = [rng.permutation(experts) for _ in range(layers)]  # rank -> expert, per layer
+    trace = np.zeros((steps, layers, top_k), dtype=np.int32)
+    for s in range(steps):
+        for layer in range(layers):
+            picks: list[int] = []
+            while len(picks) < top_k:
+                if s and rng.random() < repeat:
+                    e = int(rng.choice(trace[s - 1, layer]))
+                else:
+                    e = int(ranks[layer][rng.choice(experts, p=popularity)])
+                if e not in picks:
+                    picks.append(e)
+            trace[s, layer] = picks
+    return trace
+
+
 def min_slots(trace: np.ndarray) -> int:
     """The most distinct experts of one layer-step: fewer slots cannot serve the trace."""
     if not trace.size:
@@ -51,7 +77,7 @@ def simulate(trace: np.ndarray, slots: int, policy: str, progress: bool = False)
     else:
         steps, layers, _ = trace.shape
         cache = ExpertCache(layers, int(trace.max(initial=0)) + 1, slots, policy, "cpu", collect_stats=True)
-        ids = torch.from_numpy(trace)
+        ids = torch.from_numpy(trace.astype(np.int64))
         with torch.inference_mode():
             for s in tqdm(range(steps), desc=policy, unit="step", disable=not progress or None, leave=False):
                 for layer in range(layers):

@@ -49,30 +49,45 @@ class LRU(EvictionPolicy):
 
 
 class Scored(EvictionPolicy):
-    """Evict the slot whose expected next use is furthest away.
+    """Evict the slot whose expected next use is furthest away, in layer-steps.
 
-    `usage[l, e]`, an exponential moving average (weight ALPHA on the newest) of "layer l's step used e", is a
-    recency-weighted frequency: the chance e is used at l's next step. Layer l runs again in
-    d = (l - current - 1) mod L + 1 layer-steps (the layer that just ran: L), so with chance p per visit the
-    expected next use is d + L * (1/p - 1) layer-steps away; that is the key.
+    Per (layer, expert): `freq`, an exponential moving average of "used at this layer's step" (frequency, weight
+    FREQ on the newest visit), and `last`, used at the layer's latest step (recency). Per layer: `reuse`, the
+    moving average (weight REUSE) of how much more often the latest step's experts are used again than their
+    frequency predicts, rho = max(0, (u - f) / (1 - f)) (u: share reused, f: their mean freq). The chance of use
+    at the layer's next step is p = rho * last + (1 - rho) * freq. Layer l runs again in
+    d = (l - current - 1) mod L + 1 layer-steps (the layer that just ran: L), so the expected next use is
+    d + L * (1/p - 1) layer-steps away: that is the key. Measured against LRU and Belady in benchmarks/RESULTS.md.
     """
 
-    ALPHA = 0.25
+    FREQ = 0.03
+    REUSE = 0.05
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, device: torch.device | str) -> None:
         super().__init__(num_layers, num_experts, num_slots, device)
-        self.usage = torch.zeros(num_layers * num_experts + 1, dtype=torch.float64, device=device)
+        self.freq = torch.zeros(num_layers * num_experts + 1, dtype=torch.float64, device=device)
+        self.last = torch.zeros_like(self.freq)  # 1.0 where used at the layer's latest step
+        self.reuse = torch.zeros(num_layers, dtype=torch.float64, device=device)
 
     def keys(self, owner: torch.Tensor, clock: torch.Tensor, layer: int) -> torch.Tensor:
         L = self.num_layers
         owner = owner.clamp_min(0)  # free slots: any value, the cache ranks them first anyway
-        distance = (owner // self.num_experts - layer - 1) % L + 1
-        return L * (1 / self.usage[owner] - 1) + distance
+        owner_layer = owner // self.num_experts
+        rho = self.reuse[owner_layer]
+        p = rho * self.last[owner] + (1 - rho) * self.freq[owner]
+        return L * (1 / p - 1) + ((owner_layer - layer - 1) % L + 1)
 
     def update(self, layer: int, needed: torch.Tensor, slots: torch.Tensor, clock: torch.Tensor) -> None:
         E = self.num_experts
-        row = self.usage[layer * E : (layer + 1) * E]
-        row.mul_(1 - self.ALPHA).add_(needed.double() * self.ALPHA)
+        used = needed.double()
+        last, freq = self.last[layer * E : (layer + 1) * E], self.freq[layer * E : (layer + 1) * E]
+        seen = last.sum().clamp_min(1)  # counts: exact in float64
+        reused = (used * last).sum() / seen
+        chance = (last * freq).cumsum(0)[-1] / seen  # cumsum: a sequential sum, as the reference's
+        rho = ((reused - chance) / (1 - chance).clamp_min(1e-12)).clamp_min(0)
+        self.reuse[layer : layer + 1].mul_(1 - self.REUSE).add_(rho * self.REUSE)
+        freq.mul_(1 - self.FREQ).add_(used * self.FREQ)
+        last.copy_(used)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRU, "scored": Scored}
@@ -160,14 +175,16 @@ class ExpertCache:
         return Ensured(row[flat].view(ids.shape), src, dst, count)
 
     def copy_missing(self, copy: Ensured, w13_bank: torch.Tensor, w2_bank: torch.Tensor) -> None:
-        """Plain-torch miss copy: every copy-list row, bank -> pool (padded rows land in the scratch slot).
+        """Copy the listed experts' rows, bank -> pool. CUDA: the Triton kernel (sync-free, graph-capturable; the
+        banks must be pinned); CPU: `copy_rows_reference`."""
+        if self.w13.is_cuda:
+            from edgemoe.kernels.miss_copy import copy_rows
 
-        Used on the CPU, and as the oracle of the CUDA kernel; on CUDA it reads the copy list on the host."""
-        src, dst = copy.src, copy.dst
-        if w13_bank.device != self.w13.device:
-            src = src.to(w13_bank.device)
-        self.w13.index_copy_(0, dst, w13_bank[src].to(self.w13.device, non_blocking=True))
-        self.w2.index_copy_(0, dst, w2_bank[src].to(self.w2.device, non_blocking=True))
+            copy_rows(self.w13, w13_bank, copy.src, copy.dst, copy.count)
+            copy_rows(self.w2, w2_bank, copy.src, copy.dst, copy.count)
+        else:
+            copy_rows_reference(self.w13, w13_bank, copy.src, copy.dst)
+            copy_rows_reference(self.w2, w2_bank, copy.src, copy.dst)
 
     def stats_dict(self, layer_ids: list[int] | None = None) -> dict:
         """Per-layer counters (`layer`: the decoder layer index when `layer_ids` maps MoE layers to them)."""
@@ -177,3 +194,10 @@ class ExpertCache:
         total = {f: sum(r[j] for r in rows) for j, f in enumerate(STAT_FIELDS)}
         total["hit_rate"] = total["hits"] / total["accesses"] if total["accesses"] else 0.0
         return {"slots": self.num_slots, "policy": self.policy_name, "layers": per_layer, "total": total}
+
+
+def copy_rows_reference(pool: torch.Tensor, bank: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Plain-torch miss copy: pool[dst] = bank[src] for every copy-list entry (padded ones land in the scratch
+    slot), so no host-side length is needed. The CPU path, and the CUDA kernel's oracle (there it reads the copy
+    list on the host)."""
+    pool.index_copy_(0, dst, bank[src.to(bank.device)].to(pool.device, non_blocking=True))

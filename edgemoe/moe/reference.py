@@ -28,21 +28,43 @@ class EnsureReference:
     """`ExpertCache.ensure` in plain Python: same policies and tie-breaking (free slots first, then by the policy's
     key, larger first, then the lower slot; misses take victims in expert order), same float64 arithmetic."""
 
-    def __init__(self, num_layers: int, num_experts: int, num_slots: int, policy: str, alpha: float = 0.25) -> None:
-        self.L, self.E, self.S, self.policy, self.alpha = num_layers, num_experts, num_slots, policy, alpha
+    def __init__(
+        self, num_layers: int, num_experts: int, num_slots: int, policy: str, freq_weight: float, reuse_weight: float
+    ) -> None:
+        self.L, self.E, self.S, self.policy = num_layers, num_experts, num_slots, policy
+        self.freq_weight, self.reuse_weight = freq_weight, reuse_weight
         self.slot_of: dict[tuple[int, int], int] = {}
         self.owner: list[tuple[int, int] | None] = [None] * num_slots
         self.last_use = [0] * num_slots
-        self.usage: dict[tuple[int, int], float] = {}
+        self.freq: dict[tuple[int, int], float] = {}
+        self.last: dict[tuple[int, int], float] = {}
+        self.reuse = [0.0] * num_layers
         self.clock = 0
 
     def _key(self, s: int, layer: int) -> float:
         if self.policy == "lru":
             return float(self.clock - self.last_use[s])
         owner_layer, expert = self.owner[s]
-        p = self.usage.get((owner_layer, expert), 0.0)
+        rho = self.reuse[owner_layer]
+        p = rho * self.last.get((owner_layer, expert), 0.0) + (1 - rho) * self.freq.get((owner_layer, expert), 0.0)
         distance = (owner_layer - layer - 1) % self.L + 1
         return (self.L * (1 / p - 1) if p else math.inf) + distance
+
+    def _update_scored(self, layer: int, needed: list[int]) -> None:
+        last = [self.last.get((layer, e), 0.0) for e in range(self.E)]
+        freq = [self.freq.get((layer, e), 0.0) for e in range(self.E)]
+        seen = max(sum(last), 1.0)
+        reused = sum(last[e] for e in needed) / seen
+        acc = 0.0
+        for e in range(self.E):
+            acc += last[e] * freq[e]
+        chance = acc / seen
+        rho = max((reused - chance) / max(1 - chance, 1e-12), 0.0)
+        self.reuse[layer] = self.reuse[layer] * (1 - self.reuse_weight) + rho * self.reuse_weight
+        for e in range(self.E):
+            used = 1.0 if e in needed else 0.0
+            self.freq[layer, e] = freq[e] * (1 - self.freq_weight) + used * self.freq_weight
+            self.last[layer, e] = used
 
     def ensure(self, layer: int, ids: list[int]) -> dict:
         """-> {"hits", "misses": sorted expert lists, "copies": [(expert, slot, evicted (layer, expert) | None)],
@@ -69,7 +91,5 @@ class EnsureReference:
             copies.append((e, s, old))
         for e in needed:
             self.last_use[self.slot_of[layer, e]] = self.clock
-        for e in range(self.E):
-            used = self.alpha if e in needed else 0.0
-            self.usage[layer, e] = self.usage.get((layer, e), 0.0) * (1 - self.alpha) + used
+        self._update_scored(layer, needed)
         return {"hits": hits, "misses": misses, "copies": copies, "slots": [self.slot_of[layer, e] for e in ids]}

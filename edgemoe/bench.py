@@ -1,0 +1,349 @@
+"""`edgemoe bench`: offloaded decode at batch 1 on a synthetic model of a real geometry (random weights, built in
+memory), measured against the bound of docs (SYSTEM.md) in the same run:
+
+    t_step >= bytes_read_from_HBM / HBM_bw + bytes_missed / PCIe_bw
+
+HBM bandwidth is a device-to-device copy (bytes read + written), PCIe a pinned host-to-device copy of expert-sized
+rows. Random weights route almost uniformly, so `--routing-trace` can drive the cache instead: a recorded trace
+(`--record-routing`, .npy [steps, layers, top_k]) or `synthetic` (`edgemoe.moe.cache_sim.synthetic_trace`: per
+layer Zipf(1.0) popularity, each pick repeating a previous-step expert with probability 0.3). Decode runs eager
+and, where it captures, as one CUDA graph per step (the same step, replayed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgemoe.config import ExpertCacheConfig, parse_size
+from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.engine.kv_cache import KVCache
+from edgemoe.errors import EdgeMoEError
+from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.models.random_checkpoint import PRESETS, hf_config
+from edgemoe.models.registry import families
+from edgemoe.moe.banks import offload_experts
+from edgemoe.moe.cache_sim import load_trace, synthetic_trace
+from edgemoe.moe.offload import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
+
+GEOMETRIES = list(PRESETS)  # real ones fix their family; tiny and small are qwen2_moe (smoke runs)
+
+
+def build_model(geometry: str, layers: int | None, device: torch.device, dtype: torch.dtype) -> MoEForCausalLM:
+    """A random-weight model with offloaded experts: dense weights on `device`, banks in (pinned) host memory."""
+    preset = dict(PRESETS[geometry])
+    family = preset.pop("family", "qwen2_moe")
+    cfg = families()[family].normalise(hf_config(family, preset, preset["vocab_size"] or 6144, layers))
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg).to(dtype)
+    banks = offload_experts(model, dtype, pin=device.type == "cuda")
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0, 1 / math.sqrt(p.shape[-1] if "embed_tokens" not in name else 1), generator=gen)
+        # banks: a few random experts tiled (filling 60 GB with fresh random numbers would dominate the run)
+        cpu = torch.Generator().manual_seed(0)
+        for bank in banks.values():
+            E, rest = bank.shape[0], bank.shape[1:]
+            tile = math.gcd(E, 4)
+            base = (torch.randn(tile, *rest, generator=cpu) / math.sqrt(rest[-1])).to(dtype)
+            bank.view(E // tile, tile, *rest).copy_(base.expand(E // tile, tile, *rest))
+    model.model.rotary.build(device)
+    return model.eval().requires_grad_(False)
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Seconds per call of `fn` (after one warm call)."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / reps
+
+
+def bandwidths(device: torch.device, row_bytes: int, rows: int = 8) -> dict:
+    """HBM: device-to-device copy (read + write bytes); PCIe: pinned host -> device copy of `rows` expert rows."""
+    if device.type != "cuda":
+        return {"hbm_bytes_per_s": None, "h2d_bytes_per_s": None}
+    n = 1 << 30
+    a, b = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    hbm = 2 * n / timed(lambda: b.copy_(a), device, 10)
+    host = torch.empty(rows * row_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=device)
+    h2d = host.numel() / timed(lambda: dev.copy_(host, non_blocking=True), device, 20)
+    return {"hbm_bytes_per_s": hbm, "h2d_bytes_per_s": h2d}
+
+
+def routing(spec: str | None, steps: int, moe_layers: int, experts: int, top_k: int) -> np.ndarray | None:
+    if spec is None:
+        return None
+    if spec == "synthetic":
+        return synthetic_trace(steps, moe_layers, experts, top_k, skew=1.0, repeat=0.3, seed=0)
+    trace = load_trace(spec)
+    if trace.shape[1] < moe_layers or trace.shape[2] != top_k or trace.max() >= experts:
+        raise EdgeMoEError(
+            f"trace {spec} has shape {list(trace.shape)} (ids < {trace.max() + 1}); the model needs "
+            f"[steps, >= {moe_layers}, {top_k}] with ids < {experts}"
+        )
+    return trace[:, :moe_layers]
+
+
+class Decoder:
+    """Batch-1 decode with static buffers: next token = argmax, positions advance on the device, and the routed ids
+    come from the trace row `step` (a device counter) when a trace is given, so a step can be graph-captured."""
+
+    def __init__(self, model: MoEForCausalLM, kv: KVCache, context: int, trace: np.ndarray | None) -> None:
+        dev = next(model.parameters()).device
+        self.model, self.device = model, dev
+        self.ids = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.full((1,), context, dtype=torch.long, device=dev)
+        self.ctx = ForwardContext(False, self.pos, self.pos + 1, torch.arange(kv.num_blocks, device=dev)[None])
+        self.step_ix = torch.zeros(1, dtype=torch.long, device=dev)
+        self.trace = None if trace is None else torch.from_numpy(trace.astype(np.int64)).to(dev)
+        self.hooks = []
+        if self.trace is not None:
+            for m in model.modules():
+                if isinstance(m, OffloadedExperts):
+                    self.hooks.append(m.register_forward_pre_hook(self._route))
+
+    def _route(self, module: OffloadedExperts, args: tuple) -> tuple:
+        x, ids, weights = args
+        if ids.shape[0] != 1:
+            return args  # prefill: the router decides
+        return x, self.trace.index_select(0, self.step_ix)[0, module.layer].view(1, -1), weights
+
+    def step(self) -> None:
+        set_context(self.ctx)
+        hidden = self.model(self.ids, self.pos)
+        self.ids.copy_(self.model.logits(hidden).argmax(-1))
+        self.pos.add_(1)
+        self.ctx.context_lens.add_(1)
+        if self.trace is not None:
+            self.step_ix.add_(1).remainder_(self.trace.shape[0])
+
+    def close(self) -> None:
+        set_context(None)
+        for h in self.hooks:
+            h.remove()
+
+
+def prefill(model: MoEForCausalLM, kv: KVCache, tokens: int) -> float:
+    """Seconds for one prompt of `tokens` random ids (the router picks experts; prefill runs in waves)."""
+    dev = kv.k.device
+    ids = torch.randint(model.config.vocab_size, (tokens,), device=dev)
+    pos = torch.arange(tokens, device=dev)
+    blocks = torch.arange(-(-tokens // kv.block_size), device=dev)[None]
+    ctx = ForwardContext(True, pos, torch.tensor([tokens], device=dev), blocks, [tokens], [tokens])
+    set_context(ctx)
+    try:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(ids, pos)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+    finally:
+        set_context(None)
+
+
+def run_bench(a: argparse.Namespace) -> dict:
+    if a.geometry not in GEOMETRIES:
+        raise EdgeMoEError(f"unknown geometry {a.geometry!r}; choose from {', '.join(GEOMETRIES)}")
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EdgeMoEError("edgemoe bench --device cuda needs a CUDA GPU")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[a.dtype]
+    print(f"building {a.geometry} ({a.layers or 'all'} layers, {a.dtype}) ...", file=sys.stderr)
+    model = build_model(a.geometry, a.layers, device, dtype)
+    cfg = model.config
+    L, per_expert = sum(cfg.moe_layers), expert_bytes(cfg, dtype)
+    total_steps = a.warmup + 2 * a.steps + 2
+    kv = KVCache(cfg, -(-(max(a.context, a.prefill) + total_steps) // 16), 16, dtype, device)
+    kv.bind([layer.self_attn.attn for layer in model.model.layers])
+    dense = sum(t.numel() * t.element_size() for t in model.parameters())
+    embed = model.model.embed_tokens.weight
+    dense_read = dense - (0 if cfg.tie_word_embeddings else embed.numel() * embed.element_size())
+    kv_read = 2 * cfg.num_layers * a.context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    kv_bytes = 2 * kv.k.numel() * kv.k.element_size()
+    bw = bandwidths(device, per_expert)
+    trace = routing(a.routing_trace, total_steps, L, cfg.num_experts, cfg.top_k)
+    result = {
+        "geometry": a.geometry,
+        "layers": cfg.num_layers,
+        "dtype": a.dtype,
+        "context": a.context,
+        "expert_bytes": per_expert,
+        "experts": L * cfg.num_experts,
+        "dense_bytes": dense,
+        **bw,
+        "routing": a.routing_trace or "router",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "runs": [],
+    }
+    sizes = (
+        [("moe_cache_fraction", float(f)) for f in a.moe_cache_fraction.split(",")]
+        if a.moe_cache_fraction
+        else [("vram_budget", a.vram_budget)]
+    )
+    for key, value in sizes:
+        moe = ExpertCacheConfig(moe_strategy="offload", **{key: value})
+        room = None if a.vram_budget is None else parse_size(a.vram_budget) - dense - kv_bytes
+        slots = cache_slots(moe, cfg, 1, dtype, room)
+        for policy in a.moe_policy.split(","):
+            cache = attach_expert_cache(model, slots, policy, True, device, dtype)
+            if a.prefill and not result.get("prefill"):
+                prefill(model, kv, 16)  # warm-up: kernel compilation, allocator
+                before = int(cache.stats[:, 4].sum())
+                seconds = prefill(model, kv, a.prefill)
+                missed = int(cache.stats[:, 4].sum()) - before
+                stream = missed / bw["h2d_bytes_per_s"] if bw["h2d_bytes_per_s"] else None
+                result["prefill"] = {
+                    "tokens": a.prefill,
+                    "seconds": seconds,
+                    "tok_s": a.prefill / seconds,
+                    "bytes_missed": missed,
+                    "pcie_stream_seconds": stream,
+                    "pcie_stream_over_time": stream / seconds if stream else None,
+                }
+            for mode in a.mode.split(",") if device.type == "cuda" else ("eager",):
+                result["runs"].append(
+                    decode(model, kv, cache, trace, a, mode, slots, policy, bw, dense_read + kv_read, per_expert)
+                )
+                print(_row(result["runs"][-1]), file=sys.stderr)
+            del cache
+            model.apply(lambda m: setattr(m, "cache", None) if isinstance(m, OffloadedExperts) else None)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return result
+
+
+def decode(
+    model, kv, cache, trace, a, mode: str, slots: int, policy: str, bw: dict, fixed_read: int, per_expert: int
+) -> dict:
+    dec = Decoder(model, kv, a.context, trace)
+    run = {
+        "slots": slots,
+        "fraction": slots / (sum(model.config.moe_layers) * model.config.num_experts),
+        "policy": policy,
+        "mode": mode,
+    }
+    try:
+        with torch.inference_mode():
+            for _ in range(a.warmup):
+                dec.step()
+            fn = dec.step
+            if mode == "graph":
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    dec.step()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    dec.step()
+                fn = graph.replay
+            fn()
+            cache.stats.zero_()
+            seconds = timed(fn, dec.device, a.steps - 1)  # per step; the stats cover its warm call too
+        stats = cache.stats.sum(0).tolist()
+    except Exception as exc:  # a capture that fails is reported, not fatal
+        run["error"] = f"{type(exc).__name__}: {exc}"
+        return run
+    finally:
+        dec.close()
+    steps = a.steps  # calls since the stats were zeroed: timed()'s warm call + a.steps - 1 timed ones
+    accesses, hits, misses, _, copied = stats
+    hbm = fixed_read + accesses / steps * per_expert
+    miss_bytes = copied / steps
+    run.update(
+        tok_s=1 / seconds,
+        hit_rate=hits / accesses if accesses else 0.0,
+        misses_per_token=misses / steps,
+        miss_bytes_per_token=miss_bytes,
+        hbm_bytes_per_token=hbm,
+    )
+    if bw["hbm_bytes_per_s"]:
+        bound = hbm / bw["hbm_bytes_per_s"] + miss_bytes / bw["h2d_bytes_per_s"]
+        run.update(bound_tok_s=1 / bound, achieved_over_bound=(1 / seconds) * bound)
+    return run
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['policy']:>6} {r['slots']:>6} slots {r['mode']:>5}: {r['error']}"
+    bound = (
+        f", bound {r['bound_tok_s']:.1f} tok/s, achieved/bound {r['achieved_over_bound']:.2f}"
+        if "bound_tok_s" in r
+        else ""
+    )
+    return (
+        f"{r['policy']:>6} {r['slots']:>6} slots ({r['fraction']:.0%}) {r['mode']:>5}: {r['tok_s']:.1f} tok/s, "
+        f"hit rate {r['hit_rate']:.3f}, {r['miss_bytes_per_token'] / MiB:.1f} MiB missed/token{bound}"
+    )
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    runs = [r for r in result["runs"] if "error" not in r]
+    for policy in dict.fromkeys(r["policy"] for r in runs):
+        for mode in dict.fromkeys(r["mode"] for r in runs):
+            pts = sorted((r["fraction"], r["tok_s"]) for r in runs if r["policy"] == policy and r["mode"] == mode)
+            ax.plot(*zip(*pts), marker="o", label=f"{policy} {mode}")
+    bounds = sorted(
+        {r["fraction"]: r["bound_tok_s"] for r in runs if "bound_tok_s" in r and r["policy"] == "lru"}.items()
+    )
+    if bounds:
+        ax.plot(*zip(*bounds), "k--", label="bound (lru)")
+    ax.set(
+        xlabel="experts cached (fraction)",
+        ylabel="decode tok/s, batch 1",
+        title=f"{result['geometry']}, {result['layers']} layers, {result['context']} context",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cmd_bench(a: argparse.Namespace) -> None:
+    if (a.moe_cache_fraction is None) == (a.vram_budget is None):
+        raise EdgeMoEError("give one of --moe-cache-fraction or --vram-budget")
+    if a.steps < 2 or a.warmup < 0 or a.context < 1 or a.prefill < 0:
+        raise EdgeMoEError("--steps must be >= 2, --warmup and --prefill >= 0, --context >= 1")
+    if not set(a.mode.split(",")) <= {"eager", "graph"}:
+        raise EdgeMoEError(f"--mode {a.mode!r}: use eager, graph or eager,graph")
+    if a.dtype not in ("bfloat16", "float16", "float32"):
+        raise EdgeMoEError(f"unknown dtype {a.dtype!r}: use bfloat16, float16 or float32")
+    result = run_bench(a)
+    text = json.dumps(result, indent=1)
+    if a.json:
+        a.json.write_text(text)
+    if a.plot:
+        plot(result, a.plot)
+    print(text)

@@ -13,4 +13,7 @@ GPU_REPORT="$out/bf16_report.json" python3 -m pytest -q -s -p no:cacheprovider t
 for dtype in bfloat16 float32; do
   python3 benchmarks/decode_speed.py --device cuda --dtype "$dtype" --json "$out/decode_$dtype.json" || rc=1
 done
+python3 benchmarks/miss_copy.py --json "$out/miss_copy.json" | tail -12 || rc=1
+python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-cache-fraction 0.25,0.5 --routing-trace synthetic \
+  --json "$out/bench_qwen3_8layers.json" | tail -12 || rc=1
 exit $rc

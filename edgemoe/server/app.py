@@ -13,13 +13,12 @@ import secrets
 import sys
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -55,20 +54,11 @@ class _State:
     engine_loop: EngineLoop
     config: ServerConfig
     names: set[str]
-    # Tokenizing (chat template, long prompts) runs off the event loop. An own pool rather than Starlette's,
-    # whose idle non-daemon worker threads hold up the process exit for seconds.
-    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "edgemoe-tokenize"))
 
 
 def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) -> FastAPI:
     state = _State(engine_loop, config, {config.model_id, *config.model_aliases})
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        state.pool.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title="edgemoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="edgemoe", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, metrics)
     app.add_middleware(_ApiKeyGuard, api_key=config.api_key)
 
@@ -127,7 +117,7 @@ async def _complete(request: Request, chat: bool, state: _State) -> Response:
         raise RequestError(
             503, "the model is still loading", code="unavailable", type="server_error", headers={"Retry-After": "1"}
         )
-    prompt_ids = await asyncio.get_running_loop().run_in_executor(state.pool, _tokenize, engine, req)
+    prompt_ids = await run_in_threadpool(_tokenize, engine, req)  # a long prompt must not stall the event loop
     handle = RequestHandle(prompt_ids, _sampling_params(req, len(prompt_ids), engine.max_model_len))
     engine_loop.submit(handle)
     try:
@@ -137,8 +127,7 @@ async def _complete(request: Request, chat: bool, state: _State) -> Response:
         raise
     builder = ResponseBuilder(chat, state.config.model_id, req.include_usage)
     if req.stream:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(_stream(handle, builder, engine_loop), media_type="text/event-stream", headers=headers)
+        return _EventStream(handle, builder, engine_loop)
     return JSONResponse(await _collect(request, handle, builder, engine_loop))
 
 
@@ -228,8 +217,8 @@ def _sampling_params(
         raise RequestError(400, str(exc), code="invalid_value") from None
 
 
-async def _stream(handle: RequestHandle, builder: ResponseBuilder, engine_loop: EngineLoop):
-    """SSE body. If the client goes away, Starlette cancels this generator: `finally` aborts the sequences."""
+async def _stream(handle: RequestHandle, builder: ResponseBuilder) -> AsyncIterator[str]:
+    """The SSE body: chunks as the engine produces them, then the usage chunk if asked for, then [DONE]."""
     try:
         if builder.chat:
             for i in range(len(handle.params)):
@@ -241,10 +230,24 @@ async def _stream(handle: RequestHandle, builder: ResponseBuilder, engine_loop: 
             yield builder.usage_chunk(usage(*handle.usage()))
     except RequestError as exc:  # the status line is gone already: the error travels as an event
         yield sse(exc.body())
-    finally:
-        if not handle.done:
-            engine_loop.abort(handle)
     yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """When the client goes away, Starlette cancels the response; then the sequences are aborted. Done here
+    rather than in the body generator, whose `finally` never runs if it is cancelled before its first chunk."""
+
+    def __init__(self, handle: RequestHandle, builder: ResponseBuilder, engine_loop: EngineLoop) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(_stream(handle, builder), media_type="text/event-stream", headers=headers)
+        self.handle, self.engine_loop = handle, engine_loop
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.handle.done:
+                self.engine_loop.abort(self.handle)
 
 
 async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder, engine_loop: EngineLoop) -> dict:

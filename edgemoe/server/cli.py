@@ -51,6 +51,12 @@ def add_serve_parser(sub: argparse._SubParsersAction, engine_flags: Callable[[ar
         help="largest request body; larger ones get 413 (default: 4194304)",
     )
     engine_flags(p)
+    p.error = _one_line_error  # argparse would print the whole usage block (20 lines) above the message
+
+
+def _one_line_error(message: str) -> None:
+    print(f"edgemoe serve: error: {message} (see edgemoe serve --help)", file=sys.stderr)
+    sys.exit(2)
 
 
 def _check_flags(a: argparse.Namespace) -> None:
@@ -114,7 +120,7 @@ def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
     )
     config = ServerConfig(model_id, frozenset({model} if model else ()), a.api_key, a.max_body_bytes)
     app = create_app(engine_loop, metrics, config)
-    uv_config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    uv_config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = GracefulServer(uv_config, engine_loop, _url(sock), model_id, SHUTDOWN_GRACE_S)
     print(f"edgemoe: loading {model or 'the demo model'} ...", file=sys.stderr, flush=True)
     engine_loop.start()

@@ -116,6 +116,7 @@ class EngineLoop:
         self._live = 0  # sequences submitted and not finished, wherever they are
         self._accepting = True
         self._choices: dict[str, _Choice] = {}  # engine thread only
+        self._moe_stats_read: float | None = None  # when the hit rate was last read; None: not counted
         self._thread = threading.Thread(target=self._run, name="edgemoe-engine", daemon=True)
 
     # ------------------------------------------------------------------ event loop side
@@ -160,6 +161,7 @@ class EngineLoop:
         """Refuse new requests; those in flight carry on."""
         with self._lock:
             self._accepting = False
+        self.metrics.ready.set(0)
 
     def stop(self) -> None:
         """Refuse new requests and end those in flight with a 503 error; the thread then exits."""
@@ -183,6 +185,11 @@ class EngineLoop:
             log.exception("loading the model failed")
             self.error = f"cannot load the model: {type(exc).__name__}: {exc}"
             return
+        try:
+            self.engine.moe_stats()
+            self._moe_stats_read = 0.0  # the engine counts expert-cache hits: export the hit rate
+        except EdgeMoEError:
+            pass
         self.metrics.ready.set(1)
         self._serve()
         self.metrics.ready.set(0)
@@ -282,6 +289,7 @@ class EngineLoop:
                 del self._choices[out.request_id]
                 self._release(1)
             batches.setdefault(choice.handle, []).append((choice.index, out))
+        self._update_gauges()  # before the outputs go out: a client that got its last token sees the gauges after
         for handle, items in batches.items():
             handle.push(items)
 
@@ -301,3 +309,8 @@ class EngineLoop:
         self.metrics.waiting.set(max(0, self._live - running))
         kv = self.engine.kv
         self.metrics.kv_usage.set(1 - kv.num_free / kv.num_blocks)
+        now = time.monotonic()
+        # the counters live on the device: read them at most once a second while busy, and once more when idle
+        if self._moe_stats_read is not None and (now - self._moe_stats_read >= 1 or not running):
+            self._moe_stats_read = now
+            self.metrics.expert_cache_hit_rate().set(self.engine.moe_stats()["total"]["hit_rate"])

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in their own registry (so that tests and embedders get no globals).
 
-Counts are per sequence: a request with `n` choices runs `n` sequences. The engine thread writes them
-all; prometheus-client's metrics are thread-safe, and /metrics renders them from the event loop.
+Gauges, latencies and finish counts are per sequence (a request with `n` choices runs `n`); prompt tokens
+are per request, as `usage` reports them. The engine thread writes all but the error counter (the event
+loop's); prometheus-client's metrics are thread-safe, and /metrics renders them on the event loop.
 """
 
 from __future__ import annotations
@@ -47,7 +48,16 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self._hit_rate: Gauge | None = None
         self.ready = Gauge("edgemoe_ready", "1 once the model is loaded and the server accepts requests", registry=r)
+
+    def expert_cache_hit_rate(self) -> Gauge:
+        """Created on first use: only a server whose engine counts expert-cache hits (offload with
+        --moe-collect-stats) exports it, so that no dashboard reads a 0 that was never measured."""
+        if self._hit_rate is None:
+            doc = "Expert-cache hits / accesses since start, all MoE layers (offload with --moe-collect-stats)"
+            self._hit_rate = Gauge("edgemoe_expert_cache_hit_rate", doc, registry=self.registry)
+        return self._hit_rate
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

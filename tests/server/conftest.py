@@ -31,7 +31,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.out, self.err = folder / "stdout.txt", folder / "stderr.txt"
         cmd = [sys.executable, "-m", "edgemoe", "serve", "--port", str(self.port), *flags]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # one torch thread: the server shares 2 CI cores with this test process, and an OpenMP team that
+        # oversubscribes them spins at its barriers (seen: 5 ms decode steps turning into 1 s)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         self.health_seen: list[httpx.Response] = []

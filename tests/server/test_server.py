@@ -65,6 +65,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "any") -> d
 
 def test_health_models(server, http, client):
     assert http.get("/health").json() == {"status": "ok"}
+    assert "edgemoe_expert_cache_hit_rate" not in http.get("/metrics").text  # experts resident: nothing to count
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     # while loading, /health may only have said 503 (with an error body) before it said 200
@@ -99,6 +100,32 @@ def test_completions_stream_equals_non_stream(client):
         assert len({c.id for c in chunks}) == 1
         assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
         assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+
+
+def test_model_folder_and_characters_never_split(tmp_path):
+    """Served from a folder: the model id is the folder's name. A random-weight model (demo tokenizer) emits
+    byte-level tokens freely (the demo model never leaves ASCII): no delta ends in an incomplete byte sequence,
+    and the deltas add up to the non-streamed text of the same seed. (Whole multi-byte characters held back
+    until complete: tests/test_tokenizer.py, on the detokenizer the server streams from.)"""
+    from edgemoe.models.random_checkpoint import make_model
+
+    folder = make_model(tmp_path / "rnd-tiny", "qwen2_moe", "tiny", dtype="float32")
+    server = ServerProcess(tmp_path, "--model", str(folder))
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["rnd-tiny"]  # the folder's name
+        kw = dict(model="rnd-tiny", prompt="日本語 ü ß «très»", max_tokens=64, temperature=1.0)
+        multibyte = 0  # deltas holding non-ASCII text
+        for seed in range(4):
+            full = client.completions.create(seed=seed, **kw).choices[0].text
+            deltas = [c.choices[0].text for c in client.completions.create(seed=seed, stream=True, **kw)]
+            assert "".join(deltas) == full
+            assert not any(d.endswith("\ufffd") for d in deltas), deltas
+            multibyte += sum(not d.isascii() for d in deltas)
+        assert multibyte  # the checks above met byte-level output
+    finally:
+        server.stop()
 
 
 def test_raw_sse_framing(http):
@@ -262,9 +289,11 @@ def test_full_queue_gets_429_and_clients_leaving_free_everything(http, client):
     with httpx.Client(base_url=str(http.base_url), timeout=30) as own:
         streams = [own.stream("POST", CHAT_URL, json=body) for _ in range(capacity)]
         responses = [s.__enter__() for s in streams]
+        # keep the line iterators: a dropped one closes its response (httpx), which the server sees as a disconnect
+        lines = [r.iter_lines() for r in responses]
         try:
-            for r in responses:  # the role chunk comes once the request is admitted
-                assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
+            for r, it in zip(responses, lines):  # the role chunk comes once the request is admitted
+                assert r.status_code == 200 and next(it).startswith("data: ")
             m = metrics(http)
             assert m["edgemoe_num_requests_running"] == MAX_RUNNING
             assert m["edgemoe_num_requests_waiting"] == MAX_QUEUE
@@ -308,7 +337,9 @@ def test_metric_counts_match_what_was_sent(http, client):
 
 
 def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
-    server = ServerProcess(tmp_path, "--api-key", "s3cret", "--kv-cache-memory", "6MB")  # 52 blocks: 832 tokens
+    # experts offloaded with statistics on: /metrics then carries the expert-cache hit rate
+    flags = ("--moe-strategy", "offload", "--moe-cache-slots", "64", "--moe-collect-stats")
+    server = ServerProcess(tmp_path, "--api-key", "s3cret", "--kv-cache-memory", "6MB", *flags)  # 52 KV blocks
     try:
         server.wait_ready()
         with httpx.Client(base_url=server.url, timeout=30) as http:
@@ -322,6 +353,9 @@ def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
                 openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
             authed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0, timeout=30)
             assert authed.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3).choices
+            text = http.get("/metrics", headers={"Authorization": "Bearer s3cret"}).text
+            hit_rate = float(re.search(r"^edgemoe_expert_cache_hit_rate (\S+)$", text, re.M)[1])
+            assert 0 < hit_rate < 1
 
             # fits the context (2048) but not the KV cache: the engine refuses it, still before any SSE byte
             for stream in (False, True):
@@ -334,7 +368,7 @@ def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
                 return authed.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=max_tokens, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True})  # fmt: skip
 
-            long, short = stream(500), stream(30)
+            long, short = stream(500), stream(8)  # short: it must end within the grace even on a busy CPU
             next(long)
             first_short = next(short)
             server.proc.send_signal(signal.SIGTERM)
@@ -355,6 +389,7 @@ def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
         assert f"at {server.url}/v1" in server.out.read_text()
     finally:
         server.stop(signal.SIGKILL)
+        print(server.err.read_text())  # shown if the test fails
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

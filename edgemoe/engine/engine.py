@@ -129,9 +129,12 @@ class LLMEngine:
         cache = None
         if offload and budget is None:
             cache = self._attach_cache(moe, cache_slots(moe, cfg, self.config.max_num_seqs, self.dtype, None))
+        kv_room = None if budget is None else budget - weights - reserve
+        if offload and kv_room is not None:
+            kv_room //= 4  # KV "auto" under a budget takes at most a quarter: the rest caches experts
         self.kv = KVCache(
             cfg,
-            self._num_kv_blocks(None if budget is None else budget - weights - reserve),
+            self._num_kv_blocks(kv_room),
             self.config.block_size,
             self.dtype,
             self.device,

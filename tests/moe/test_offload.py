@@ -114,6 +114,17 @@ def test_vram_budget_sizes_the_cache(capfd) -> None:
     assert f"expert cache: {cache.num_slots} of 224 experts" in capfd.readouterr().err
 
 
+def test_vram_budget_keeps_room_for_experts() -> None:
+    """A long context must not let the KV cache eat the budget: it takes at most a quarter of the room."""
+    llm = LLM(progress=False, max_num_seqs=8, moe_strategy="offload", vram_budget="80MiB")
+    engine = llm.engine
+    weights = sum(t.numel() * t.element_size() for t in (*engine.model.parameters(), *engine.model.buffers()))
+    kv = 2 * engine.kv.k.numel() * engine.kv.k.element_size()
+    room = 80 * 2**20 - weights - 33 * 3 * 256 * 48 * 4
+    assert kv <= room // 4 + 2 * 16 * 7 * 4 * 32 * 4 * 2  # a quarter, give or take the pad block
+    assert engine.expert_cache.num_slots > 100
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

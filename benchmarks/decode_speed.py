@@ -38,15 +38,17 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     ap.add_argument("--json")
     args = ap.parse_args()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, progress=False, cuda_graphs=args.cuda_graphs)
     decode_rate(llm, 1, 8)  # warm-up
     rows = {f"batch{b}": round(decode_rate(llm, b, args.tokens), 1) for b in (1, 4)}
     result = {
         "model": args.model or "demo",
         "device": args.device,
         "dtype": str(llm.engine.dtype),
+        "cuda_graphs": llm.engine.runner.graphs is not None,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "decode_tok_s": rows,
     }

@@ -19,6 +19,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, help="context limit in tokens (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default: 8)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per step (default: 512)")
+    g.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="CUDA: decode eagerly instead of replaying one captured graph per batch size",
+    )
     g.add_argument("--kv-cache-memory", default="auto", help="KV cache size, e.g. 2GiB (default: auto)")
     m = p.add_argument_group("expert offload")
     m.add_argument("--moe-strategy", default="resident", help="resident (experts on the device) or offload")
@@ -39,6 +45,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_memory=a.kv_cache_memory,
+        cuda_graphs=a.cuda_graphs,
         moe_strategy=a.moe_strategy,
         moe_cache_slots=a.moe_cache_slots,
         moe_cache_fraction=a.moe_cache_fraction,

@@ -131,6 +131,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     seed: int = 0  # for requests that give no seed
     progress: bool = True  # progress bar while loading weights
+    cuda_graphs: bool = True  # CUDA: capture decode in one graph per batch size (1, 2, 4, ..., max_num_seqs)
     moe: ExpertCacheConfig = field(default_factory=ExpertCacheConfig)
 
 

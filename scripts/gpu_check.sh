@@ -12,6 +12,7 @@ GPU_REPORT="$out/bf16_report.json" python3 -m pytest -q -s -p no:cacheprovider t
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 for dtype in bfloat16 float32; do
   python3 benchmarks/decode_speed.py --device cuda --dtype "$dtype" --json "$out/decode_$dtype.json" || rc=1
+  python3 benchmarks/decode_speed.py --device cuda --dtype "$dtype" --no-cuda-graphs --json "$out/decode_${dtype}_eager.json" || rc=1
 done
 python3 benchmarks/miss_copy.py --json "$out/miss_copy.json" | tail -12 || rc=1
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-cache-fraction 0.25,0.5 --routing-trace synthetic \

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from edgemoe.config import EngineConfig, ExpertCacheConfig, ModelConfig, parse_size
+from edgemoe.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.engine.scheduler import Scheduler
@@ -95,6 +96,8 @@ class LLMEngine:
         self.recorder = RoutingRecorder(self.model, moe.record_routing) if moe.record_routing else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.device)
+        if self.device.type == "cuda" and config.cuda_graphs and self.recorder is None:
+            self._capture_graphs()  # (routing is recorded by Python hooks, which graph replays skip)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -150,6 +153,18 @@ class LLMEngine:
             note = f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, KV {kv_bytes / MiB:.1f} MiB"
             cache = self._attach_cache(moe, slots, note)
         return cache
+
+    def _capture_graphs(self) -> None:
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv,
+            default_batch_sizes(self.config.max_num_seqs),
+            self.scheduler.blocks_for(self.max_model_len),
+        )
+        graphs.capture()
+        if self.expert_cache is not None:
+            self.expert_cache.reset()  # capture's warm-up steps are not the user's: start empty, as eager does
+        self.runner.graphs = graphs
 
     def _attach_cache(self, moe: ExpertCacheConfig, slots: int, note: str = "") -> ExpertCache:
         cfg = self.model_config

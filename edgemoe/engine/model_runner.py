@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.engine.cuda_graphs import DecodeGraphs
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.sampler import Sampler
 from edgemoe.engine.scheduler import Batch
@@ -16,6 +17,7 @@ class ModelRunner:
     def __init__(self, model: MoEForCausalLM, kv: KVCache, device: torch.device) -> None:
         self.model, self.kv, self.device = model, kv, device
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None  # set by the engine once captured (CUDA)
         kv.bind([layer.self_attn.attn for layer in model.model.layers])
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -26,7 +28,8 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+    def host_inputs(self, batch: Batch) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Token ids, positions and KV slots of the tokens computed this step; context length per sequence."""
         bs = self.kv.block_size
         ids, positions, slots, context_lens = [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new):
@@ -36,6 +39,10 @@ class ModelRunner:
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
             context_lens.append(start + n)
+        return ids, positions, slots, context_lens
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        ids, positions, slots, context_lens = self.host_inputs(batch)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [self.kv.pad_block] * (width - len(s.block_table)) for s in batch.seqs]
         ctx = ForwardContext(
@@ -53,7 +60,10 @@ class ModelRunner:
         """Run the batch; return the indices of sequences due a token and their logits [due, vocab] (float32).
 
         A sequence is due when this step computes its last uncached token (a prefill chunk that does not
-        end its prompt is not)."""
+        end its prompt is not). Decode batches replay a captured CUDA graph when there is one of their size."""
+        if not batch.is_prefill and self.graphs is not None and self.graphs.size_for(len(batch.seqs)):
+            tables = [s.block_table for s in batch.seqs]
+            return list(range(len(batch.seqs))), self.graphs.replay(*self.host_inputs(batch), tables)
         input_ids, positions, ctx = self.prepare(batch)
         set_context(ctx)
         try:

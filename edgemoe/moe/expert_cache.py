@@ -132,6 +132,17 @@ class ExpertCache:
         assert w13.shape[0] == w2.shape[0] == self.num_slots + 1, "the pool has S slots plus one scratch slot"
         self.w13, self.w2 = w13, w2
 
+    def reset(self) -> None:
+        """Empty the cache in place: tensor addresses stay, so CUDA graphs captured over them remain valid.
+        Every policy starts from all-zero state tensors."""
+        self.slot_of.fill_(-1)
+        self.owner.fill_(-1)
+        self.clock.zero_()
+        self.stats.zero_()
+        for state in vars(self.policy).values():
+            if isinstance(state, torch.Tensor):
+                state.zero_()
+
     def slot_table(self) -> torch.Tensor:
         """[L, E] view: slot of each (layer, expert), -1 where absent."""
         return self.slot_of[:-1].view(self.num_layers, self.num_experts)

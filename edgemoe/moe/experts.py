@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgemoe.engine.context import get_context
+
 
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
@@ -18,8 +20,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, hidden]; ids, weights: [tokens, top_k]
-        if ids.numel() <= self.gate_up_proj.shape[0]:
+        # x: [tokens, hidden]; ids, weights: [tokens, top_k]. Decode always gathers: sync-free, graph-capturable
+        if ids.numel() <= self.gate_up_proj.shape[0] or not get_context().is_prefill:
             return gathered_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
         return grouped_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgemoe.config import ExpertCacheConfig, ModelConfig
+from edgemoe.engine.context import get_context
 from edgemoe.errors import EdgeMoEError
 from edgemoe.moe.expert_cache import Ensured, ExpertCache
 from edgemoe.moe.experts import gathered_experts
@@ -37,7 +38,8 @@ class OffloadedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]; the same kernel choice as `Experts.forward`
         pairs, E, S = ids.numel(), self.num_experts, self.cache.num_slots
-        if pairs <= E and (pairs <= S or E <= S):
+        gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
+        if gathered and (pairs <= S or E <= S):
             got = self._load(ids)
             return gathered_experts(x, got.slots, weights, self.cache.w13, self.cache.w2)
         if pairs <= E:

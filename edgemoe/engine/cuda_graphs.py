@@ -1,0 +1,90 @@
+"""Decode CUDA graphs: one graph per batch size, replayed with static input and output buffers.
+
+A decode batch of n sequences runs the graph of the smallest captured size b >= n; rows n..b-1 are padding:
+token 0 at position 0, writing its K/V into the KV cache's pad block, attending to that block alone. Block
+tables are padded to the longest context the engine allows, so shapes never change between replays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.engine.kv_cache import KVCache
+from edgemoe.models.decoder import MoEForCausalLM
+
+
+def default_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... below max_num_seqs, and max_num_seqs itself."""
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, model: MoEForCausalLM, kv: KVCache, sizes: list[int], max_blocks: int) -> None:
+        self.model, self.kv, self.sizes, self.max_blocks = model, kv, sorted(set(sizes)), max_blocks
+        device, b = kv.k.device, max(sizes)
+        self.pad_slot = kv.pad_block * kv.block_size
+        self.input_ids = torch.zeros(b, dtype=torch.long, device=device)
+        self.positions = torch.zeros(b, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((b,), self.pad_slot, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(b, dtype=torch.long, device=device)
+        self.block_tables = torch.full((b, max_blocks), kv.pad_block, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def _forward(self, b: int) -> torch.Tensor:
+        ctx = ForwardContext(False, self.slot_mapping[:b], self.context_lens[:b], self.block_tables[:b])
+        set_context(ctx)
+        try:
+            return self.model.logits(self.model(self.input_ids[:b], self.positions[:b]))
+        finally:
+            set_context(None)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest size first, all graphs sharing one memory pool. Each size runs once eagerly first (warm-up:
+        kernels compiled, expert cache filled), so captured work finds the same state a replay will."""
+        pool = None
+        for b in reversed(self.sizes):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(b)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[b] = self._forward(b)
+            pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+
+    def size_for(self, n: int) -> int | None:
+        return next((b for b in self.sizes if b >= n), None)
+
+    def replay(
+        self, ids: list[int], positions: list[int], slots: list[int], context_lens: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
+        """Fill the static inputs (padding rows past len(ids)), replay, return logits [len(ids), vocab]."""
+        n, b = len(ids), self.size_for(len(ids))
+        width = self.max_blocks
+        rows = [t + [self.kv.pad_block] * (width - len(t)) for t in tables]
+        pad = b - n
+        host = torch.tensor(
+            [
+                [*ids, *[0] * pad],
+                [*positions, *[0] * pad],
+                [*slots, *[self.pad_slot] * pad],
+                [*context_lens, *[1] * pad],
+            ],
+            dtype=torch.long,
+        ).pin_memory()
+        table = torch.tensor(rows + [[self.kv.pad_block] * width] * pad, dtype=torch.long).pin_memory()
+        for dst, src in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens), host):
+            dst[:b].copy_(src, non_blocking=True)
+        self.block_tables[:b].copy_(table, non_blocking=True)
+        self.graphs[b].replay()
+        return self.logits[b][:n]

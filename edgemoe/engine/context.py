@@ -19,6 +19,8 @@ class ForwardContext:
     # prefill only (host lists: prefill may synchronise freely)
     query_lens: list[int] | None = None  # new tokens per sequence
     context_lens_host: list[int] | None = None
+    # CUDA-graph decode only: [seqs] False on padding rows (their experts are not fetched or counted)
+    valid: torch.Tensor | None = None
 
 
 _CONTEXT: ForwardContext | None = None

@@ -1,7 +1,8 @@
 """Decode CUDA graphs: one graph per batch size, replayed with static input and output buffers.
 
 A decode batch of n sequences runs the graph of the smallest captured size b >= n; rows n..b-1 are padding:
-token 0 at position 0, writing its K/V into the KV cache's pad block, attending to that block alone. Block
+token 0 at position 0, writing its K/V into the KV cache's pad block, attending to that block alone, and
+routed to row 0's experts (so padding never fetches or counts an expert). Block
 tables are padded to the longest context the engine allows, so shapes never change between replays.
 """
 
@@ -33,11 +34,14 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((b,), self.pad_slot, dtype=torch.long, device=device)
         self.context_lens = torch.ones(b, dtype=torch.long, device=device)
         self.block_tables = torch.full((b, max_blocks), kv.pad_block, dtype=torch.long, device=device)
+        self.valid = torch.ones(b, dtype=torch.bool, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
     def _forward(self, b: int) -> torch.Tensor:
-        ctx = ForwardContext(False, self.slot_mapping[:b], self.context_lens[:b], self.block_tables[:b])
+        ctx = ForwardContext(
+            False, self.slot_mapping[:b], self.context_lens[:b], self.block_tables[:b], valid=self.valid[:b]
+        )
         set_context(ctx)
         try:
             return self.model.logits(self.model(self.input_ids[:b], self.positions[:b]))
@@ -83,8 +87,8 @@ class DecodeGraphs:
             dtype=torch.long,
         ).pin_memory()
         table = torch.tensor(rows + [[self.kv.pad_block] * width] * pad, dtype=torch.long).pin_memory()
-        for dst, src in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens), host):
-            dst[:b].copy_(src, non_blocking=True)
+        for dst, src in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.valid), host):
+            dst[:b].copy_(src, non_blocking=True)  # (the valid row converts long -> bool)
         self.block_tables[:b].copy_(table, non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n]

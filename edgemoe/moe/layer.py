@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from edgemoe.config import ModelConfig
+from edgemoe.engine.context import get_context
 from edgemoe.layers.mlp import GatedMLP
 from edgemoe.moe.experts import Experts
 from edgemoe.moe.router import route
@@ -25,6 +26,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]
         ids, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        valid = get_context().valid
+        if valid is not None:  # padding rows reuse row 0's experts: no extra fetches, no extra counts
+            ids = torch.where(valid[:, None], ids, ids[:1])
         out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

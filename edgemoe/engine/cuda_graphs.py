@@ -83,11 +83,15 @@ class DecodeGraphs:
                 [*positions, *[0] * pad],
                 [*slots, *[self.pad_slot] * pad],
                 [*context_lens, *[1] * pad],
+                [*[1] * n, *[0] * pad],  # valid rows
             ],
             dtype=torch.long,
-        ).pin_memory()
-        table = torch.tensor(rows + [[self.kv.pad_block] * width] * pad, dtype=torch.long).pin_memory()
-        for dst, src in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.valid), host):
+        )
+        table = torch.tensor(rows + [[self.kv.pad_block] * width] * pad, dtype=torch.long)
+        if self.input_ids.is_cuda:  # pinned staging: the copies below do not wait for the host
+            host, table = host.pin_memory(), table.pin_memory()
+        statics = (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.valid)
+        for dst, src in zip(statics, host, strict=True):
             dst[:b].copy_(src, non_blocking=True)  # (the valid row converts long -> bool)
         self.block_tables[:b].copy_(table, non_blocking=True)
         self.graphs[b].replay()

@@ -17,20 +17,14 @@ from pathlib import Path
 
 import torch
 
+from edgemoe.bench import timed
 from edgemoe.kernels.miss_copy import BLOCK, copy_rows
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.banks import allocate_bank
 
 
 def seconds(fn, reps: int = 20) -> float:
-    fn()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3 / reps
+    return timed(fn, torch.device("cuda"), reps)
 
 
 def measure(experts: int, row_shape: tuple[int, int], rows: int, slots: int = 64) -> dict:

@@ -49,9 +49,11 @@ def test_demo_float32_cuda_matches_transformers(demo_hf) -> None:
     hf.to("cpu")
 
 
-def test_decode_steps_do_not_synchronise() -> None:
-    """Only reading the sampled ids may wait for the GPU (torch raises on any other sync)."""
-    llm = LLM(device="cuda", dtype="bfloat16", progress=False)
+@pytest.mark.parametrize("graphs", [True, False])
+def test_decode_steps_do_not_synchronise(graphs: bool) -> None:
+    """Only reading the sampled ids may wait for the GPU (torch raises on any other sync), replayed or eager."""
+    llm = LLM(device="cuda", dtype="bfloat16", progress=False, cuda_graphs=graphs)
+    assert (llm.engine.runner.graphs is not None) == graphs
     engine = llm.engine
     for p in DEMO_PROMPTS:
         engine.add_request(p, SamplingParams(max_tokens=20, temperature=0.7, seed=1, top_p=0.9, top_k=50))

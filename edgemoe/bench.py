@@ -8,6 +8,10 @@ rows. Random weights route almost uniformly, so `--routing-trace` can drive the 
 (`--record-routing`, .npy [steps, layers, top_k]) or `synthetic` (`edgemoe.moe.cache_sim.synthetic_trace`: per
 layer Zipf(1.0) popularity, each pick repeating a previous-step expert with probability 0.3). Decode runs eager
 and, where it captures, as one CUDA graph per step (the same step, replayed).
+
+`--shared-expert-overlap off,on` runs each configuration with the shared expert inline and on the side stream;
+`--profile N` records N replayed graph steps per graph-upload policy (`edgemoe.profiler`) and reports kernel
+counts, busy time, inter-kernel gaps per stream and the side stream's overlap with the miss copy.
 """
 
 from __future__ import annotations
@@ -24,13 +28,16 @@ import torch
 
 from edgemoe.config import ExpertCacheConfig, parse_size
 from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.engine.cuda_graphs import uploads_at_capture
 from edgemoe.engine.kv_cache import KVCache
+from edgemoe.engine.streams import side_stream, upload_graph
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.random_checkpoint import PRESETS, hf_config
 from edgemoe.models.registry import families
 from edgemoe.moe.banks import offload_experts
 from edgemoe.moe.cache_sim import load_trace, synthetic_trace
+from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.offload import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
 
 GEOMETRIES = list(PRESETS)  # real ones fix their family; tiny and small are qwen2_moe (smoke runs)
@@ -179,7 +186,8 @@ def run_bench(a: argparse.Namespace) -> dict:
     model = build_model(a.geometry, a.layers, device, dtype)
     cfg = model.config
     L, per_expert = sum(cfg.moe_layers), expert_bytes(cfg, dtype)
-    total_steps = a.warmup + 2 * a.steps + 2
+    per_run = a.warmup + a.steps + 2 + len(UPLOAD_VARIANTS) * (a.profile + 3)  # positions one decode() advances
+    total_steps = 2 * per_run
     kv = KVCache(cfg, -(-(max(a.context, a.prefill) + total_steps) // 16), 16, dtype, device)
     kv.bind([layer.self_attn.attn for layer in model.model.layers])
     dense = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -227,11 +235,13 @@ def run_bench(a: argparse.Namespace) -> dict:
                     "pcie_stream_seconds": stream,
                     "pcie_stream_over_time": stream / seconds if stream else None,
                 }
-            for mode in a.mode.split(",") if device.type == "cuda" else ("eager",):
-                result["runs"].append(
-                    decode(model, kv, cache, trace, a, mode, slots, policy, bw, dense_read + kv_read, per_expert)
-                )
-                print(_row(result["runs"][-1]), file=sys.stderr)
+            for overlap in overlaps(a, device, model):
+                if device.type == "cuda":
+                    set_shared_expert_stream(model, side_stream(device.index or 0) if overlap else None)
+                for mode in a.mode.split(",") if device.type == "cuda" else ("eager",):
+                    run = decode(model, kv, cache, trace, a, mode, slots, policy, bw, dense_read + kv_read, per_expert)
+                    result["runs"].append({**run, "shared_expert_overlap": overlap})
+                    print(_row(result["runs"][-1]), file=sys.stderr)
             del cache
             model.apply(lambda m: setattr(m, "cache", None) if isinstance(m, OffloadedExperts) else None)
             if device.type == "cuda":
@@ -239,10 +249,56 @@ def run_bench(a: argparse.Namespace) -> dict:
     return result
 
 
+def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM) -> list[bool]:
+    """The shared-expert overlap settings to run: only where there is a GPU and a shared expert."""
+    wanted = [v == "on" for v in a.shared_expert_overlap.split(",")]
+    if device.type != "cuda" or not model.config.shared_expert_intermediate_size:
+        return [False]
+    return wanted
+
+
+def capture(step, upload: str = "auto", warm_replay: bool = False) -> torch.cuda.CUDAGraph:
+    """One decode step as a CUDA graph, after an eager warm-up step on a side stream (as DecodeGraphs does)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    if uploads_at_capture(upload):
+        upload_graph(graph, torch.cuda.current_stream())
+        torch.cuda.synchronize()
+    if warm_replay:
+        graph.replay()
+        torch.cuda.synchronize()
+    return graph
+
+
+UPLOAD_VARIANTS = {"auto": ("auto", False), "capture": ("capture", False), "none": ("none", False)}
+UPLOAD_VARIANTS["none+warm-replay"] = ("none", True)
+
+
+def profile_uploads(step, steps: int) -> dict:
+    """Per upload policy (a fresh capture each), `steps` replays recorded and summarised."""
+    from edgemoe.profiler import record, summarize
+
+    out = {}
+    for name, (upload, warm) in UPLOAD_VARIANTS.items():
+        graph = capture(step, upload, warm)
+        graph.replay()  # the first launch (uploads where the policy did not)
+        out[name] = summarize(record(graph.replay, steps), steps)
+        del graph
+    return out
+
+
 def decode(
     model, kv, cache, trace, a, mode: str, slots: int, policy: str, bw: dict, fixed_read: int, per_expert: int
 ) -> dict:
     dec = Decoder(model, kv, a.context, trace)
+    if dec.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dec.device)
     run = {
         "slots": slots,
         "fraction": slots / (sum(model.config.moe_layers) * model.config.num_experts),
@@ -255,19 +311,15 @@ def decode(
                 dec.step()
             fn = dec.step
             if mode == "graph":
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    dec.step()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    dec.step()
-                fn = graph.replay
+                fn = capture(dec.step).replay
             fn()
             cache.stats.zero_()
             seconds = timed(fn, dec.device, a.steps - 1)  # per step; the stats cover its warm call too
-        stats = cache.stats.sum(0).tolist()
+            stats = cache.stats.sum(0).tolist()
+            if dec.device.type == "cuda":
+                run["peak_vram_bytes"] = torch.cuda.max_memory_allocated(dec.device)
+            if mode == "graph" and a.profile:
+                run["profile"] = profile_uploads(dec.step, a.profile)
     except Exception as exc:  # a capture that fails is reported, not fatal
         run["error"] = f"{type(exc).__name__}: {exc}"
         return run
@@ -293,13 +345,15 @@ def decode(
 def _row(r: dict) -> str:
     if "error" in r:
         return f"{r['policy']:>6} {r['slots']:>6} slots {r['mode']:>5}: {r['error']}"
+    overlap = " +overlap" if r.get("shared_expert_overlap") else ""
     bound = (
         f", bound {r['bound_tok_s']:.1f} tok/s, achieved/bound {r['achieved_over_bound']:.2f}"
         if "bound_tok_s" in r
         else ""
     )
     return (
-        f"{r['policy']:>6} {r['slots']:>6} slots ({r['fraction']:.0%}) {r['mode']:>5}: {r['tok_s']:.1f} tok/s, "
+        f"{r['policy']:>6}{overlap} {r['slots']:>6} slots ({r['fraction']:.0%}) {r['mode']:>5}: "
+        f"{r['tok_s']:.1f} tok/s, "
         f"hit rate {r['hit_rate']:.3f}, {r['miss_bytes_per_token'] / MiB:.1f} MiB missed/token{bound}"
     )
 
@@ -338,6 +392,10 @@ def cmd_bench(a: argparse.Namespace) -> None:
         raise EdgeMoEError("--steps must be >= 2, --warmup and --prefill >= 0, --context >= 1")
     if not set(a.mode.split(",")) <= {"eager", "graph"}:
         raise EdgeMoEError(f"--mode {a.mode!r}: use eager, graph or eager,graph")
+    if not set(a.shared_expert_overlap.split(",")) <= {"on", "off"}:
+        raise EdgeMoEError(f"--shared-expert-overlap {a.shared_expert_overlap!r}: use on, off or off,on")
+    if a.profile and (a.profile < 2 or "graph" not in a.mode.split(",")):
+        raise EdgeMoEError("--profile N needs N >= 2 and --mode with graph (it records replayed graph steps)")
     if a.dtype not in ("bfloat16", "float16", "float32"):
         raise EdgeMoEError(f"unknown dtype {a.dtype!r}: use bfloat16, float16 or float32")
     result = run_bench(a)

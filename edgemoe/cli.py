@@ -25,6 +25,19 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="CUDA: decode eagerly instead of replaying one captured graph per batch size",
     )
+    g.add_argument(
+        "--graph-upload",
+        default="auto",
+        help="CUDA graphs: upload each graph when captured (capture), on first replay (none), or only where a "
+        "first launch must not block (auto, the default: today the same as none)",
+    )
+    g.add_argument("--graph-warm-replay", action="store_true", help="CUDA graphs: replay each once at capture time")
+    g.add_argument(
+        "--no-shared-expert-overlap",
+        dest="shared_expert_overlap",
+        action="store_false",
+        help="CUDA: run the shared expert inline instead of on a side stream beside the routed experts",
+    )
     g.add_argument("--kv-cache-memory", default="auto", help="KV cache size, e.g. 2GiB (default: auto)")
     m = p.add_argument_group("expert offload")
     m.add_argument("--moe-strategy", default="resident", help="resident (experts on the device) or offload")
@@ -46,6 +59,9 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_memory=a.kv_cache_memory,
         cuda_graphs=a.cuda_graphs,
+        graph_upload=a.graph_upload,
+        graph_warm_replay=a.graph_warm_replay,
+        shared_expert_overlap=a.shared_expert_overlap,
         moe_strategy=a.moe_strategy,
         moe_cache_slots=a.moe_cache_slots,
         moe_cache_fraction=a.moe_cache_fraction,
@@ -134,6 +150,18 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--warmup", type=int, default=32, help="decode steps before timing (default: 32)")
     b.add_argument("--prefill", type=int, default=512, help="prompt tokens for the prefill timing (0: skip)")
     b.add_argument("--mode", default="eager,graph", help="eager, graph (one CUDA graph per step) or both")
+    b.add_argument(
+        "--shared-expert-overlap",
+        default="on",
+        help="on, off or off,on: the shared expert on a side stream beside the miss copy (default: on)",
+    )
+    b.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="record N replayed graph steps per graph-upload policy: kernels, busy time, gaps, overlap",
+    )
     b.add_argument("--device", default="cuda")
     b.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     b.add_argument("--json", type=Path, help="write the results here")

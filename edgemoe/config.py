@@ -80,6 +80,7 @@ def parse_size(text: str | int) -> int:
 
 
 MOE_STRATEGIES = ("resident", "offload")
+GRAPH_UPLOADS = ("auto", "capture", "none")
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,14 @@ class EngineConfig:
     seed: int = 0  # for requests that give no seed
     progress: bool = True  # progress bar while loading weights
     cuda_graphs: bool = True  # CUDA: capture decode in one graph per batch size (1, 2, 4, ..., max_num_seqs)
+    graph_upload: str = "auto"  # "auto" | "capture" | "none": when captured graphs are uploaded (engine/cuda_graphs)
+    graph_warm_replay: bool = False  # replay each graph once at capture time
+    shared_expert_overlap: bool = True  # CUDA: shared expert on a side stream beside the routed experts' miss copy
     moe: ExpertCacheConfig = field(default_factory=ExpertCacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.graph_upload not in GRAPH_UPLOADS:
+            raise EdgeMoEError(f"unknown graph_upload {self.graph_upload!r}: use {', '.join(GRAPH_UPLOADS)}")
 
 
 def engine_config(**kwargs) -> EngineConfig:

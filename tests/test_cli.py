@@ -96,6 +96,7 @@ def test_bad_models(broken_models, tmp_path, case, fragment) -> None:
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
         (["--kv-cache-memory", "lots"], "cannot read size"),
+        (["--graph-upload", "sometimes"], "unknown graph_upload 'sometimes'"),
     ],
 )
 def test_bad_flags(args, fragment) -> None:

@@ -4,15 +4,29 @@ A decode batch of n sequences runs the graph of the smallest captured size b >= 
 token 0 at position 0, writing its K/V into the KV cache's pad block, attending to that block alone, and
 routed to row 0's experts (so padding never fetches or counts an expert). Block
 tables are padded to the longest context the engine allows, so shapes never change between replays.
+
+Upload policy (`GRAPH_UPLOADS`): `capture` uploads each graph (`cudaGraphUpload` + sync) when it is captured,
+`none` leaves the upload to the first replay, `auto` uploads only where a first launch must not block (no
+backend needs that yet, so today it is `none`: uploading at capture time widened the gaps between kernels in the
+engine we follow). `warm_replay` replays each graph once at capture time instead.
 """
 
 from __future__ import annotations
 
 import torch
 
+from edgemoe.config import GRAPH_UPLOADS
 from edgemoe.engine.context import ForwardContext, set_context
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.models.decoder import MoEForCausalLM
+
+
+def uploads_at_capture(policy: str) -> bool:
+    """Whether `policy` uploads graphs at capture time (`auto`: only for a backend whose first launch must not
+    block; there is none yet)."""
+    if policy not in GRAPH_UPLOADS:
+        raise ValueError(f"unknown graph upload policy {policy!r}")
+    return policy == "capture"
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -25,8 +39,17 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: MoEForCausalLM, kv: KVCache, sizes: list[int], max_blocks: int) -> None:
+    def __init__(
+        self,
+        model: MoEForCausalLM,
+        kv: KVCache,
+        sizes: list[int],
+        max_blocks: int,
+        upload: str = "auto",
+        warm_replay: bool = False,
+    ) -> None:
         self.model, self.kv, self.sizes, self.max_blocks = model, kv, sorted(set(sizes)), max_blocks
+        self.upload, self.warm_replay = uploads_at_capture(upload), warm_replay
         device, b = kv.k.device, max(sizes)
         self.pad_slot = kv.pad_block * kv.block_size
         self.input_ids = torch.zeros(b, dtype=torch.long, device=device)
@@ -51,7 +74,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest size first, all graphs sharing one memory pool. Each size runs once eagerly first (warm-up:
-        kernels compiled, expert cache filled), so captured work finds the same state a replay will."""
+        kernels compiled, expert cache filled), so captured work finds the same state a replay will. A warm replay
+        runs on the padding inputs the static buffers hold (KV writes land in the pad block)."""
         pool = None
         for b in reversed(self.sizes):
             side = torch.cuda.Stream()
@@ -64,6 +88,14 @@ class DecodeGraphs:
                 self.logits[b] = self._forward(b)
             pool = graph.pool()
             self.graphs[b] = graph
+            if self.upload:
+                from edgemoe.engine.streams import upload_graph
+
+                upload_graph(graph, torch.cuda.current_stream())
+                torch.cuda.synchronize()
+            if self.warm_replay:
+                graph.replay()
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
 
     def size_for(self, n: int) -> int | None:

@@ -16,10 +16,12 @@ from edgemoe.engine.kv_cache import KVCache, bytes_per_block
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
+from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.loader import load_model
 from edgemoe.models.registry import read_config
 from edgemoe.moe.expert_cache import ExpertCache
+from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.offload import MiB, attach_expert_cache, cache_slots, expert_bytes, min_cache_slots
 from edgemoe.moe.routing_trace import RoutingRecorder
 from edgemoe.sampling_params import SamplingParams
@@ -96,6 +98,10 @@ class LLMEngine:
         self.recorder = RoutingRecorder(self.model, moe.record_routing) if moe.record_routing else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.device)
+        if self.device.type == "cuda" and config.shared_expert_overlap and self.expert_cache is not None:
+            # offload only: resident decode has no miss copy to hide the shared expert behind (benchmarks/RESULTS.md)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            set_shared_expert_stream(self.model, side_stream(index))
         if self.device.type == "cuda" and config.cuda_graphs and self.recorder is None:
             self._capture_graphs()  # (routing is recorded by Python hooks, which graph replays skip)
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -160,6 +166,8 @@ class LLMEngine:
             self.kv,
             default_batch_sizes(self.config.max_num_seqs),
             self.scheduler.blocks_for(self.max_model_len),
+            self.config.graph_upload,
+            self.config.graph_warm_replay,
         )
         graphs.capture()
         if self.expert_cache is not None:

@@ -11,7 +11,11 @@ from edgemoe.moe.router import route
 
 
 class SparseMoE(nn.Module):
-    """Router + routed experts (+ a sigmoid-gated shared expert where the family has one)."""
+    """Router + routed experts (+ a sigmoid-gated shared expert where the family has one).
+
+    With a `side_stream` (CUDA, `set_shared_expert_stream`), the shared expert and its gate run there, forked once
+    the layer input is ready and joined before the sum, so they overlap the routed experts' ensure and miss copy
+    on the current stream. Same ops, same sum: outputs are bitwise equal with and without the side stream."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -22,14 +26,36 @@ class SparseMoE(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.side_stream: torch.cuda.Stream | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]
+        if self.shared_expert is None:
+            return self._routed(x)
+        if self.side_stream is None:
+            return self._routed(x) + self._shared(x)
+        main = torch.cuda.current_stream()
+        self.side_stream.wait_stream(main)  # fork: x is ready
+        with torch.cuda.stream(self.side_stream):
+            shared = self._shared(x)
+        routed = self._routed(x)
+        main.wait_stream(self.side_stream)  # join
+        return routed + shared
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)
         valid = get_context().valid
         if valid is not None:  # padding rows reuse row 0's experts: no extra fetches, no extra counts
             ids = torch.where(valid[:, None], ids, ids[:1])
-        out = self.experts(x, ids, weights)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.experts(x, ids, weights)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+def set_shared_expert_stream(model: nn.Module, stream: torch.cuda.Stream | None) -> int:
+    """Run every shared expert of `model` on `stream` (None: inline). Returns how many layers have one."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE) and m.shared_expert is not None]
+    for m in layers:
+        m.side_stream = stream
+    return len(layers)

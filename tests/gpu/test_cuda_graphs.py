@@ -43,3 +43,12 @@ def test_offloaded_graphs_match_eager_and_count_the_same(policy) -> None:
     assert replayed == resident
     sa, sb = a.moe_stats()["total"], b.moe_stats()["total"]
     assert sa == sb and sa["misses"] > 0
+
+
+@pytest.mark.parametrize("upload, warm", [("capture", False), ("none", True), ("auto", True)])
+def test_upload_policies_token_identical(upload: str, warm: bool) -> None:
+    opts = dict(dtype="bfloat16", moe_strategy="offload", moe_cache_slots=40, moe_collect_stats=True)
+    default, a = run(True, 3, **opts)
+    other, b = run(True, 3, graph_upload=upload, graph_warm_replay=warm, **opts)
+    assert other == default
+    assert a.moe_stats()["total"] == b.moe_stats()["total"], "warm replays leave no trace in the cache"

@@ -1,0 +1,112 @@
+"""Kernel timelines of replayed decode steps (`edgemoe bench --profile`): torch.profiler (CUPTI) records every GPU
+operation of N steps, and `summarize` turns them into per-step figures (kernel count, kernel busy time, GPU time,
+tok/s), per-stream gaps between consecutive kernels, and how much of the side stream's work ran while the miss
+copy was in flight.
+
+Steps are told apart by order: every step launches the same operations, and a step's side-stream work is joined
+before the step ends, so sorting all operations by start time and cutting every `len(ops) / steps` gives the
+steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+MISS_COPY = "_copy_rows"  # the miss-copy kernel's name (edgemoe.kernels.miss_copy)
+
+
+@dataclass(frozen=True)
+class GpuOp:
+    name: str
+    stream: int
+    start: int  # ns
+    end: int  # ns
+    kernel: bool  # False: a memcpy or memset
+
+
+def record(fn: Callable[[], object], steps: int) -> list[GpuOp]:
+    """Run `fn` `steps` times under torch.profiler; every GPU operation, sorted by start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    ops = []
+    for e in prof.profiler.kineto_results.events():
+        kind = e.activity_type()
+        if kind in GPU_ACTIVITIES:
+            ops.append(GpuOp(e.name(), e.device_resource_id(), e.start_ns(), e.end_ns(), kind == "kernel"))
+    return sorted(ops, key=lambda o: (o.start, o.end))
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(start: int, end: int, union: list[tuple[int, int]]) -> int:
+    """Length of [start, end) inside the (sorted, disjoint) `union`."""
+    return sum(max(0, min(end, b) - max(start, a)) for a, b in union if a < end and b > start)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kernel: str = MISS_COPY) -> dict:
+    """Per step (medians over the steps): kernels, busy_us (union of operation intervals), gpu_us (first start to
+    last end), tok_s (tokens over the start-to-start period); per stream: ops per step, median and p90 gap between
+    consecutive operations within a step (µs); side streams (every stream but the busiest): `overlap`, the
+    fraction of their operation time during a miss-copy kernel on the main stream."""
+    if steps < 2 or not ops or len(ops) % steps:
+        raise ValueError(f"{len(ops)} GPU operations do not split into {steps} identical steps (need >= 2 steps)")
+    per = len(ops) // steps
+    chunks = [ops[i * per : (i + 1) * per] for i in range(steps)]
+    streams = sorted({o.stream for o in ops}, key=lambda s: -sum(o.stream == s for o in ops))
+    main = streams[0]
+    busy = [sum(b - a for a, b in _union([(o.start, o.end) for o in c])) for c in chunks]
+    span = [max(o.end for o in c) - c[0].start for c in chunks]
+    period = [chunks[i + 1][0].start - chunks[i][0].start for i in range(steps - 1)]
+    out = {
+        "steps": steps,
+        "kernels": sum(o.kernel for o in chunks[0]),
+        "ops": per,
+        "busy_us": statistics.median(busy) / 1e3,
+        "gpu_us": statistics.median(span) / 1e3,
+        "period_us": statistics.median(period) / 1e3,
+        "tok_s": tokens_per_step * 1e9 / statistics.median(period),
+        "streams": {},
+    }
+    for s in streams:
+        gaps = []
+        for c in chunks:
+            mine = [o for o in c if o.stream == s]
+            gaps += [max(0, b.start - a.end) / 1e3 for a, b in zip(mine, mine[1:])]
+        out["streams"][str(s)] = {
+            "role": "main" if s == main else "side",
+            "ops_per_step": sum(o.stream == s for o in chunks[0]),
+            "gap_median_us": statistics.median(gaps) if gaps else 0.0,
+            "gap_p90_us": _quantile(gaps, 0.9),
+        }
+    side = [o for o in ops if o.stream != main]
+    if side:
+        copies = _union([(o.start, o.end) for o in ops if o.stream == main and copy_kernel in o.name])
+        total = sum(o.end - o.start for o in side)
+        out["side_us"] = total / steps / 1e3
+        out["overlap"] = sum(_covered(o.start, o.end, copies) for o in side) / total if total else 0.0
+    return out

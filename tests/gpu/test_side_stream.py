@@ -1,0 +1,83 @@
+"""The shared expert on its side stream: the stream is our own (never a graph's capture stream), eager, capture
+and replay work with it, outputs are token-identical with overlap on and off (x graphs x policy), and the profiler
+sees the side stream's kernels beside the miss copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgemoe import LLM, SamplingParams
+from edgemoe.engine.streams import side_stream
+from edgemoe.moe.layer import SparseMoE
+from edgemoe.profiler import record, summarize
+
+PROMPTS = ["ROMEO.\n", "Of Man's first disobedience", "To be, or not to be, that is the question:"]
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def test_side_stream_is_ours_and_not_the_capture_stream() -> None:
+    side = side_stream(torch.cuda.current_device())
+    assert side is side_stream(torch.cuda.current_device()), "one per device"
+    assert side.priority == torch.cuda.Stream.priority_range()[1], "highest priority"
+    pool = [torch.cuda.Stream() for _ in range(64)]  # torch's round-robin pool, wrapped around
+    assert side.cuda_stream not in {s.cuda_stream for s in pool}
+    x = torch.randn(64, 64, device="cuda")
+    graph, seen = torch.cuda.CUDAGraph(), {}
+    with torch.cuda.graph(graph):
+        capture = torch.cuda.current_stream()
+        seen["capture"] = capture.cuda_stream
+        side.wait_stream(capture)
+        with torch.cuda.stream(side):
+            y = x @ x
+        capture.wait_stream(side)
+        z = y + 1
+    assert seen["capture"] != side.cuda_stream
+    x.copy_(torch.randn(64, 64, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(z, x @ x + 1)
+
+
+def generate(**kwargs) -> tuple[list[list[int]], LLM]:
+    llm = LLM(device="cuda", dtype="bfloat16", progress=False, max_num_seqs=4, **kwargs)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm
+
+
+@pytest.mark.parametrize("policy", ["lru", "scored"])
+def test_overlap_on_off_graphs_on_off_token_identical(policy: str) -> None:
+    opts = dict(moe_strategy="offload", moe_cache_slots=40, moe_policy=policy, moe_collect_stats=True)
+    outs, stats = {}, {}
+    for overlap in (False, True):
+        for graphs in (False, True):
+            outs[overlap, graphs], llm = generate(shared_expert_overlap=overlap, cuda_graphs=graphs, **opts)
+            moe = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoE)]
+            assert all((m.side_stream is not None) == overlap for m in moe)
+            stats[overlap, graphs] = llm.moe_stats()["total"]
+    first = outs[False, False]
+    assert all(o == first for o in outs.values())
+    assert all(s == stats[False, False] for s in stats.values()) and stats[False, False]["misses"] > 0
+    resident, llm = generate()
+    assert resident == first
+    assert all(m.side_stream is None for m in llm.engine.model.modules() if isinstance(m, SparseMoE))
+
+
+def test_profiler_sees_the_side_stream_beside_the_miss_copy() -> None:
+    _, llm = generate(moe_strategy="offload", moe_cache_slots=20, moe_policy="lru")
+    engine = llm.engine
+    engine.add_request("ROMEO.\n", SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    engine.step()  # prefill
+    graphs, seq = engine.runner.graphs, engine.scheduler.running[0]
+    pos, bs = seq.num_computed, engine.kv.block_size
+    slot = seq.block_table[pos // bs] * bs + pos % bs
+
+    def replay() -> None:  # the same decode step again and again (it rewrites one KV slot)
+        graphs.replay([seq.token_ids[-1]], [pos], [slot], [pos + 1], [list(seq.block_table)])
+
+    steps = 4
+    got = summarize(record(replay, steps), steps)
+    roles = [s["role"] for s in got["streams"].values()]
+    assert roles.count("main") == 1 and roles.count("side") == 1
+    layers = sum(isinstance(m, SparseMoE) for m in engine.model.modules())
+    side = next(s for s in got["streams"].values() if s["role"] == "side")
+    assert side["ops_per_step"] >= 3 * layers  # gate, and the shared expert's matmuls, per layer
+    assert 0 <= got["overlap"] <= 1 and got["kernels"] > side["ops_per_step"]

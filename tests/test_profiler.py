@@ -1,0 +1,59 @@
+"""`edgemoe.profiler.summarize` on a hand-built timeline whose figures are worked out below (the GPU recording
+itself runs in tests/gpu/test_side_stream.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from edgemoe.profiler import GpuOp, summarize
+
+
+def timeline(steps: int, period: int = 100) -> list[GpuOp]:
+    """Per step, main stream 7: A [0, 10), the miss copy [12, 20), C [21, 30); side stream 9: [13, 16), [18, 24)."""
+    ops = []
+    for i in range(steps):
+        t = i * period
+        ops += [
+            GpuOp("gemv", 7, t, t + 10, True),
+            GpuOp("_copy_rows_0d1d", 7, t + 12, t + 20, True),
+            GpuOp("memset", 7, t + 21, t + 30, False),
+            GpuOp("shared_up", 9, t + 13, t + 16, True),
+            GpuOp("shared_down", 9, t + 18, t + 24, True),
+        ]
+    return sorted(ops, key=lambda o: (o.start, o.end))
+
+
+def test_summarize_hand_worked_timeline() -> None:
+    got = summarize(timeline(3), 3)
+    assert got["kernels"] == 4 and got["ops"] == 5  # the memset is an op, not a kernel
+    assert got["busy_us"] == pytest.approx(0.028)  # [0, 10) + [12, 30)
+    assert got["gpu_us"] == pytest.approx(0.030)
+    assert got["period_us"] == pytest.approx(0.1) and got["tok_s"] == pytest.approx(1e7)
+    main, side = got["streams"]["7"], got["streams"]["9"]
+    assert main["role"] == "main" and side["role"] == "side"
+    assert main["ops_per_step"] == 3 and side["ops_per_step"] == 2
+    assert main["gap_median_us"] == pytest.approx(0.0015)  # gaps 2 and 1 ns, three times
+    assert main["gap_p90_us"] == pytest.approx(0.002)
+    assert side["gap_median_us"] == pytest.approx(0.002)
+    # side work 3 + 6 ns per step, of which 3 + 2 ns during the copy [12, 20)
+    assert got["side_us"] == pytest.approx(0.009)
+    assert got["overlap"] == pytest.approx(5 / 9)
+
+
+def test_summarize_is_order_free_and_counts_tokens() -> None:
+    ops = timeline(4)
+    random.Random(0).shuffle(ops)
+    got = summarize(sorted(ops, key=lambda o: (o.start, o.end)), 4, tokens_per_step=4)
+    assert got["tok_s"] == pytest.approx(4e7)
+
+
+def test_summarize_without_a_side_stream_and_bad_splits() -> None:
+    ops = [o for o in timeline(2) if o.stream == 7]
+    got = summarize(ops, 2)
+    assert "overlap" not in got and list(got["streams"]) == ["7"]
+    with pytest.raises(ValueError, match="do not split"):
+        summarize(ops[:-1], 2)
+    with pytest.raises(ValueError, match="need >= 2 steps"):
+        summarize(ops, 1)

@@ -1,8 +1,10 @@
-"""Attention over the paged KV cache (plain torch).
+"""Attention over the paged KV cache.
 
 The cache of one layer is two tensors `[num_slots, kv_heads, head_dim]`; slot = block * block_size + offset.
-Decode attends with fixed shapes (block tables padded to a fixed width, masked by context length), so a
-later CUDA graph can capture it; prefill loops over sequences, which may have any length.
+Decode attends with fixed shapes (block tables padded to a fixed width, masked by context length), so a CUDA
+graph can capture it: on CUDA the Triton kernel `edgemoe.kernels.paged_attention` reads K/V in place up to each
+context length; elsewhere (and for head_dims it does not take) `_decode_torch`, its reference, gathers the padded
+table and masks. Prefill (plain torch) loops over sequences, which may have any length.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size = block_size
         self.scale = head_dim**-0.5
+        self.fused_decode = head_dim >= 16 and head_dim & (head_dim - 1) == 0  # the kernel's tiles need a power of 2
         self.k_cache = torch.empty(0)  # assigned by the KV cache
         self.v_cache = torch.empty(0)
 
@@ -38,6 +41,16 @@ class PagedAttention(nn.Module):
         return self.k_cache[slots].transpose(1, 2), self.v_cache[slots].transpose(1, 2)
 
     def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
+        if q.is_cuda and self.fused_decode:
+            from edgemoe.kernels.paged_attention import paged_decode_attention  # CPU-only machines lack triton
+
+            return paged_decode_attention(
+                q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale, self.block_size
+            )
+        return self._decode_torch(q, ctx)
+
+    def _decode_torch(self, q: torch.Tensor, ctx) -> torch.Tensor:
+        # reads and copies the whole padded width: the reference of the kernel
         k, v = self._gather(ctx.block_tables)
         keys = torch.arange(k.shape[2], device=q.device)
         mask = (keys[None, :] < ctx.context_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, keys]

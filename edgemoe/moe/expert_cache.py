@@ -6,8 +6,10 @@ the per-slot tensors and of the pool, and index L*E of `slot_of`, are scratch en
 list write there, so no step needs a host-side length. Invariant: `slot_of[k] == s` iff `owner[s] == k`.
 
 `ensure` is fixed-shape and never synchronises with the host (no .item(), nonzero or boolean indexing), so a
-decode step that calls it can be captured in a CUDA graph. `edgemoe.moe.reference.EnsureReference` is its
-plain-Python oracle; `edgemoe.moe.cache_sim` replays routing traces through this same class.
+decode step that calls it can be captured in a CUDA graph. On CUDA it is one Triton launch
+(`edgemoe.kernels.ensure`), elsewhere plain torch (`_ensure_torch`, the kernel's oracle).
+`edgemoe.moe.reference.EnsureReference` is the plain-Python oracle of both; `edgemoe.moe.cache_sim` replays routing
+traces through this same class.
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ class ExpertCache:
         self.policy = POLICIES[policy](L, E, S, device)
         self.policy_name = policy
         self._experts = torch.arange(E, device=device)
+        # the fused CUDA `ensure`'s scratch: keys [S], clock marks [S + E]; here, so graph capture never allocates
+        self.ensure_scratch = (
+            torch.zeros(2 * S + E, dtype=torch.long, device=device) if self.device.type == "cuda" else None
+        )
         self.w13: torch.Tensor | None = None  # [S + 1, 2 * inter, hidden]
         self.w2: torch.Tensor | None = None  # [S + 1, hidden, inter]
 
@@ -142,6 +148,8 @@ class ExpertCache:
         for state in vars(self.policy).values():
             if isinstance(state, torch.Tensor):
                 state.zero_()
+        if self.ensure_scratch is not None:
+            self.ensure_scratch.zero_()  # its clock marks must stay below the clock
 
     def slot_table(self) -> torch.Tensor:
         """[L, E] view: slot of each (layer, expert), -1 where absent."""
@@ -150,6 +158,19 @@ class ExpertCache:
     def ensure(self, layer: int, ids: torch.Tensor) -> Ensured:
         """Make every expert in `ids` (any shape, of MoE layer `layer`) resident, choosing victims by the policy.
 
+        At most S distinct experts (callers split larger sets into waves). Updates mapping, policy state and
+        stats; the copy list it returns must be applied (`copy_missing`) before the slots are read. CUDA: the fused
+        Triton kernel (one launch); CPU: `_ensure_torch`."""
+        if self.slot_of.is_cuda:
+            from edgemoe.kernels.ensure import ensure_fused
+
+            return ensure_fused(self, layer, ids)
+        return self._ensure_torch(layer, ids)
+
+    def _ensure_torch(self, layer: int, ids: torch.Tensor) -> Ensured:
+        """`ensure` in plain torch: the CPU path, and the oracle of `edgemoe.kernels.ensure` (bitwise, state too).
+
+        Make every expert in `ids` (any shape, of MoE layer `layer`) resident, choosing victims by the policy.
         At most S distinct experts (callers split larger sets into waves). Updates mapping, policy state and
         stats; the copy list it returns must be applied (`copy_missing`) before the slots are read."""
         L, E, S = self.num_layers, self.num_experts, self.num_slots

@@ -20,10 +20,24 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, hidden]; ids, weights: [tokens, top_k]. Decode always gathers: sync-free, graph-capturable
-        if ids.numel() <= self.gate_up_proj.shape[0] or not get_context().is_prefill:
+        # x: [tokens, hidden]; ids, weights: [tokens, top_k]
+        if not get_context().is_prefill:  # sync-free, graph-capturable
+            return decode_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+        if ids.numel() <= self.gate_up_proj.shape[0]:
             return gathered_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
         return grouped_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+
+
+def decode_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Decode's routed experts: on CUDA the fused GEMVs (`edgemoe.kernels.moe_gemv`), which read the chosen experts
+    in place; elsewhere `gathered_experts`. Fixed shapes, no host synchronisation (CUDA graphs)."""
+    if x.is_cuda:
+        from edgemoe.kernels.moe_gemv import fused_experts  # triton is imported on CUDA machines only
+
+        return fused_experts(x, ids, weights, w13, w2)
+    return gathered_experts(x, ids, weights, w13, w2)
 
 
 def gathered_experts(

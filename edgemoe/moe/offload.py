@@ -20,7 +20,7 @@ from edgemoe.config import ExpertCacheConfig, ModelConfig
 from edgemoe.engine.context import get_context
 from edgemoe.errors import EdgeMoEError
 from edgemoe.moe.expert_cache import Ensured, ExpertCache
-from edgemoe.moe.experts import gathered_experts
+from edgemoe.moe.experts import decode_experts, gathered_experts
 
 MiB = 2**20
 
@@ -41,7 +41,8 @@ class OffloadedExperts(nn.Module):
         gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
         if gathered and (pairs <= S or E <= S):
             got = self._load(ids)
-            return gathered_experts(x, got.slots, weights, self.cache.w13, self.cache.w2)
+            experts = gathered_experts if get_context().is_prefill else decode_experts  # prefill: bitwise as resident
+            return experts(x, got.slots, weights, self.cache.w13, self.cache.w2)
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
         return self._grouped_waves(x, ids, weights)

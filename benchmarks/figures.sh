@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The H200 figures of issues #4-#6 (benchmarks/RESULTS.md), one part per device call (each fits in 10 minutes):
+#   bash benchmarks/figures.sh OUT_DIR qwen3     # qwen3-30b-a3b, 48 layers, 4K: 25/50/100 % cached, lru/scored,
+#                                                #   eager and graph, graph-upload profiles
+#   bash benchmarks/figures.sh OUT_DIR qwen15    # qwen1.5-moe-a2.7b, 32K context, a 16 GiB card: lru/scored x
+#                                                #   shared-expert overlap off/on, profiles (overlap fraction)
+# Run from the repo root on the GPU machine (torch with CUDA; nothing to install).
+set -euo pipefail
+out=${1:?OUT_DIR}
+part=${2:?qwen3 or qwen15}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+case "$part" in
+  qwen3)
+    python3 -m edgemoe bench --geometry qwen3-30b-a3b --context 4096 --moe-cache-fraction 0.25,0.5,1 \
+      --moe-policy lru,scored --routing-trace synthetic --steps 24 --warmup 16 --prefill 512 --profile 8 \
+      --json "$out/bench_qwen3.json" --plot "$out/bench_qwen3.png" > /dev/null ;;
+  qwen15)
+    python3 -m edgemoe bench --geometry qwen1.5-moe-a2.7b --context 32768 --vram-budget 16GiB \
+      --moe-policy lru,scored --shared-expert-overlap off,on --routing-trace synthetic --mode graph \
+      --steps 32 --warmup 16 --prefill 0 --profile 8 --json "$out/bench_qwen15_32k.json" > /dev/null ;;
+  *) echo "unknown part $part: qwen3 or qwen15" >&2; exit 2 ;;
+esac

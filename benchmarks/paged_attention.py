@@ -1,0 +1,158 @@
+"""Paged decode attention on CUDA: the Triton kernel (`edgemoe.kernels.paged_attention`) against its reference
+`PagedAttention._decode_torch`, block tables padded to a 32K-token width (CUDA-graph decode's), contexts of 4K and
+32K tokens at batch 1 and 4, against HBM bandwidth (a device-to-device copy) in the same run.
+
+    python benchmarks/paged_attention.py [--dtype bfloat16] [--width 32768] [--sweep] [--json OUT]
+
+KV bytes per call = the K and V bytes the contexts hold (what attention must read). Calls cycle over `layers` KV
+caches sharing one block table (as decode's layers do), enough that they do not fit in L2, so repeated calls do not
+measure the L2 cache. The graph figure is what decode runs (the calls of all layers captured in one graph); the
+eager one includes launch overhead. `--sweep` times the kernel over partition sizes, tiles and warps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from edgemoe.bench import bandwidths, timed
+from edgemoe.engine.context import ForwardContext
+from edgemoe.kernels.paged_attention import BLOCK_N, PARTITION, paged_decode_attention
+from edgemoe.layers.attention import PagedAttention
+
+DEV = torch.device("cuda")
+BLOCK_SIZE = 16  # the engine's default
+SHAPES = {"16/16/128 (olmoe)": (16, 16, 128), "32/4/128 (qwen3-30b-a3b)": (32, 4, 128), "4/1/64 (mqa)": (4, 1, 64)}
+
+
+class Problem:
+    """`layers` caches [slots, kv_heads, dim], one block table: `batch` sequences of `context` tokens on shuffled
+    blocks, padded with the pad block to `width` tokens; one query per layer."""
+
+    def __init__(self, shape: tuple[int, int, int], batch: int, context: int, width: int, dtype) -> None:
+        heads, kv_heads, dim = shape
+        used = -(-context // BLOCK_SIZE)
+        num_blocks = batch * used
+        self.kv_bytes = 2 * batch * context * kv_heads * dim * dtype.itemsize
+        l2 = getattr(torch.cuda.get_device_properties(DEV), "L2_cache_size", 50 << 20)
+        self.layers = max(2, min(64, math.ceil(4 * l2 / self.kv_bytes)))
+        slots = (num_blocks + 1) * BLOCK_SIZE
+        self.k = torch.randn(self.layers, slots, kv_heads, dim, device=DEV).to(dtype)
+        self.v = torch.randn(self.layers, slots, kv_heads, dim, device=DEV).to(dtype)
+        self.q = torch.randn(self.layers, batch, heads, dim, device=DEV).to(dtype)
+        self.tables = torch.full((batch, width // BLOCK_SIZE), num_blocks, dtype=torch.long, device=DEV)
+        self.tables[:, :used] = torch.randperm(num_blocks, device=DEV).view(batch, used)
+        self.lens = torch.full((batch,), context, dtype=torch.long, device=DEV)
+        self.attn = []
+        for i in range(self.layers):
+            attn = PagedAttention(heads, kv_heads, dim, BLOCK_SIZE)
+            attn.k_cache, attn.v_cache = self.k[i], self.v[i]
+            self.attn.append(attn)
+        self.ctx = ForwardContext(False, torch.empty(0, dtype=torch.long, device=DEV), self.lens, self.tables)
+
+    def kernel(self, i: int, **opts) -> torch.Tensor:
+        a = self.attn[i]
+        return paged_decode_attention(
+            self.q[i], a.k_cache, a.v_cache, self.tables, self.lens, a.scale, BLOCK_SIZE, **opts
+        )
+
+    def reference(self, i: int) -> torch.Tensor:
+        return self.attn[i]._decode_torch(self.q[i], self.ctx)
+
+
+def graph_seconds(call: Callable[[int], object], layers: int, reps: int = 10) -> float:
+    """Seconds per call: one call per layer captured in one graph, replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(layers):
+            call(i)  # compile, warm the allocator
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(layers):
+            call(i)
+    seconds = timed(graph.replay, DEV, reps) / layers
+    del graph
+    return seconds
+
+
+def eager_seconds(call: Callable[[int], object], layers: int, reps: int = 3) -> float:
+    counter = itertools.count()
+    return timed(lambda: call(next(counter) % layers), DEV, reps * layers)
+
+
+def measure(p: Problem, hbm: float, sweep: bool) -> dict:
+    ref = p.reference(0).float()
+    diff = (p.kernel(0).float() - ref).abs().max().item()
+    r = {"kv_bytes": p.kv_bytes, "layers": p.layers, "max_abs_diff_vs_torch": diff}
+    for mode, seconds in (("graph", graph_seconds), ("eager", eager_seconds)):
+        for name, call in (("kernel", p.kernel), ("torch", p.reference)):
+            r[f"{name}_{mode}_us"] = seconds(call, p.layers) * 1e6
+        r[f"speedup_{mode}"] = r[f"torch_{mode}_us"] / r[f"kernel_{mode}_us"]
+    for name in ("kernel", "torch"):
+        r[f"{name}_kv_bytes_per_s"] = p.kv_bytes / (r[f"{name}_graph_us"] / 1e6)
+        r[f"{name}_over_copy"] = r[f"{name}_kv_bytes_per_s"] / hbm
+    if sweep:
+        r["sweep_graph_us"] = {}
+        for part, block_n, warps in itertools.product((256, 512, 1024), (32, 64, 128), (4, 8)):
+            opts = dict(partition=part, block_n=block_n, num_warps=warps)
+            key = f"p{part}_n{block_n}_w{warps}"
+            try:
+                r["sweep_graph_us"][key] = graph_seconds(lambda i, o=opts: p.kernel(i, **o), p.layers) * 1e6
+            except Exception as exc:  # e.g. out of shared memory: reported, not fatal
+                r.setdefault("sweep_errors", {})[key] = f"{type(exc).__name__}: {exc}"
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--width", type=int, default=32768, help="padded block-table width in tokens (default: 32768)")
+    ap.add_argument("--contexts", default="4096,32768", help="context lengths (default: 4096,32768)")
+    ap.add_argument("--batches", default="1,4", help="decode batch sizes (default: 1,4)")
+    ap.add_argument("--sweep", action="store_true", help="also time partition / tile / warps (many compilations)")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
+    hbm = bandwidths(DEV, 1 << 20)["hbm_bytes_per_s"]
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dtype": a.dtype,
+        "width": a.width,
+        "defaults": {"partition": PARTITION, "block_n": BLOCK_N, "num_warps": 4},
+        "copy_bytes_per_s": hbm,
+    }
+    print(f"{results['device']}, {a.dtype}, width {a.width}: HBM copy {hbm / 1e9:.0f} GB/s (read + write)")
+    print("shape, batch, context: kernel / torch us (graph) -> speedup | eager -> speedup | KV GB/s, of copy")
+    for name, shape in SHAPES.items():
+        for batch, context in itertools.product(map(int, a.batches.split(",")), map(int, a.contexts.split(","))):
+            if context > a.width:
+                continue
+            r = measure(Problem(shape, batch, context, a.width, dtype), hbm, a.sweep)
+            results[f"{name}/B{batch}/C{context}"] = r
+            print(
+                f"{name}, B={batch}, C={context}: {r['kernel_graph_us']:.1f} / {r['torch_graph_us']:.1f} us -> "
+                f"{r['speedup_graph']:.1f}x | {r['kernel_eager_us']:.1f} / {r['torch_eager_us']:.1f} us -> "
+                f"{r['speedup_eager']:.1f}x | kernel {r['kernel_kv_bytes_per_s'] / 1e9:.0f} GB/s "
+                f"({r['kernel_over_copy']:.2f}), torch {r['torch_kv_bytes_per_s'] / 1e9:.0f} GB/s "
+                f"({r['torch_over_copy']:.2f}) (max diff {r['max_abs_diff_vs_torch']:.1e})"
+            )
+            if a.sweep and r["sweep_graph_us"]:
+                s = r["sweep_graph_us"]
+                best = min(s, key=s.get)
+                print(f"  sweep: best {best} {s[best]:.1f} us (default {r['kernel_graph_us']:.1f})")
+            torch.cuda.empty_cache()
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""`ExpertCache.ensure` on CUDA as one Triton launch, instead of ~60 small torch kernels and a sort of every slot.
+
+One program does the whole call, phase after phase, with a barrier wherever a phase reads what another thread of
+the program wrote to global memory: the clock; which experts the ids name; hits, misses and the copy list's
+experts; only if something misses, every slot's eviction key (kept in scratch as an int64 that orders like the
+float64 key, NaN first as in torch.sort) and the `count` largest, taken one at a time from per-block maxima held
+in registers (ties: the lower slot), so the S slots never sit in registers; the mapping update; the policy's
+update; stats. Sets in scratch (the experts `ids` names, this layer's hit slots) are marked with the new clock
+value, so they need no clearing: older marks are smaller (`ExpertCache.reset` zeroes them with the clock).
+
+`ExpertCache._ensure_torch` is its oracle: the returned tensors and every state tensor are bitwise identical
+(tests/kernels run the kernel under Triton's interpreter, tests/gpu compiled). Float64 steps follow torch's order,
+one rounding each: FMA contraction is off and inexact constants are built as float64. Imported only on CUDA
+devices and in tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from edgemoe.moe.expert_cache import KEY_MAX, LRU, Ensured, ExpertCache, Scored
+
+BLOCK_S = 1024  # slots per step of the key pass and the victim search
+BLOCK_N = 256  # ids per step
+NUM_WARPS = 4
+
+_KEY_MAX = tl.constexpr(KEY_MAX)
+_ORD_MAX = tl.constexpr(2**63 - 1)  # ordered NaN
+_TAKEN = tl.constexpr(-(2**63))  # below every ordered key: a slot already chosen, or past S
+
+
+@triton.jit
+def _ordered(k):
+    """float64 keys -> int64 of the same order: NaN above +inf (torch.sort's order), -0.0 equal to 0.0."""
+    bits = k.to(tl.int64, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ _ORD_MAX)  # negative floats: larger magnitude, smaller int
+    ordered = tl.where(k == 0.0, 0, ordered)
+    return tl.where(k != k, _ORD_MAX, ordered)
+
+
+@triton.jit
+def _slot_keys(owner, hit_mark, last_use, freq, last, reuse, offs, now, layer, L: tl.constexpr, E: tl.constexpr,
+               S: tl.constexpr, SCORED: tl.constexpr):  # fmt: skip
+    """Ordered eviction keys of slots `offs` [BLOCK_S] (_TAKEN past S): the policy's `keys`, clamped, free slots
+    first, this layer's hits last."""
+    inside = offs < S
+    own = tl.load(owner + offs, mask=inside, other=-1)  # [BLOCK_S]
+    if SCORED:
+        o = tl.maximum(own, 0)  # free slots: any value, ranked first below
+        o_layer = o // E
+        rho = tl.load(reuse + o_layer, mask=inside, other=0.0)
+        p = rho * tl.load(last + o, mask=inside, other=0.0) + (1.0 - rho) * tl.load(freq + o, mask=inside, other=0.0)
+        k = L * (1.0 / p - 1.0) + ((o_layer - layer - 1 + L) % L + 1).to(tl.float64)  # + L: no negative modulo
+    else:
+        k = (now - tl.load(last_use + offs, mask=inside, other=0)).to(tl.float64)
+    key_max = tl.full([], _KEY_MAX, tl.float64)
+    k = tl.where(k > key_max, key_max, k)  # torch's clamp: NaN stays NaN
+    k = tl.where(own < 0, float("inf"), k)
+    k = tl.where(tl.load(hit_mark + offs, mask=inside, other=0) == now, float("-inf"), k)
+    return tl.where(inside, _ordered(k), _TAKEN)
+
+
+@triton.jit
+def _fold(x, offs, b, blocks, best, best_at):
+    """Set block b's entry of (best, best_at) to the largest of its keys `x` and that key's lowest slot."""
+    top = tl.max(x, 0)
+    at = tl.min(tl.where(x == top, offs, 2**31 - 1), 0)
+    return tl.where(blocks == b, top, best), tl.where(blocks == b, at, best_at)
+
+
+@triton.jit
+def _choose_victims(keys, hit_mark, dst, count, row, hit, owner, last_use, freq, last, reuse, now, layer,
+                    L: tl.constexpr, E: tl.constexpr, S: tl.constexpr, SCORED: tl.constexpr, BLOCK_S: tl.constexpr,
+                    NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr):  # fmt: skip
+    """dst[:count] = the `count` slots of largest key, in decreasing order (torch's stable descending sort)."""
+    tl.store(hit_mark + row, now, mask=hit)
+    tl.debug_barrier()
+    blocks = tl.arange(0, BLOCKS_P2)
+    best = tl.full([BLOCKS_P2], _TAKEN, tl.int64)  # [BLOCKS_P2] each block's largest key
+    best_at = tl.zeros([BLOCKS_P2], tl.int32)  # its slot
+    for b in range(NUM_BLOCKS):
+        offs = b * BLOCK_S + tl.arange(0, BLOCK_S)
+        x = _slot_keys(owner, hit_mark, last_use, freq, last, reuse, offs, now, layer, L, E, S, SCORED)
+        tl.store(keys + offs, x, mask=offs < S)
+        best, best_at = _fold(x, offs, b, blocks, best, best_at)
+    for i in range(count):
+        tl.debug_barrier()  # the keys (and _TAKEN marks) stored above are visible to every thread
+        top = tl.max(best, 0)
+        b = tl.min(tl.where(best == top, blocks, BLOCKS_P2), 0)  # ties: the lower block, so the lower slot
+        victim = tl.sum(tl.where(blocks == b, best_at, 0), 0)
+        tl.store(dst + i, victim)
+        tl.store(keys + victim, _TAKEN)
+        offs = b * BLOCK_S + tl.arange(0, BLOCK_S)
+        x = tl.load(keys + offs, mask=offs < S, other=_TAKEN)
+        x = tl.where(offs == victim, _TAKEN, x)  # the store above may not be visible to every thread yet
+        best, best_at = _fold(x, offs, b, blocks, best, best_at)
+
+
+@triton.jit
+def _evict_and_map(slot_of, owner, src, dst, e, count, M, layer, L: tl.constexpr, E: tl.constexpr, S: tl.constexpr):
+    """Apply the copy list (positions `e` < M) to the mapping, in torch's order: the victims' old keys lose their
+    slot, then the new keys take theirs. -> the number of evictions."""
+    in_m = e < M
+    new = layer * E + tl.load(src + e, mask=in_m, other=0)  # [BLOCK_E]
+    to = tl.load(dst + e, mask=in_m, other=S)
+    old = tl.load(owner + to, mask=in_m, other=-1)  # evicted keys, -1 for free slots and the scratch slot
+    evicted = old >= 0
+    tl.debug_barrier()  # every read of owner before the writes below
+    tl.store(slot_of + tl.where(evicted, old, L * E), -1, mask=in_m)
+    tl.debug_barrier()  # entries past count write the scratch entry L*E in both scatters: torch's order
+    valid = e < count
+    tl.store(slot_of + tl.where(valid, new, L * E), to, mask=in_m)
+    tl.store(owner + to, tl.where(valid, new, -1), mask=in_m)
+    return tl.sum(evicted.to(tl.int32), 0)
+
+
+@triton.jit
+def _update_scored(freq, last, reuse, layer, needed, e, E: tl.constexpr, FREQ: tl.constexpr,
+                   KEEP_FREQ: tl.constexpr, REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr):  # fmt: skip
+    """`Scored.update`, one float64 rounding per torch op, in torch's order."""
+    inside = e < E
+    lst = tl.load(last + layer * E + e, mask=inside, other=0.0)  # [BLOCK_E] 0 or 1
+    frq = tl.load(freq + layer * E + e, mask=inside, other=0.0)
+    used = needed.to(tl.float64)
+    one = tl.full([], 1.0, tl.float64)
+    seen = tl.sum(lst, 0)  # counts: exact in any order
+    seen = tl.where(seen < one, one, seen)
+    reused = tl.sum(used * lst, 0) / seen
+    # torch's cumsum is sequential, in expert order; `last` is 0 or 1, so only its ones add to the sum
+    ones = lst != 0.0
+    rank = tl.cumsum(ones.to(tl.int32), 0) - 1
+    acc = tl.zeros([], tl.float64)
+    for j in range(tl.sum(ones.to(tl.int32), 0)):
+        acc += tl.sum(tl.where(ones & (rank == j), lst * frq, 0.0), 0)  # exactly one term: exact
+    chance = acc / seen
+    floor = tl.full([], 1e-12, tl.float64)
+    spread = one - chance
+    rho = (reused - chance) / tl.where(spread < floor, floor, spread)
+    rho = tl.where(rho < 0.0, 0.0, rho)
+    r = tl.load(reuse + layer)
+    tl.debug_barrier()  # every read of the layer's state before the writes below
+    tl.store(reuse + layer, r * tl.full([], KEEP_REUSE, tl.float64) + rho * tl.full([], REUSE, tl.float64))
+    new_freq = frq * tl.full([], KEEP_FREQ, tl.float64) + used * tl.full([], FREQ, tl.float64)
+    tl.store(freq + layer * E + e, new_freq, mask=inside)
+    tl.store(last + layer * E + e, used, mask=inside)
+
+
+@triton.jit(do_not_specialize=["n_ids", "M", "layer", "expert_bytes"])
+def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_use, freq, last, reuse, keys,
+            hit_mark, need_mark, n_ids, M, layer, expert_bytes, L: tl.constexpr, E: tl.constexpr, S: tl.constexpr,
+            SCORED: tl.constexpr, STATS: tl.constexpr, FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr,
+            REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr):  # fmt: skip
+    now = tl.load(clock) + 1
+    tl.debug_barrier()  # every thread has read the clock before it moves
+    tl.store(clock, now)
+    for n0 in range(0, n_ids, BLOCK_N):  # scatter, not compare: any number of ids costs O(ids + E)
+        n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(need_mark + tl.load(ids + n, mask=n < n_ids, other=0), now, mask=n < n_ids)
+    tl.debug_barrier()
+    e = tl.arange(0, BLOCK_E)  # experts, and positions in the copy list (M <= E)
+    in_e = e < E
+    needed = tl.load(need_mark + e, mask=in_e, other=0) == now  # [BLOCK_E]
+    row = tl.load(slot_of + layer * E + e, mask=in_e, other=-1)  # [BLOCK_E] before this call's updates
+    hit = needed & (row >= 0)
+    miss = needed & (row < 0)
+    count = tl.sum(miss.to(tl.int32), 0)
+    tl.store(src + tl.cumsum(miss.to(tl.int32), 0) - 1, e, mask=miss)  # misses in expert order
+    pad = (e >= count) & (e < M)
+    tl.store(src + e, 0, mask=pad)
+    tl.store(dst + e, S, mask=pad)
+    tl.store(count_out, count)
+    if count > 0:
+        _choose_victims(keys, hit_mark, dst, count, row, hit, owner, last_use, freq, last, reuse, now, layer, L, E, S,
+                        SCORED, BLOCK_S, NUM_BLOCKS, BLOCKS_P2)  # fmt: skip
+    tl.debug_barrier()
+    evictions = _evict_and_map(slot_of, owner, src, dst, e, count, M, layer, L, E, S)
+    tl.debug_barrier()
+    row = tl.load(slot_of + layer * E + e, mask=in_e, other=-1)  # torch's `row` is a view: read it again
+    for n0 in range(0, n_ids, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        expert = tl.load(ids + n, mask=n < n_ids, other=0)
+        tl.store(slots + n, tl.load(slot_of + layer * E + expert, mask=n < n_ids, other=-1), mask=n < n_ids)
+    if SCORED:
+        _update_scored(freq, last, reuse, layer, needed, e, E, FREQ, KEEP_FREQ, REUSE, KEEP_REUSE)
+    else:
+        tl.store(last_use + tl.where(needed, row, S), now, mask=in_e)
+    if STATS:
+        j = tl.arange(0, 8)
+        add = tl.where(j == 0, tl.sum(needed.to(tl.int32), 0), tl.sum(hit.to(tl.int32), 0))
+        add = tl.where(j == 2, count, add)
+        add = tl.where(j == 3, evictions, add)
+        add = tl.where(j == 4, count.to(tl.int64) * expert_bytes, add.to(tl.int64))
+        at = stats + layer * 5 + j
+        add += tl.load(at, mask=j < 5, other=0)
+        tl.debug_barrier()  # no thread reads a counter after another wrote it
+        tl.store(at, add, mask=j < 5)
+
+
+def ensure_fused(cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int | None = None) -> Ensured:
+    """`ExpertCache.ensure` in one launch (see the module docstring); `block_s` is for tests of several blocks."""
+    L, E, S = cache.num_layers, cache.num_experts, cache.num_slots
+    flat = ids.reshape(-1)
+    M = min(flat.numel(), E)  # the most misses this call can have
+    assert M <= S, "more distinct experts than slots: split them into waves"
+    if cache.ensure_scratch is None:  # CPU caches (the interpreter's tests); CUDA caches allocate it up front
+        cache.ensure_scratch = torch.zeros(2 * S + E, dtype=torch.long, device=cache.device)
+    keys, hit_mark, need_mark = cache.ensure_scratch.split([S, S, E])
+    policy = cache.policy
+    if isinstance(policy, Scored):
+        last_use, freq, last, reuse = cache.owner, policy.freq, policy.last, policy.reuse  # last_use: unused
+    elif isinstance(policy, LRU):
+        last_use = freq = last = reuse = policy.last_use  # freq, last, reuse: unused
+    else:
+        raise NotImplementedError(f"no fused ensure for policy {type(policy).__name__}")
+    slots = torch.empty(flat.shape, dtype=torch.long, device=flat.device)
+    src = torch.empty(M, dtype=torch.long, device=flat.device)
+    dst = torch.empty(M, dtype=torch.long, device=flat.device)
+    count = torch.empty((), dtype=torch.long, device=flat.device)
+    block_s = min(block_s or BLOCK_S, triton.next_power_of_2(S))
+    num_blocks = triton.cdiv(S, block_s)
+    # fmt: off
+    _ensure[(1,)](
+        flat, slots, src, dst, count, cache.slot_of, cache.owner, cache.clock, cache.stats, last_use, freq, last,
+        reuse, keys, hit_mark, need_mark, flat.numel(), M, layer, cache.expert_bytes,
+        L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
+        FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
+        BLOCKS_P2=triton.next_power_of_2(num_blocks),
+        num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,  # no FMA: torch rounds mul and add apart
+    )
+    # fmt: on
+    return Ensured(slots.view(ids.shape), src, dst, count)

@@ -1,0 +1,185 @@
+"""Routed experts for decode on CUDA, reading each chosen expert in place (by id) from the expert bank or the offload
+slot pool: out[t] = sum_k weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x[t]) * w13[e, I:] @ x[t]), e = ids[t, k].
+Its reference is `edgemoe.moe.experts.gathered_experts`, which copies every chosen expert first. Two GEMV kernels,
+fp32 accumulation:
+
+- up, program (pair, row block): BLOCK_N gate rows and the matching up rows of the pair's expert over all of H,
+  then h = silu(gate) * up -> [pairs, I] in x's dtype (the reference rounds it there too; down re-reads h for
+  every row block, so half the bytes of fp32).
+- down, program (token, row block): BLOCK_N rows of w2 of all the token's top_k experts (a [top_k, BLOCK_N,
+  BLOCK_K] tile per step) over all of I, then the weighted sum over k in registers: deterministic, no atomics.
+
+Grids and blocks follow from shapes alone (no autotuning), and nothing syncs with the host: CUDA-graph capturable
+once compiled. `benchmarks/moe_gemv.py` times it against `gathered_experts` and sweeps the block sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _up(
+    x,
+    ids,
+    w13,
+    h,
+    H,
+    inter,
+    top_k,
+    stride_x,
+    stride_e,
+    stride_r,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of gate; up's are inter rows further
+    k = tl.arange(0, BLOCK_K)
+    rows = n < inter
+    expert = tl.load(ids + pair).to(tl.int64)  # int64: slot * stride overflows int32 for real pools
+    gate_ptr = w13 + expert * stride_e + n[:, None] * stride_r + k[None, :]  # [BLOCK_N, BLOCK_K]
+    up_ptr = gate_ptr + inter * stride_r
+    x_ptr = x + (pair // top_k).to(tl.int64) * stride_x + k
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced once after the loop
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            xk = tl.load(x_ptr + k0)
+            mask = rows[:, None]
+        else:
+            cols = k0 + k < H
+            xk = tl.load(x_ptr + k0, mask=cols, other=0.0)
+            mask = rows[:, None] & cols[None, :]
+        xk = xk.to(tl.float32)[None, :]
+        acc_gate += tl.load(gate_ptr + k0, mask=mask, other=0.0).to(tl.float32) * xk
+        acc_up += tl.load(up_ptr + k0, mask=mask, other=0.0).to(tl.float32) * xk
+    gate = tl.sum(acc_gate, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    tl.store(h + pair * inter + n, (gate * tl.sigmoid(gate) * up).to(h.dtype.element_ty), mask=rows)
+
+
+@triton.jit
+def _down(
+    h,
+    ids,
+    weights,
+    w2,
+    out,
+    H,
+    inter,
+    top_k,
+    stride_o,
+    stride_e,
+    stride_r,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    p = tl.arange(0, BLOCK_P)  # the token's pairs (top_k padded to a power of two)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output rows
+    k = tl.arange(0, BLOCK_K)
+    pairs = p < top_k
+    pair = t * top_k + p
+    expert = tl.load(ids + pair, mask=pairs, other=0).to(tl.int64)  # [BLOCK_P]
+    rows = pairs[:, None, None] & (n < H)[None, :, None]
+    w_ptr = w2 + expert[:, None, None] * stride_e + n[None, :, None] * stride_r + k[None, None, :]
+    h_ptr = h + pair[:, None] * inter + k[None, :]  # [BLOCK_P, BLOCK_K]
+    acc = tl.zeros([BLOCK_P, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            hk = tl.load(h_ptr + k0, mask=pairs[:, None], other=0.0)
+            mask = rows
+        else:
+            cols = k0 + k < inter
+            hk = tl.load(h_ptr + k0, mask=pairs[:, None] & cols[None, :], other=0.0)
+            mask = rows & cols[None, None, :]
+        w = tl.load(w_ptr + k0, mask=mask, other=0.0)
+        acc += w.to(tl.float32) * hk.to(tl.float32)[:, None, :]
+    wk = tl.load(weights + pair, mask=pairs, other=0.0).to(tl.float32)  # [BLOCK_P]
+    y = tl.sum(tl.sum(acc, axis=2) * wk[:, None], axis=0)  # [BLOCK_N]
+    tl.store(out + t * stride_o + n, y.to(out.dtype.element_ty), mask=n < H)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Rows per program and columns per step of each kernel, and their warps."""
+
+    up_n: int
+    up_k: int
+    up_warps: int
+    down_n: int
+    down_k: int
+    down_warps: int
+
+
+@functools.cache
+def pick_blocks(hidden: int, inter: int) -> Blocks:
+    """From a sweep on an H200 in bf16 at the real geometries, batch 1 and 4 (`benchmarks/moe_gemv.py --sweep`): up,
+    16 rows x 128 columns over 8 warps; down, one output row per program (many small programs keep enough loads in
+    flight even at one token) and longer steps for long rows."""
+    p2 = triton.next_power_of_2
+    down_k = 128 if inter < 4096 else 256
+    return Blocks(
+        up_n=min(16, p2(inter)),
+        up_k=min(128, p2(hidden)),
+        up_warps=8,
+        down_n=1,
+        down_k=min(down_k, p2(inter)),
+        down_warps=4,
+    )
+
+
+def fused_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    blocks: Blocks | None = None,
+) -> torch.Tensor:
+    """x: [T, H]; ids: [T, K] rows of w13/w2 (expert ids, or slots of an offload pool); weights: [T, K] (float32 or
+    x's dtype); w13: [N, 2I, H] (gate rows, then up rows); w2: [N, H, I] -> [T, H] in x's dtype. The weight banks
+    may be any [N, ...] views contiguous in their last dim. `blocks` is for benchmarks/moe_gemv.py's sweep."""
+    return down_proj(up_proj(x, ids, w13, blocks), ids, weights, w2, blocks)
+
+
+def up_proj(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, blocks: Blocks | None = None) -> torch.Tensor:
+    """x: [T, H], ids: [T, K], w13: [N, 2I, H] -> h = silu(gate) * up [T * K, I] in x's dtype."""
+    (T, H), K, inter = x.shape, ids.shape[1], w13.shape[1] // 2
+    assert w13.shape[2] == H and w13.stride(2) == 1
+    x, ids = x if x.stride(1) == 1 else x.contiguous(), ids.contiguous()
+    h = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)  # [pairs, I]
+    if T * K:
+        b = blocks or pick_blocks(H, inter)
+        # pairs on the fastest axis: pairs of one expert (other tokens) read the same rows together, from L2
+        _up[(T * K, triton.cdiv(inter, b.up_n))](
+            x, ids, w13, h, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1),
+            b.up_n, b.up_k, H % b.up_k == 0, num_warps=b.up_warps,
+        )  # fmt: skip
+    return h
+
+
+def down_proj(
+    h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w2: torch.Tensor, blocks: Blocks | None = None
+) -> torch.Tensor:
+    """h: [T * K, I] from `up_proj`, ids and weights: [T, K], w2: [N, H, I] -> [T, H] in h's dtype."""
+    (T, K), H, inter = ids.shape, w2.shape[1], w2.shape[2]
+    assert h.shape == (T * K, inter) and h.is_contiguous() and w2.stride(2) == 1
+    ids, weights = ids.contiguous(), weights.contiguous()
+    out = torch.empty(T, H, dtype=h.dtype, device=h.device)
+    if T:
+        b = blocks or pick_blocks(H, inter)
+        _down[(T, triton.cdiv(H, b.down_n))](  # likewise tokens first
+            h, ids, weights, w2, out, H, inter, K, out.stride(0), w2.stride(0), w2.stride(1),
+            triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0, num_warps=b.down_warps,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,216 @@
+"""Paged decode attention on CUDA: one query token per sequence against its KV blocks, read in place through the
+block table and only up to the sequence's context length (split-KV, "flash decoding"). Its reference is
+`PagedAttention._decode_torch`, which gathers the whole padded table and masks.
+
+- partial, program (seq, kv head, split): the split's `partition` tokens of one KV head, for all the `group` query
+  heads that share it (K/V read once per KV head), in tiles of `block_n` tokens with an online softmax in fp32.
+  Splits that start at or past the context length do nothing.
+- reduce, program (seq, head): combines the splits that hold tokens (max / sum-exp rescaling) into the output.
+  With one split the partial kernel normalises and writes the output itself, and reduce does not run.
+
+The grid follows from the padded table width, never from the context lengths, and nothing syncs with the host:
+CUDA-graph capturable once compiled (the partials workspace comes from torch's allocator, so from the graph pool).
+`benchmarks/paged_attention.py` times it against the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+PARTITION = 512  # tokens per split: enough work per program, few partials to combine
+BLOCK_N = 64  # tokens per tile
+_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _partial(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    out,
+    m_part,
+    l_part,
+    acc_part,
+    qk_scale,
+    width,
+    num_splits,
+    heads,
+    stride_qs,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_os,
+    stride_oh,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    PARTITION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr,
+    DOT_TY: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)  # the reference masks to the width too
+    start = split * PARTITION
+    end = tl.minimum(start + PARTITION, ctx_len)  # past the context: no iterations
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    n = tl.arange(0, BLOCK_N)
+    rows = g < GROUP  # real query heads (the tile is padded to tl.dot's minimum of 16 rows)
+    head = kvh * GROUP + g  # [G_PAD] query heads sharing this KV head (enable_gqa's repeat_interleave order)
+    seq64 = seq.to(tl.int64)
+    q_ptr = q + seq64 * stride_qs + head[:, None] * stride_qh + d[None, :]
+    q_tile = tl.load(q_ptr, mask=rows[:, None], other=0.0).to(DOT_TY)  # [G_PAD, D]
+    table = block_tables + seq64 * stride_bt
+    k_base = k_cache + kvh * stride_kh
+    v_base = v_cache + kvh * stride_vh
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max, log2 domain
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + n  # [BLOCK_N] token positions
+        valid = t < end  # at least t0 itself, so every row of s below has a finite max
+        block = tl.load(table + t // BS, mask=valid, other=0).to(tl.int64)
+        slot = block * BS + t % BS  # int64: slot * stride overflows int32 for large caches
+        k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+        if G_PAD == 1:  # MHA: products and sums, no 16-row padding
+            s = tl.sum(k.to(tl.float32) * q_tile.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
+        else:
+            s = tl.dot(q_tile, tl.trans(k.to(DOT_TY)), input_precision=PRECISION)  # [G_PAD, BLOCK_N] fp32
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # guard: -inf - -inf would give NaN below
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # 0 at masked tokens
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=valid[:, None], other=0.0)
+        if G_PAD == 1:
+            pv = tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]  # [1, D]
+        else:
+            pv = tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION)  # [G_PAD, D] fp32
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if SINGLE:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context: zeros
+        o_ptr = out + seq64 * stride_os + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, o.to(out.dtype.element_ty), mask=rows[:, None])
+    elif start < ctx_len:  # splits past the context write nothing; reduce never reads them
+        row = (seq64 * heads + head) * num_splits + split  # [G_PAD] rows of the partials
+        tl.store(m_part + row, m_i, mask=rows)
+        tl.store(l_part + row, l_i, mask=rows)
+        tl.store(acc_part + row[:, None] * D + d[None, :], acc, mask=rows[:, None])
+
+
+@triton.jit
+def _reduce(
+    m_part,
+    l_part,
+    acc_part,
+    context_lens,
+    out,
+    width,
+    num_splits,
+    heads,
+    stride_os,
+    stride_oh,
+    D: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq, h = tl.program_id(0), tl.program_id(1)
+    ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)
+    used = tl.cdiv(ctx_len, PARTITION)  # splits the partial kernel wrote
+    base = (seq.to(tl.int64) * heads + h) * num_splits
+    s = tl.arange(0, SPLITS_PAD)
+    m = tl.load(m_part + base + s, mask=s < used, other=float("-inf"))
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: keeps exp2 below NaN-free
+    l_sum = tl.sum(tl.exp2(m - m_max) * tl.load(l_part + base + s, mask=s < used, other=0.0), axis=0)
+    d = tl.arange(0, D)
+    sb = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, used, BLOCK_S):  # chunks keep the [splits, D] tile small at long contexts
+        i = s0 + sb
+        w = tl.exp2(tl.load(m_part + base + i, mask=i < used, other=float("-inf")) - m_max)  # [BLOCK_S]
+        a = tl.load(acc_part + (base + i)[:, None] * D + d[None, :], mask=(i < used)[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * a, axis=0)
+    o = acc / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(out + seq.to(tl.int64) * stride_os + h * stride_oh + d, o.to(out.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+    partition: int = PARTITION,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """q: [seqs, heads, head_dim]; k_cache, v_cache: [num_slots, kv_heads, head_dim] (slot = block * block_size +
+    offset); block_tables: [seqs, max_blocks] int64 (entries past a sequence's context are never read);
+    context_lens: [seqs] int64 on the device -> [seqs, heads, head_dim] in q's dtype. head_dim a power of two >= 16
+    (others: ValueError, use the torch path); heads a multiple of kv_heads. `partition`, `block_n` and `num_warps`
+    are for tests (the interpreter) and benchmarks/paged_attention.py's sweep."""
+    seqs, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if dim < 16 or dim & (dim - 1):
+        raise ValueError(f"paged_decode_attention needs a power-of-two head_dim >= 16, got {dim}")
+    if heads % kv_heads or k_cache.shape[2] != dim or v_cache.shape[1:] != k_cache.shape[1:]:
+        raise ValueError(f"shapes do not match: q {list(q.shape)}, k {list(k_cache.shape)}, v {list(v_cache.shape)}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"KV cache dtype {k_cache.dtype} / {v_cache.dtype}: use one of float32, bfloat16, float16")
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("the KV cache must be contiguous in head_dim")
+    if partition % block_n or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n ({block_n}) must be a power of two >= 16 dividing partition ({partition})")
+    q = q if q.stride(2) == 1 else q.contiguous()
+    group = heads // kv_heads
+    g_pad = 1 if group == 1 else max(16, triton.next_power_of_2(group))
+    width = block_tables.shape[1] * block_size  # padded tokens: fixes the grid
+    num_splits = max(1, triton.cdiv(width, partition))
+    single = num_splits == 1
+    out = torch.empty(seqs, heads, dim, dtype=q.dtype, device=q.device)
+    if seqs == 0:
+        return out
+    if single:
+        m_part = l_part = acc_part = out  # unused
+    else:
+        m_part = torch.empty(seqs, heads, num_splits, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(seqs, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    # dot operands in the cache's dtype (tensor cores for 16-bit); fp32 stays fp32 (no tf32). Triton's interpreter
+    # (CPU tensors) multiplies bf16 dot operands as raw bits (triton-lang/triton#11584), so there they go to fp32.
+    interpreted_bf16 = not k_cache.is_cuda and k_cache.dtype == torch.bfloat16
+    dot_ty = tl.float32 if interpreted_bf16 else _DTYPES[k_cache.dtype]
+    precision = "ieee" if dot_ty == tl.float32 else "tf32"  # (tf32: the default, ignored for 16-bit operands)
+    _partial[(seqs, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, m_part, l_part, acc_part,
+        scale * math.log2(math.e), width, num_splits, heads,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        group, g_pad, dim, block_size, partition, block_n, single, dot_ty, precision, num_warps=num_warps,
+    )  # fmt: skip
+    if not single:
+        _reduce[(seqs, heads)](
+            m_part, l_part, acc_part, context_lens, out, width, num_splits, heads, out.stride(0), out.stride(1),
+            dim, partition, triton.next_power_of_2(num_splits), 16, num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,151 @@
+"""Paged decode attention (`edgemoe.kernels.paged_attention`) compiled on CUDA: against `PagedAttention._decode_torch`
+and a float64 per-sequence softmax at real shapes up to a 32K padded width, in float32 and bf16; the layer's decode
+path; no host synchronisation; offsets past int32 in a large cache; replayed from a CUDA graph with new context
+lengths, block tables and cache contents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgemoe.engine.context import ForwardContext
+from edgemoe.layers.attention import PagedAttention
+
+SHAPES = [(16, 16, 128), (32, 4, 128), (4, 1, 64)]  # (heads, kv_heads, head_dim): MHA, GQA 8, MQA
+LENS = [1, 15, 511, 512, 513, 4096, 20000, 32768]  # on and off block and partition (512) boundaries
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def fill_tables(tables: torch.Tensor, lens: list[int], block_size: int, num_blocks: int, gen) -> None:
+    """Each sequence's blocks from one shuffled permutation of the cache (in no order); the rest: the pad block."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    rows = torch.full(tables.shape, num_blocks, dtype=torch.long)
+    start = 0
+    for i, n in enumerate(lens):
+        used = -(-n // block_size)
+        rows[i, :used] = torch.tensor(perm[start : start + used])
+        start += used
+    tables.copy_(rows)
+
+
+def paged_case(lens: list[int], heads: int, kv_heads: int, dim: int, block_size: int, width: int, dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    slots = (num_blocks + 1) * block_size  # + the pad block, last (as KVCache)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = (2 * torch.randn(len(lens), heads, dim, generator=g, device="cuda")).to(dtype)
+    k = torch.randn(slots, kv_heads, dim, generator=g, device="cuda").to(dtype)
+    v = torch.randn(slots, kv_heads, dim, generator=g, device="cuda").to(dtype)
+    tables = torch.empty(len(lens), width // block_size, dtype=torch.long, device="cuda")
+    fill_tables(tables, lens, block_size, num_blocks, gen)
+    return q, k, v, tables, torch.tensor(lens, device="cuda")
+
+
+def layer_with(k: torch.Tensor, v: torch.Tensor, heads: int, block_size: int) -> PagedAttention:
+    attn = PagedAttention(heads, k.shape[1], k.shape[2], block_size)
+    attn.k_cache, attn.v_cache = k, v
+    return attn
+
+
+def decode_ctx(tables: torch.Tensor, lens: torch.Tensor) -> ForwardContext:
+    return ForwardContext(False, torch.empty(0, dtype=torch.long, device="cuda"), lens, tables)
+
+
+def plain_attention(q, k_cache, v_cache, tables, lens, block_size: int) -> torch.Tensor:
+    """Per sequence, its own tokens only, float64 -> [seqs, heads, dim] float64."""
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    out = []
+    for i, n in enumerate(lens.tolist()):
+        t = torch.arange(n, device=q.device)
+        slots = tables[i, t // block_size] * block_size + t % block_size
+        k = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, dim]
+        v = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        p = (torch.einsum("hd,nhd->hn", q[i].double(), k) * dim**-0.5).softmax(-1)
+        out.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("width, block_size", [(32768, 16), (512, 16), (2048, 1)])  # 512: one split, no reduce
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}".format(*s))
+def test_matches_references(shape, dtype, width: int, block_size: int) -> None:
+    from edgemoe.kernels.paged_attention import paged_decode_attention
+
+    heads, kv_heads, dim = shape
+    lens = [n for n in LENS if n <= width] + [width]
+    q, k, v, tables, ctx_lens = paged_case(lens, heads, kv_heads, dim, block_size, width, dtype, seed=len(lens))
+    attn = layer_with(k, v, heads, block_size)
+    out = paged_decode_attention(q, k, v, tables, ctx_lens, attn.scale, block_size)
+    assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out, attn._decode_torch(q, decode_ctx(tables, ctx_lens)), **TOL[dtype])
+    torch.testing.assert_close(out.double(), plain_attention(q, k, v, tables, ctx_lens, block_size), **TOL[dtype])
+    torch.testing.assert_close(attn._decode(q, decode_ctx(tables, ctx_lens)), out, atol=0, rtol=0)  # the layer's path
+
+
+def test_does_not_synchronise() -> None:
+    from edgemoe.kernels.paged_attention import paged_decode_attention
+
+    q, k, v, tables, lens = paged_case([3000, 40], 32, 4, 128, 16, 8192, torch.bfloat16, seed=1)
+    paged_decode_attention(q, k, v, tables, lens, 128**-0.5, 16)  # compiles (may sync)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        paged_decode_attention(q, k, v, tables, lens, 128**-0.5, 16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_offsets_past_int32() -> None:
+    """A cache of more than 2^31 elements, the sequences' blocks at its end: slot * stride needs int64."""
+    from edgemoe.kernels.paged_attention import paged_decode_attention
+
+    kv_heads, dim, bs = 8, 128, 16
+    num_blocks = 2**31 // (kv_heads * dim * bs) + 64
+    k = torch.empty((num_blocks + 1) * bs, kv_heads, dim, dtype=torch.bfloat16, device="cuda")  # 4.3 GB each
+    v = torch.empty_like(k)
+    for cache in (k, v):
+        cache[(num_blocks - 64) * bs :].normal_()  # the blocks read, and the pad block (never read)
+    top = (num_blocks - 64 + torch.randperm(64)).cuda()  # the last 64 blocks, shuffled
+    tables = torch.full((2, 128), num_blocks, dtype=torch.long, device="cuda")  # a 2048-token width
+    tables[0, :63], tables[1, :44] = top[:63], top[20:]  # 1000 and 700 tokens (shared blocks: reads only)
+    lens = torch.tensor([1000, 700], device="cuda")
+    q = torch.randn(2, 32, dim, device="cuda").bfloat16()
+    out = paged_decode_attention(q, k, v, tables, lens, dim**-0.5, bs)
+    torch.testing.assert_close(out.double(), plain_attention(q, k, v, tables, lens, bs), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_graph_replays_new_lengths_and_tables(dtype) -> None:
+    """Captured once at a 32K width; each replay gets new q, cache contents, block tables and context lengths
+    (one token to the full width) written into the static buffers."""
+    from edgemoe.kernels.paged_attention import paged_decode_attention
+
+    heads, kv_heads, dim, bs, width, seqs = 32, 4, 128, 16, 32768, 4
+    num_blocks = seqs * width // bs  # room for every sequence at the full width
+    k = torch.zeros((num_blocks + 1) * bs, kv_heads, dim, dtype=dtype, device="cuda")
+    v = torch.zeros_like(k)
+    q = torch.zeros(seqs, heads, dim, dtype=dtype, device="cuda")
+    tables = torch.full((seqs, width // bs), num_blocks, dtype=torch.long, device="cuda")
+    lens = torch.ones(seqs, dtype=torch.long, device="cuda")
+    attn = layer_with(k, v, heads, bs)
+
+    def step() -> torch.Tensor:
+        return paged_decode_attention(q, k, v, tables, lens, attn.scale, bs)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    gen = torch.Generator().manual_seed(0)
+    for round_lens in ([1, 1, 1, 1], [1, 512, 513, 32768], [4096, 17, 32767, 1000], [32768] * 4, [3, 2, 1, 600]):
+        q.copy_(2 * torch.randn(q.shape, generator=gen))
+        k.normal_()
+        v.normal_()
+        fill_tables(tables, round_lens, bs, num_blocks, gen)
+        lens.copy_(torch.tensor(round_lens))
+        graph.replay()
+        expected = attn._decode_torch(q, decode_ctx(tables, lens))
+        torch.testing.assert_close(out, expected, **TOL[dtype], msg=lambda m, r=round_lens: f"lens {r}: {m}")

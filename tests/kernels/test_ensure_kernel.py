@@ -1,0 +1,96 @@
+"""The Triton kernels against their plain-torch oracles, on the CPU under Triton's interpreter (see conftest.py):
+the fused `ensure` against `ExpertCache._ensure_torch` (every returned and every state tensor, after every call),
+and the miss copy against `copy_rows_reference`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from edgemoe.kernels.ensure import ensure_fused  # noqa: E402
+from edgemoe.kernels.miss_copy import copy_rows  # noqa: E402
+from edgemoe.moe.expert_cache import POLICIES, ExpertCache, copy_rows_reference  # noqa: E402
+from tests.moe.test_expert_cache import check_invariants, random_trace  # noqa: E402
+
+# Scored keys divide by a zero chance of use on purpose (-> inf, clamped); numpy warns about it
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+
+
+def state(cache: ExpertCache) -> dict[str, torch.Tensor]:
+    tensors = {f"policy.{k}": v for k, v in vars(cache.policy).items() if isinstance(v, torch.Tensor)}
+    return {"slot_of": cache.slot_of, "owner": cache.owner, "clock": cache.clock, "stats": cache.stats, **tensors}
+
+
+def compare(want: ExpertCache, got: ExpertCache, trace: torch.Tensor, block_s: int) -> int:
+    """Feed `trace` [steps, layers, tokens, top_k] to both caches; -> the number of misses."""
+    misses = 0
+    for step in trace:
+        for layer, ids in enumerate(step):
+            a, b = want._ensure_torch(layer, ids), ensure_fused(got, layer, ids, block_s=block_s)
+            for field, x, y in zip(a._fields, a, b):
+                assert x.dtype == y.dtype and torch.equal(x, y), (field, x, y)
+            for name, x in state(want).items():
+                assert torch.equal(x, state(got)[name]), (name, layer, x, state(got)[name])
+            misses += int(a.count)
+    check_invariants(got)
+    return misses
+
+
+# (layers, experts, slots, tokens, top_k, skew, block_s): slots from the minimum (tokens x top_k) to every
+# expert; 60 experts: not a power of two; block_s below slots: the victim search over several blocks
+CASES = [
+    (3, 8, 4, 2, 2, 1.0, 1024),
+    (3, 8, 24, 2, 2, 1.0, 1024),
+    (3, 8, 7, 1, 2, 0.0, 1024),
+    (2, 60, 12, 3, 4, 1.0, 4),
+    (2, 60, 50, 3, 4, 0.0, 16),
+    (4, 16, 20, 1, 4, 1.5, 8),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "L{}-E{}-S{}-t{}-k{}-skew{}-b{}".format(*c))
+@pytest.mark.parametrize("collect_stats", [True, False])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_fused_ensure_matches_torch(policy: str, collect_stats: bool, case: tuple) -> None:
+    L, E, S, tokens, top_k, skew, block_s = case
+    trace = random_trace(8, L, E, tokens, top_k, skew, seed=S + int(collect_stats))
+    want, got = (ExpertCache(L, E, S, policy, expert_bytes=1000, collect_stats=collect_stats) for _ in range(2))
+    misses = compare(want, got, trace, block_s)
+    if S < L * E:
+        assert misses > S, "small caches must evict"
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_fused_ensure_many_ids_and_reset(policy: str) -> None:
+    """More ids than one block of them (prefill-like, every expert fits), then both caches reset and go on."""
+    L, E, S = 2, 16, 16
+    want, got = (ExpertCache(L, E, S, policy, expert_bytes=3) for _ in range(2))
+    compare(want, got, random_trace(3, L, E, 40, 8, skew=1.0, seed=7), block_s=8)  # 320 ids a call
+    for cache in (want, got):
+        cache.reset()
+    compare(want, got, random_trace(4, L, E, 2, 3, skew=0.5, seed=8), block_s=8)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_fused_ensure_more_seeds(policy: str) -> None:
+    L, E, S = 3, 12, 9
+    for seed in range(3):
+        want, got = (ExpertCache(L, E, S, policy, expert_bytes=5) for _ in range(2))
+        compare(want, got, random_trace(6, L, E, 2, 3, skew=0.8, seed=seed), block_s=4)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 5), (16, 8, 8)])
+def test_copy_rows_matches_reference(shape: tuple[int, ...]) -> None:
+    E, S, M = shape[0], 7, 5
+    gen = torch.Generator().manual_seed(E)
+    bank = torch.randn(shape, generator=gen)
+    for count in (0, 2, M):
+        pool = torch.randn(S + 1, *shape[1:], generator=gen)
+        expected = pool.clone()
+        src, dst = torch.randperm(E, generator=gen)[:M], torch.randperm(S, generator=gen)[:M]
+        valid = torch.arange(M) < count
+        copy_rows_reference(expected, bank, torch.where(valid, src, 0), torch.where(valid, dst, S))
+        copy_rows(pool, bank, src, dst, torch.tensor(count), block=8)  # 8: rows of several blocks, a partial one
+        assert torch.equal(pool[:S], expected[:S]), count

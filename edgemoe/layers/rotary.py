@@ -21,6 +21,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
+        if q.is_cuda:
+            from edgemoe.kernels.norm_rope import apply_rotary  # CPU-only machines lack triton
+
+            return apply_rotary(q, k, self.cos_sin, positions)  # one launch for q and k instead of ~15
+        return self._forward_torch(positions, q, k)
+
+    def _forward_torch(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the reference of the kernel
         cos, sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # [tokens, 1, head_dim] each
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 

@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 case "$part" in
   qwen3)
     python3 -m edgemoe bench --geometry qwen3-30b-a3b --context 4096 --moe-cache-fraction 0.25,0.5,1 \
-      --moe-policy lru,scored --routing-trace synthetic --steps 16 --warmup 8 --prefill 512 --profile 6 \
+      --moe-policy lru,scored --routing-trace synthetic --steps 16 --warmup 8 --prefill 512 --profile 4 \
       --json "$out/bench_qwen3.json" --plot "$out/bench_qwen3.png" > /dev/null ;;
   qwen15)
     python3 -m edgemoe bench --geometry qwen1.5-moe-a2.7b --context 32768 --vram-budget 16GiB \

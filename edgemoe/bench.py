@@ -43,9 +43,13 @@ from edgemoe.moe.offload import MiB, OffloadedExperts, attach_expert_cache, cach
 GEOMETRIES = list(PRESETS)  # real ones fix their family; tiny and small are qwen2_moe (smoke runs)
 
 
-def build_model(geometry: str, layers: int | None, device: torch.device, dtype: torch.dtype) -> MoEForCausalLM:
-    """A random-weight model with offloaded experts: dense weights on `device`, banks in (pinned) host memory."""
+def build_model(
+    geometry: str, layers: int | None, device: torch.device, dtype: torch.dtype, positions: int = 0
+) -> MoEForCausalLM:
+    """A random-weight model with offloaded experts: dense weights on `device`, banks in (pinned) host memory. Its
+    RoPE table covers at least `positions` (a benchmark may run a geometry past its trained context)."""
     preset = dict(PRESETS[geometry])
+    preset["max_position_embeddings"] = max(preset.get("max_position_embeddings") or 0, positions)
     family = preset.pop("family", "qwen2_moe")
     cfg = families()[family].normalise(hf_config(family, preset, preset["vocab_size"] or 6144, layers))
     with torch.device("meta"):
@@ -155,6 +159,15 @@ class Decoder:
             h.remove()
 
 
+def prewarm(model: MoEForCausalLM, rows: torch.Tensor) -> None:
+    """Bring the cache to a steady state before timing: ensure + miss copy of each trace row [layers, top_k], layer
+    by layer, without the model (decode reads the trace from its start; these rows come from its end)."""
+    layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+    for row in rows:
+        for m in layers:
+            m.load(row[m.layer].view(1, -1))
+
+
 def prefill(model: MoEForCausalLM, kv: KVCache, tokens: int) -> float:
     """Seconds for one prompt of `tokens` random ids (the router picks experts; prefill runs in waves)."""
     dev = kv.k.device
@@ -183,11 +196,11 @@ def run_bench(a: argparse.Namespace) -> dict:
         raise EdgeMoEError("edgemoe bench --device cuda needs a CUDA GPU")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[a.dtype]
     print(f"building {a.geometry} ({a.layers or 'all'} layers, {a.dtype}) ...", file=sys.stderr)
-    model = build_model(a.geometry, a.layers, device, dtype)
-    cfg = model.config
-    L, per_expert = sum(cfg.moe_layers), expert_bytes(cfg, dtype)
     per_run = a.warmup + a.steps + 2 + len(UPLOAD_VARIANTS) * (a.profile + 3)  # positions one decode() advances
     total_steps = 2 * per_run
+    model = build_model(a.geometry, a.layers, device, dtype, max(a.context, a.prefill) + total_steps + 1)
+    cfg = model.config
+    L, per_expert = sum(cfg.moe_layers), expert_bytes(cfg, dtype)
     kv = KVCache(cfg, -(-(max(a.context, a.prefill) + total_steps) // 16), 16, dtype, device)
     kv.bind([layer.self_attn.attn for layer in model.model.layers])
     dense = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -196,7 +209,7 @@ def run_bench(a: argparse.Namespace) -> dict:
     kv_read = 2 * cfg.num_layers * a.context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     kv_bytes = 2 * kv.k.numel() * kv.k.element_size()
     bw = bandwidths(device, per_expert)
-    trace = routing(a.routing_trace, total_steps, L, cfg.num_experts, cfg.top_k)
+    trace = routing(a.routing_trace, total_steps + a.prewarm, L, cfg.num_experts, cfg.top_k)
     result = {
         "geometry": a.geometry,
         "layers": cfg.num_layers,
@@ -307,6 +320,8 @@ def decode(
     }
     try:
         with torch.inference_mode():
+            if dec.trace is not None and a.prewarm:
+                prewarm(model, dec.trace[-a.prewarm :])
             for _ in range(a.warmup):
                 dec.step()
             fn = dec.step
@@ -388,8 +403,8 @@ def plot(result: dict, path: Path) -> None:
 def cmd_bench(a: argparse.Namespace) -> None:
     if (a.moe_cache_fraction is None) == (a.vram_budget is None):
         raise EdgeMoEError("give one of --moe-cache-fraction or --vram-budget")
-    if a.steps < 2 or a.warmup < 0 or a.context < 1 or a.prefill < 0:
-        raise EdgeMoEError("--steps must be >= 2, --warmup and --prefill >= 0, --context >= 1")
+    if a.steps < 2 or min(a.warmup, a.prewarm, a.prefill) < 0 or a.context < 1:
+        raise EdgeMoEError("--steps must be >= 2, --warmup, --prewarm and --prefill >= 0, --context >= 1")
     if not set(a.mode.split(",")) <= {"eager", "graph"}:
         raise EdgeMoEError(f"--mode {a.mode!r}: use eager, graph or eager,graph")
     if not set(a.shared_expert_overlap.split(",")) <= {"on", "off"}:

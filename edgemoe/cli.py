@@ -148,6 +148,12 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--routing-trace", help="FILE (.npy from --record-routing) or 'synthetic' (default: the router)")
     b.add_argument("--steps", type=int, default=64, help="timed decode steps (default: 64)")
     b.add_argument("--warmup", type=int, default=32, help="decode steps before timing (default: 32)")
+    b.add_argument(
+        "--prewarm",
+        type=int,
+        default=256,
+        help="with --routing-trace: trace steps run through the cache alone before decoding (default: 256)",
+    )
     b.add_argument("--prefill", type=int, default=512, help="prompt tokens for the prefill timing (0: skip)")
     b.add_argument("--mode", default="eager,graph", help="eager, graph (one CUDA graph per step) or both")
     b.add_argument(

@@ -10,9 +10,12 @@ steps.
 
 from __future__ import annotations
 
+import json
 import statistics
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -30,7 +33,9 @@ class GpuOp:
 
 
 def record(fn: Callable[[], object], steps: int) -> list[GpuOp]:
-    """Run `fn` `steps` times under torch.profiler; every GPU operation, sorted by start."""
+    """Run `fn` `steps` times under torch.profiler; every GPU operation, sorted by start. Read from the exported
+    Chrome trace (its `cat`, `ts`/`dur` in µs with ns decimals, `args.stream`), which every torch version writes
+    alike."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -38,11 +43,20 @@ def record(fn: Callable[[], object], steps: int) -> list[GpuOp]:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return ops_from_chrome_trace(events)
+
+
+def ops_from_chrome_trace(events: list[dict]) -> list[GpuOp]:
     ops = []
-    for e in prof.profiler.kineto_results.events():
-        kind = e.activity_type()
-        if kind in GPU_ACTIVITIES:
-            ops.append(GpuOp(e.name(), e.device_resource_id(), e.start_ns(), e.end_ns(), kind == "kernel"))
+    for e in events:
+        if e.get("cat") in GPU_ACTIVITIES and e.get("ph") == "X":
+            start = round(float(e["ts"]) * 1000)
+            stream = int(e.get("args", {}).get("stream", e.get("tid", 0)))
+            ops.append(GpuOp(e["name"], stream, start, start + round(float(e["dur"]) * 1000), e["cat"] == "kernel"))
     return sorted(ops, key=lambda o: (o.start, o.end))
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from edgemoe.profiler import GpuOp, summarize
+from edgemoe.profiler import GpuOp, ops_from_chrome_trace, summarize
 
 
 def timeline(steps: int, period: int = 100) -> list[GpuOp]:
@@ -57,3 +57,17 @@ def test_summarize_without_a_side_stream_and_bad_splits() -> None:
         summarize(ops[:-1], 2)
     with pytest.raises(ValueError, match="need >= 2 steps"):
         summarize(ops, 1)
+
+
+def test_ops_from_chrome_trace_keeps_gpu_work_only() -> None:
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 10.5, "dur": 1.25, "args": {"stream": 7}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 1},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "range", "ts": 9, "dur": 5, "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 9.001, "dur": 0.5, "args": {"stream": 9}},
+        {"ph": "f", "cat": "kernel", "name": "flow", "ts": 3},
+    ]
+    assert ops_from_chrome_trace(events) == [
+        GpuOp("Memcpy HtoD", 9, 9001, 9501, False),
+        GpuOp("k", 7, 10500, 11750, True),
+    ]

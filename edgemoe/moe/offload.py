@@ -40,14 +40,14 @@ class OffloadedExperts(nn.Module):
         pairs, E, S = ids.numel(), self.num_experts, self.cache.num_slots
         gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
         if gathered and (pairs <= S or E <= S):
-            got = self._load(ids)
+            got = self.load(ids)
             experts = gathered_experts if get_context().is_prefill else decode_experts  # prefill: bitwise as resident
             return experts(x, got.slots, weights, self.cache.w13, self.cache.w2)
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
         return self._grouped_waves(x, ids, weights)
 
-    def _load(self, ids: torch.Tensor) -> Ensured:
+    def load(self, ids: torch.Tensor) -> Ensured:
         got = self.cache.ensure(self.layer, ids)
         self.cache.copy_missing(got, self.gate_up_proj, self.down_proj)
         return got
@@ -58,7 +58,7 @@ class OffloadedExperts(nn.Module):
         S = self.cache.num_slots
         for start in range(0, len(experts), S):
             wave = experts[start : start + S]
-            got = self._load(torch.tensor(wave, device=self.cache.device)[None])
+            got = self.load(torch.tensor(wave, device=self.cache.device)[None])
             yield wave, got.slots[0].tolist()
 
     def _gathered_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

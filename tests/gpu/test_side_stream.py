@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 def test_side_stream_is_ours_and_not_the_capture_stream() -> None:
     side = side_stream(torch.cuda.current_device())
     assert side is side_stream(torch.cuda.current_device()), "one per device"
-    assert side.priority == torch.cuda.Stream.priority_range()[1], "highest priority"
+    assert side.priority <= torch.cuda.Stream.priority_range()[1], "at least torch's highest priority"
     pool = [torch.cuda.Stream() for _ in range(64)]  # torch's round-robin pool, wrapped around
     assert side.cuda_stream not in {s.cuda_stream for s in pool}
     x = torch.randn(64, 64, device="cuda")

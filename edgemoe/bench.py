@@ -17,6 +17,7 @@ counts, busy time, inter-kernel gaps per stream and the side stream's overlap wi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -311,7 +312,9 @@ def decode(
 ) -> dict:
     dec = Decoder(model, kv, a.context, trace)
     if dec.device.type == "cuda":
+        gc.collect()  # the previous run's graphs
         torch.cuda.reset_peak_memory_stats(dec.device)
+        before = torch.cuda.memory_allocated(dec.device)
     run = {
         "slots": slots,
         "fraction": slots / (sum(model.config.moe_layers) * model.config.num_experts),
@@ -333,6 +336,7 @@ def decode(
             stats = cache.stats.sum(0).tolist()
             if dec.device.type == "cuda":
                 run["peak_vram_bytes"] = torch.cuda.max_memory_allocated(dec.device)
+                run["run_vram_bytes"] = run["peak_vram_bytes"] - before  # this run's own peak (graph pool etc.)
             if mode == "graph" and a.profile:
                 run["profile"] = profile_uploads(dec.step, a.profile)
     except Exception as exc:  # a capture that fails is reported, not fatal

@@ -82,11 +82,28 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+def _parallel_branch(step: list[GpuOp], main: int, copy_kernel: str) -> list[GpuOp]:
+    """The operations of one step that run beside the routed experts' branch (the shared expert's).
+
+    Eager: the routed branch (miss copy included) runs inline on the busiest stream and the shared expert on the
+    side stream, so: everything off the busiest stream. Graph replay: the driver gives each layer's forked branches
+    streams of its own, and the routed branch may be the one moved off the launch stream. Then the shared branch is
+    what runs on streams without a miss copy while a copy-carrying stream is busy: serial work before a fork ends
+    before the branch starts, and work after a join starts after it ends."""
+    copy_streams = {o.stream for o in step if copy_kernel in o.name}
+    if not copy_streams or main in copy_streams:
+        return [o for o in step if o.stream != main]
+    windows = [
+        (min(o.start for o in step if o.stream == s), max(o.end for o in step if o.stream == s)) for s in copy_streams
+    ]
+    return [o for o in step if o.stream not in copy_streams and any(o.start < b and o.end > a for a, b in windows)]
+
+
 def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kernel: str = MISS_COPY) -> dict:
     """Per step (medians over the steps): kernels, busy_us (union of operation intervals), gpu_us (first start to
     last end), tok_s (tokens over the start-to-start period); per stream: ops per step, median and p90 gap between
-    consecutive operations within a step (µs); side streams (every stream but the busiest): `overlap`, the
-    fraction of their operation time during a miss-copy kernel on the main stream."""
+    consecutive operations within a step (µs); where a branch runs beside the routed experts (`_parallel_branch`):
+    `shared_us` its time per step and `overlap`, the fraction of that time during a miss-copy kernel."""
     if steps < 2 or not ops or len(ops) % steps:
         raise ValueError(f"{len(ops)} GPU operations do not split into {steps} identical steps (need >= 2 steps)")
     per = len(ops) // steps
@@ -112,15 +129,15 @@ def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kerne
             mine = [o for o in c if o.stream == s]
             gaps += [max(0, b.start - a.end) / 1e3 for a, b in zip(mine, mine[1:])]
         out["streams"][str(s)] = {
-            "role": "main" if s == main else "side",
+            "role": "main" if s == main else "other",
             "ops_per_step": sum(o.stream == s for o in chunks[0]),
             "gap_median_us": statistics.median(gaps) if gaps else 0.0,
             "gap_p90_us": _quantile(gaps, 0.9),
         }
-    side = [o for o in ops if o.stream != main]
-    if side:
-        copies = _union([(o.start, o.end) for o in ops if o.stream == main and copy_kernel in o.name])
-        total = sum(o.end - o.start for o in side)
-        out["side_us"] = total / steps / 1e3
-        out["overlap"] = sum(_covered(o.start, o.end, copies) for o in side) / total if total else 0.0
+    shared = [o for c in chunks for o in _parallel_branch(c, main, copy_kernel)]
+    if shared:
+        copies = _union([(o.start, o.end) for o in ops if copy_kernel in o.name])
+        total = sum(o.end - o.start for o in shared)
+        out["shared_us"] = total / steps / 1e3
+        out["overlap"] = sum(_covered(o.start, o.end, copies) for o in shared) / total
     return out

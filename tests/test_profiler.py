@@ -32,13 +32,14 @@ def test_summarize_hand_worked_timeline() -> None:
     assert got["gpu_us"] == pytest.approx(0.030)
     assert got["period_us"] == pytest.approx(0.1) and got["tok_s"] == pytest.approx(1e7)
     main, side = got["streams"]["7"], got["streams"]["9"]
-    assert main["role"] == "main" and side["role"] == "side"
+    assert main["role"] == "main" and side["role"] == "other"
     assert main["ops_per_step"] == 3 and side["ops_per_step"] == 2
     assert main["gap_median_us"] == pytest.approx(0.0015)  # gaps 2 and 1 ns, three times
     assert main["gap_p90_us"] == pytest.approx(0.002)
     assert side["gap_median_us"] == pytest.approx(0.002)
-    # side work 3 + 6 ns per step, of which 3 + 2 ns during the copy [12, 20)
-    assert got["side_us"] == pytest.approx(0.009)
+    # eager-like: the copy runs on the busiest stream, so the parallel branch is stream 9: 3 + 6 ns per step, of
+    # which 3 + 2 ns during the copy [12, 20)
+    assert got["shared_us"] == pytest.approx(0.009)
     assert got["overlap"] == pytest.approx(5 / 9)
 
 
@@ -71,3 +72,24 @@ def test_ops_from_chrome_trace_keeps_gpu_work_only() -> None:
         GpuOp("Memcpy HtoD", 9, 9001, 9501, False),
         GpuOp("k", 7, 10500, 11750, True),
     ]
+
+
+def test_graph_like_timeline_finds_the_branch_beside_the_copy() -> None:
+    """Graph replay: the routed branch (with the copy) moved to stream 20, the shared branch stayed on 7 between
+    serial work: A ends before the branch window [11, 38) and C starts after it."""
+    ops = []
+    for i in range(2):
+        t = 100 * i
+        ops += [
+            GpuOp("A", 7, t, t + 10, True),
+            GpuOp("S1", 7, t + 12, t + 15, True),
+            GpuOp("S2", 7, t + 16, t + 18, True),
+            GpuOp("C", 7, t + 40, t + 50, True),
+            GpuOp("R1", 20, t + 11, t + 14, True),
+            GpuOp("_copy_rows", 20, t + 14, t + 30, True),
+            GpuOp("R2", 20, t + 31, t + 38, True),
+        ]
+    got = summarize(sorted(ops, key=lambda o: (o.start, o.end)), 2)
+    assert got["streams"]["7"]["role"] == "main"
+    assert got["shared_us"] == pytest.approx(0.005)  # S1 + S2
+    assert got["overlap"] == pytest.approx(3 / 5)  # [14, 15) of S1 and all of S2

@@ -4,10 +4,12 @@
 #                                                #   eager and graph, graph-upload profiles
 #   bash benchmarks/figures.sh OUT_DIR qwen15    # qwen1.5-moe-a2.7b, 32K context, a 16 GiB card: lru/scored x
 #                                                #   shared-expert overlap off/on, profiles (overlap fraction)
+#   bash benchmarks/figures.sh OUT_DIR qwen15-cached  # the same with every expert cached (no miss copy): does
+#                                                #   the side stream help resident-like decode?
 # Run from the repo root on the GPU machine (torch with CUDA; nothing to install).
 set -euo pipefail
 out=${1:?OUT_DIR}
-part=${2:?qwen3 or qwen15}
+part=${2:?qwen3, qwen15 or qwen15-cached}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 case "$part" in
@@ -19,5 +21,9 @@ case "$part" in
     python3 -m edgemoe bench --geometry qwen1.5-moe-a2.7b --context 32768 --vram-budget 16GiB \
       --moe-policy lru,scored --shared-expert-overlap off,on --routing-trace synthetic --mode graph \
       --steps 16 --warmup 8 --prefill 0 --profile 6 --json "$out/bench_qwen15_32k.json" > /dev/null ;;
-  *) echo "unknown part $part: qwen3 or qwen15" >&2; exit 2 ;;
+  qwen15-cached)
+    python3 -m edgemoe bench --geometry qwen1.5-moe-a2.7b --context 32768 --moe-cache-fraction 1 \
+      --moe-policy lru --shared-expert-overlap off,on,off,on --routing-trace synthetic --mode graph \
+      --steps 32 --warmup 8 --prefill 0 --profile 4 --json "$out/bench_qwen15_cached.json" > /dev/null ;;
+  *) echo "unknown part $part: qwen3, qwen15 or qwen15-cached" >&2; exit 2 ;;
 esac

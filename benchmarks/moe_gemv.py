@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from edgemoe import demo_model_path
-from edgemoe.bench import bandwidths, timed
+from edgemoe.bench import bandwidths, capture, timed
 from edgemoe.kernels.moe_gemv import Blocks, down_proj, fused_experts, pick_blocks, up_proj
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.experts import gathered_experts
@@ -54,16 +54,7 @@ def problem(hidden: int, inter: int, top_k: int, experts: int, tokens: int, dtyp
 
 def graph_seconds(call: Callable[[int], object], reps: int = 20) -> float:
     """Seconds per call, `SETS` calls (one per input set) captured in one graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(SETS):
-            call(i)  # compile, warm the allocator
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(SETS):
-            call(i)
+    graph = capture(lambda: [call(i) for i in range(SETS)])  # warm-up (compile, allocator), then capture
     seconds = timed(graph.replay, DEV, reps) / SETS
     del graph
     return seconds

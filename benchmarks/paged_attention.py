@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.bench import bandwidths, timed
+from edgemoe.bench import bandwidths, capture, timed
 from edgemoe.engine.context import ForwardContext
 from edgemoe.kernels.paged_attention import BLOCK_N, PARTITION, paged_decode_attention
 from edgemoe.layers.attention import PagedAttention
@@ -68,16 +68,7 @@ class Problem:
 
 def graph_seconds(call: Callable[[int], object], layers: int, reps: int = 10) -> float:
     """Seconds per call: one call per layer captured in one graph, replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(layers):
-            call(i)  # compile, warm the allocator
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(layers):
-            call(i)
+    graph = capture(lambda: [call(i) for i in range(layers)])  # warm-up (compile, allocator), then capture
     seconds = timed(graph.replay, DEV, reps) / layers
     del graph
     return seconds

@@ -12,6 +12,7 @@ import torch
 
 from edgemoe import LLM, SamplingParams, demo_model_path
 from tests.conftest import TINY
+from tests.gpu.sync_free import decode_without_sync
 from tests.models.test_hf_parity import NEW_TOKENS, prompts
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -59,32 +60,20 @@ def test_decode_steps_do_not_synchronise(graphs: bool) -> None:
         engine.add_request(p, SamplingParams(max_tokens=20, temperature=0.7, seed=1, top_p=0.9, top_k=50))
     while any(s.num_uncomputed > 1 for s in engine.scheduler.waiting) or engine.scheduler.waiting:
         engine.step()  # prefill may synchronise
-    decode_steps = 0
-    while engine.has_unfinished():
-        batch = engine.scheduler.schedule()
-        assert not batch.is_prefill
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            due, logits = engine.runner.compute_logits(batch)
-            seqs = [batch.seqs[i] for i in due]
-            t = engine.runner._tensor
-            tokens = engine.runner.sampler(
-                logits,
-                t([0.7] * len(seqs), torch.float32),
-                t([50] * len(seqs)),
-                t([0.9] * len(seqs), torch.float32),
-                t([0.0] * len(seqs), torch.float32),
-                [s.generator for s in seqs],
-            )
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        for seq, n, tok in zip(batch.seqs, batch.num_new, tokens.tolist()):
-            seq.num_computed += n
-            engine._append(seq, tok)
-            if seq.finish_reason:
-                engine.scheduler.finish(seq)
-        decode_steps += 1
+
+    def sample(batch, due: list[int], logits: torch.Tensor) -> torch.Tensor:
+        seqs = [batch.seqs[i] for i in due]
+        t = engine.runner._tensor
+        return engine.runner.sampler(
+            logits,
+            t([0.7] * len(seqs), torch.float32),
+            t([50] * len(seqs)),
+            t([0.9] * len(seqs), torch.float32),
+            t([0.0] * len(seqs), torch.float32),
+            [s.generator for s in seqs],
+        )
+
+    decode_steps = decode_without_sync(engine, sample)
     assert decode_steps >= 19
 
 

@@ -10,6 +10,7 @@ import torch
 from edgemoe import LLM, SamplingParams
 from edgemoe.moe.banks import allocate_bank
 from edgemoe.moe.expert_cache import POLICIES, ExpertCache, copy_rows_reference
+from tests.gpu.sync_free import decode_without_sync
 from tests.moe.test_expert_cache import random_trace
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -72,23 +73,7 @@ def test_offloaded_decode_does_not_synchronise() -> None:
     while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
         engine.step()  # prefill may synchronise
     before = engine.expert_cache.stats[:, 2].sum().item()
-    steps = 0
-    while engine.has_unfinished():
-        batch = engine.scheduler.schedule()
-        assert not batch.is_prefill
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            due, logits = engine.runner.compute_logits(batch)
-            tokens = logits.argmax(-1)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        for seq, n, tok in zip(batch.seqs, batch.num_new, tokens.tolist()):
-            seq.num_computed += n
-            engine._append(seq, tok)
-            if seq.finish_reason:
-                engine.scheduler.finish(seq)
-        steps += 1
+    steps = decode_without_sync(engine, lambda batch, due, logits: logits.argmax(-1))
     assert steps >= 14 and engine.expert_cache.stats[:, 2].sum().item() > before, "decode must miss"
 
 

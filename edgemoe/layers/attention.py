@@ -28,9 +28,15 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]
+        slots = get_context().slot_mapping
+        self.k_cache.index_copy_(0, slots, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(0, slots, v.to(self.v_cache.dtype))
+        return self.attend(q)
+
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        """`forward` once the cache holds this step's k and v (on CUDA `attention_prologue` writes them, fused with
+        norm and rotary). q: [tokens, heads, head_dim] -> [tokens, heads * head_dim]"""
         ctx = get_context()
-        self.k_cache.index_copy_(0, ctx.slot_mapping, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(0, ctx.slot_mapping, v.to(self.v_cache.dtype))
         out = self._prefill(q, ctx) if ctx.is_prefill else self._decode(q, ctx)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 

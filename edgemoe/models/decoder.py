@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from edgemoe.config import ModelConfig
+from edgemoe.engine.context import get_context
 from edgemoe.layers.attention import PagedAttention
 from edgemoe.layers.mlp import GatedMLP
 from edgemoe.layers.norm import RMSNorm
@@ -42,10 +43,23 @@ class SelfAttention(nn.Module):
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q, k, v = q.view(-1, self.nq, self.d), k.view(-1, self.nkv, self.d), v.view(-1, self.nkv, self.d)
+        if q.is_cuda:
+            return self.o_proj(self.attn.attend(self._prologue(q, k, v, positions)))
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
         return self.o_proj(self.attn(q, k, v))
+
+    def _prologue(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The CPU path's per-head q/k norm, rotary and KV-cache write as one launch instead of up to five (the
+        "full" norm and the clip ran before, on [tokens, heads * head_dim]) -> rotated q."""
+        from edgemoe.kernels.norm_rope import attention_prologue  # CPU-only machines lack triton
+
+        norms = (
+            (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm == "head" else (None, None, 0.0)
+        )
+        cache = (self.attn.k_cache, self.attn.v_cache, get_context().slot_mapping)
+        return attention_prologue(q, k, v, positions, self.rotary[0].cos_sin, *cache, *norms)
 
 
 class DecoderLayer(nn.Module):
@@ -57,9 +71,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block carrying the residual: `x` is the previous block's output and `residual` the hidden state
+        it adds to (None at the first layer, whose x is the embedding). Each add happens in the next norm (one
+        launch on CUDA), so this returns (mlp output, hidden state before it): their sum is the layer's output."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -74,10 +98,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [tokens, hidden]
+        x, residual = self.embed_tokens(input_ids), None  # [tokens, hidden]
         for layer in self.layers:
-            x = layer(x, positions)
-        return self.norm(x)
+            x, residual = layer(x, positions, residual)
+        x, _ = self.norm(x, residual)
+        return x
 
 
 class MoEForCausalLM(nn.Module):

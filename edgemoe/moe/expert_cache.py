@@ -207,13 +207,12 @@ class ExpertCache:
         return Ensured(row[flat].view(ids.shape), src, dst, count)
 
     def copy_missing(self, copy: Ensured, w13_bank: torch.Tensor, w2_bank: torch.Tensor) -> None:
-        """Copy the listed experts' rows, bank -> pool. CUDA: the Triton kernel (sync-free, graph-capturable; the
-        banks must be pinned); CPU: `copy_rows_reference`."""
+        """Copy the listed experts' rows, bank -> pool. CUDA: one Triton launch for both banks (sync-free,
+        graph-capturable; the banks must be pinned); CPU: `copy_rows_reference`."""
         if self.w13.is_cuda:
-            from edgemoe.kernels.miss_copy import copy_rows
+            from edgemoe.kernels.miss_copy import copy_rows_pair
 
-            copy_rows(self.w13, w13_bank, copy.src, copy.dst, copy.count)
-            copy_rows(self.w2, w2_bank, copy.src, copy.dst, copy.count)
+            copy_rows_pair((self.w13, self.w2), (w13_bank, w2_bank), copy.src, copy.dst, copy.count)
         else:
             copy_rows_reference(self.w13, w13_bank, copy.src, copy.dst)
             copy_rows_reference(self.w2, w2_bank, copy.src, copy.dst)

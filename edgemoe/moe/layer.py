@@ -43,6 +43,12 @@ class SparseMoE(nn.Module):
         return routed + shared
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not get_context().is_prefill:
+            from edgemoe.kernels.router import fused_route  # CPU-only machines lack triton
+
+            # decode: one launch instead of ~6 (gate, softmax, top-k, renormalise, cast, padding rows below)
+            ids, weights = fused_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, get_context().valid)
+            return self.experts(x, ids, weights)
         ids, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)
         valid = get_context().valid
         if valid is not None:  # padding rows reuse row 0's experts: no extra fetches, no extra counts

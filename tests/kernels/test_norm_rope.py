@@ -1,16 +1,18 @@
-"""RMSNorm and rotary kernels (Triton's interpreter on CPU) against their torch references, `RMSNorm._forward_torch`
-and `RotaryEmbedding._forward_torch`, on fresh random inputs and weights: head dims and hidden sizes off powers of
-two, 3-D per-head norms, strided views, mixed weight / activation dtypes, repeated positions, MHA / GQA / MQA.
+"""RMSNorm, rotary and attention-prologue kernels (Triton's interpreter on CPU) against their torch references,
+`RMSNorm._forward_torch`, `RotaryEmbedding._forward_torch` and `index_copy_` into the KV cache, on fresh random inputs
+and weights: head dims and hidden sizes off powers of two, 3-D per-head norms, strided views, mixed weight /
+activation dtypes, repeated positions, MHA / GQA / MQA, random slots in a random cache.
 
 Rotary rounds where torch does, so it must be bitwise equal in every dtype. The norm sums its squares in another
-order than torch, so float32 is held to 1e-6 relative, and 16-bit inputs to a rare flipped rounding of x * rsqrt."""
+order than torch, so float32 is held to 1e-6 relative, and 16-bit inputs to a rare flipped rounding of x * rsqrt.
+The prologue must be bitwise equal to the unfused kernels (rms_norm, apply_rotary, index_copy_)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from edgemoe.kernels.norm_rope import apply_rotary, rms_norm
+from edgemoe.kernels.norm_rope import apply_rotary, attention_prologue, rms_norm
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 
@@ -144,3 +146,144 @@ def test_no_tokens() -> None:
     q_out, k_out = apply_rotary(torch.randn(0, 4, 32), torch.randn(0, 1, 32), rotary.cos_sin, torch.zeros(0).long())
     assert q_out.shape == (0, 4, 32) and k_out.shape == (0, 1, 32)
     assert rms_norm(torch.randn(0, 96), torch.randn(96), EPS).shape == (0, 96)
+
+
+def unfused_prologue(*case: torch.Tensor | None, kernels: bool = True) -> tuple[torch.Tensor, ...]:
+    """What `SelfAttention` runs on the CPU: [per-head norm], rotary, index_copy_ into copies of the caches; with the
+    Triton kernels, or with their torch references -> (q_out, k_cache, v_cache)."""
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w = case
+    if q_w is not None:
+        norm = rms_norm if kernels else norm_reference
+        q, k = norm(q, q_w, EPS), norm(k, k_w, EPS)
+    rotary = RotaryEmbedding(q.shape[2], cos_sin.shape[1], 1.0)
+    rotary.cos_sin = cos_sin
+    q, k = apply_rotary(q, k, cos_sin, positions) if kernels else rotary._forward_torch(positions, q, k)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    return q, k_cache, v_cache
+
+
+def fused_prologue(*case: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The kernel on copies of the caches; its inputs must stay as they were -> (q_out, k_cache, v_cache)."""
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w = case
+    inputs = [t.clone() for t in (q, k, v, positions, slots)]
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    q_out = attention_prologue(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w, EPS)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v, positions, slots)))
+    return q_out, k_cache, v_cache
+
+
+def prologue_case(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    tokens: int,
+    dtype: torch.dtype,
+    norm: bool = True,
+    slots: int = 64,
+    cache_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Random q, k, v, positions, a cache of random values (so a stray write shows) and distinct random slots in it
+    (most of the cache untouched) -> attention_prologue's arguments."""
+    q = (2 * torch.randn(tokens, heads, dim)).to(dtype)
+    k = (2 * torch.randn(tokens, kv_heads, dim)).to(dtype)
+    v = torch.randn(tokens, kv_heads, dim).to(dtype)
+    k_cache, v_cache = (torch.randn(slots, kv_heads, dim).to(cache_dtype or dtype) for _ in range(2))
+    positions, slot_mapping = random_positions(tokens), torch.randperm(slots)[:tokens]
+    weights = (random_weight(dim, dtype), random_weight(dim, dtype)) if norm else (None, None)
+    return q, k, v, positions, rotary_table(dim).cos_sin, k_cache, v_cache, slot_mapping, *weights
+
+
+def assert_bitwise(outs: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...]) -> None:
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "h{}-kv{}-d{}".format(*s))
+def test_prologue_bitwise_equal_to_unfused_kernels(shape, dtype: torch.dtype, norm: bool) -> None:
+    case = prologue_case(*shape, tokens=5, dtype=dtype, norm=norm)
+    k_cache, v_cache, slots = case[5:8]
+    outs = fused_prologue(*case)
+    assert_bitwise(outs, unfused_prologue(*case))
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    for out, before in zip(outs[1:], (k_cache, v_cache)):
+        assert torch.equal(out[untouched], before[untouched])
+        assert not torch.equal(out[slots], before[slots])  # written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "h{}-kv{}-d{}".format(*s))
+def test_prologue_matches_torch_references(shape, dtype: torch.dtype) -> None:
+    """Without the norm every op rounds as torch's: bitwise. With it: torch's rotary and index_copy_ on the rms_norm
+    kernel's values (which the prologue reproduces) bitwise, and those within rms_norm's tolerance of torch's norm."""
+    case = prologue_case(*shape, tokens=6, dtype=dtype, norm=False)
+    assert_bitwise(fused_prologue(*case), unfused_prologue(*case, kernels=False))
+
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w = prologue_case(*shape, tokens=6, dtype=dtype)
+    q_n, k_n = rms_norm(q, q_w, EPS), rms_norm(k, k_w, EPS)
+    refs = unfused_prologue(q_n, k_n, v, positions, cos_sin, k_cache, v_cache, slots, None, None, kernels=False)
+    assert_bitwise(fused_prologue(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w), refs)
+    assert_close_to_reference(q_n, norm_reference(q, q_w), dtype)
+    assert_close_to_reference(k_n, norm_reference(k, k_w), dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype, cache_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)], ids=str
+)
+def test_prologue_casts_to_the_cache_dtype(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    # k and v rounded to the cache's dtype as k.to(cache.dtype) does (nearest even from float32)
+    case = prologue_case(4, 2, 96, tokens=5, dtype=dtype, cache_dtype=cache_dtype)
+    assert_bitwise(fused_prologue(*case), unfused_prologue(*case))
+
+
+def test_prologue_views_of_one_projection_and_a_layer_of_the_cache() -> None:
+    """q, k, v as views of one fused qkv output (q's head_dim also strided), int32 positions and slots, and the caches
+    as one layer of KVCache's [layers, slots, kv_heads, head_dim] pool: the other layers stay as they were."""
+    heads, kv_heads, dim, tokens = 4, 2, 64, 7
+    q, k, v, positions, cos_sin, _, _, slots, q_w, k_w = prologue_case(heads, kv_heads, dim, tokens, torch.bfloat16)
+    qkv = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)  # [tokens, (heads + 2 * kv_heads) * dim]
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    pool_k, pool_v = (torch.randn(3, 64, kv_heads, dim).to(torch.bfloat16) for _ in range(2))
+    before = pool_k.clone(), pool_v.clone()
+    positions, slots = positions.to(torch.int32), slots.to(torch.int32)
+    for q_view in (q, q.transpose(1, 2).contiguous().transpose(1, 2)):
+        refs = unfused_prologue(q_view, k, v, positions, cos_sin, pool_k[1], pool_v[1], slots.long(), q_w, k_w)
+        q_out = attention_prologue(q_view, k, v, positions, cos_sin, pool_k[1], pool_v[1], slots, q_w, k_w, EPS)
+        assert_bitwise((q_out, pool_k[1], pool_v[1]), refs)
+    for pool, old in zip((pool_k, pool_v), before):
+        assert torch.equal(pool[0], old[0]) and torch.equal(pool[2], old[2])
+
+
+def test_prologue_prefill_sized_batch_and_a_shared_pad_slot() -> None:
+    # a prefill's many tokens; then a padded decode batch whose dummy rows all write the pad slot, which then holds
+    # padding (one of their rows here; on the GPU their programs race, as index_copy_'s threads do)
+    case = prologue_case(4, 2, 32, tokens=40, dtype=torch.bfloat16)
+    assert_bitwise(fused_prologue(*case), unfused_prologue(*case))
+    q, k, v, positions, cos_sin, k_cache, v_cache, _, q_w, k_w = prologue_case(4, 2, 32, 5, torch.bfloat16)
+    pad = 63
+    slots = torch.tensor([3, 17, pad, pad, pad])
+    _, k_out, v_out = fused_prologue(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w)
+    _, k_ref, v_ref = unfused_prologue(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w)
+    assert torch.equal(k_out[:pad], k_ref[:pad]) and torch.equal(v_out[:pad], v_ref[:pad])
+    assert any(torch.equal(v_out[pad], v[i]) for i in range(2, 5))
+
+
+def test_prologue_no_tokens_and_bad_arguments() -> None:
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w = prologue_case(4, 2, 32, 1, torch.float32)
+    q, k, v, positions, slots = (t[:0] for t in (q, k, v, positions, slots))
+    before = k_cache.clone()
+    q_out = attention_prologue(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w, EPS)
+    assert q_out.shape == (0, 4, 32) and torch.equal(k_cache, before)
+    with pytest.raises(ValueError, match="both"):
+        attention_prologue(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, None, EPS)
+    with pytest.raises(ValueError, match="keep q's dtype"):  # float32 weights would promote a bf16 norm
+        attention_prologue(q.bfloat16(), k.bfloat16(), v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w, EPS)
+    with pytest.raises(ValueError, match="caches"):
+        attention_prologue(q, k, v, positions, cos_sin, k_cache[:, :1], v_cache, slots, q_w, k_w, EPS)

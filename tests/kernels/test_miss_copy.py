@@ -1,0 +1,74 @@
+"""The two-bank miss copy (`copy_rows_pair`, Triton's interpreter on CPU) against `copy_rows_reference` applied to each
+bank: rows of both banks of an expert (gate_up [2I, H] and down [H, I]) in one launch, rows of several chunks and of
+a partial last chunk in either bank, empty, partial and full copy lists, and banks of different dtypes.
+`copy_rows` (one bank) goes through the same kernel: tests/kernels/test_ensure_kernel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgemoe.kernels.miss_copy import copy_rows_pair
+from edgemoe.moe.expert_cache import copy_rows_reference
+
+E, S, M = 9, 7, 5
+
+
+def random_list(count: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A copy list of capacity M: distinct experts to distinct slots; the entries past `count` are padding (expert 0
+    to the scratch slot S, as `ensure` writes them)."""
+    src, dst = torch.randperm(E, generator=gen)[:M], torch.randperm(S, generator=gen)[:M]
+    valid = torch.arange(M) < count
+    return torch.where(valid, src, 0), torch.where(valid, dst, S), torch.tensor(count)
+
+
+# (gate_up row, down row, block): 6 x 4 = 24 = 3 blocks of 8 and 4 x 3 = 12, a partial second block; both partial;
+# both whole blocks; a block larger than both rows (clamped to the larger row)
+CASES = [((6, 4), (4, 3), 8), ((5, 3), (3, 7), 4), ((4, 4), (4, 2), 8), ((3, 5), (5, 1), 4096)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_pair_matches_reference(case: tuple, dtype: torch.dtype) -> None:
+    w13_row, w2_row, block = case
+    gen = torch.Generator().manual_seed(sum(w13_row) + block)
+    banks = torch.randn(E, *w13_row, generator=gen).to(dtype), torch.randn(E, *w2_row, generator=gen).to(dtype)
+    for count in (0, 2, M):
+        pools = tuple(torch.randn(S + 1, *b.shape[1:], generator=gen).to(dtype) for b in banks)
+        expected = tuple(p.clone() for p in pools)
+        src, dst, n = random_list(count, gen)
+        for pool, bank in zip(expected, banks):
+            copy_rows_reference(pool, bank, src, dst)
+        copy_rows_pair(pools, banks, src, dst, n, block=block)
+        for pool, want in zip(pools, expected):
+            assert torch.equal(pool[:S], want[:S]), count  # the scratch slot S: only the reference writes it
+
+
+def test_banks_of_different_dtypes_and_garbage_past_count() -> None:
+    """Each bank keeps its own dtype; entries past `count` are never read, whatever they hold."""
+    gen = torch.Generator().manual_seed(3)
+    banks = torch.randn(E, 6, 4, generator=gen).to(torch.bfloat16), torch.randn(E, 4, 3, generator=gen)
+    pools = torch.zeros(S + 1, 6, 4, dtype=torch.bfloat16), torch.zeros(S + 1, 4, 3)
+    src, dst, n = random_list(3, gen)
+    src[3:], dst[3:] = 10**12, -(10**12)  # would fault (or write anywhere) if read
+    copy_rows_pair(pools, banks, src, dst, n, block=8)
+    for pool, bank in zip(pools, banks):
+        want = torch.zeros_like(pool)
+        want[dst[:3]] = bank[src[:3]]
+        assert torch.equal(pool, want)
+
+
+def test_empty_copy_list_launches_nothing() -> None:
+    banks = torch.randn(E, 4, 4), torch.randn(E, 4, 2)
+    pools = torch.zeros(S + 1, 4, 4), torch.zeros(S + 1, 4, 2)
+    empty = torch.zeros(0, dtype=torch.long)
+    copy_rows_pair(pools, banks, empty, empty, torch.tensor(0))
+    assert not any(p.any() for p in pools)
+
+
+def test_mismatched_bank_and_pool() -> None:
+    banks = torch.randn(E, 4, 4), torch.randn(E, 4, 2)
+    pools = torch.zeros(S + 1, 4, 4), torch.zeros(S + 1, 2, 4)  # the down pool's rows are transposed
+    src, dst, n = random_list(2, torch.Generator().manual_seed(0))
+    with pytest.raises(AssertionError):
+        copy_rows_pair(pools, banks, src, dst, n)

@@ -1,0 +1,73 @@
+"""`ensure` on CUDA: the fused Triton kernel (`edgemoe.kernels.ensure`) against the plain-torch `_ensure_torch` on
+the same device, per call, both captured in a CUDA graph (as decode runs them), for real geometries.
+
+    python benchmarks/ensure.py [--tokens 1] [--steps 16] [--json OUT]
+
+Each geometry's whole model is one cache (all MoE layers, a quarter or half of all experts as slots) driven by
+the synthetic routing trace `edgemoe bench` uses; the cache is first warmed eagerly over the trace, then `steps`
+decode steps (every layer's ensure) are captured once per implementation and replayed. Both implementations see
+the same trace rows from the same warm state, so they do the same work (hits, misses, victim searches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from edgemoe.bench import capture, timed
+from edgemoe.models.random_checkpoint import PRESETS
+from edgemoe.moe.cache_sim import synthetic_trace
+from edgemoe.moe.expert_cache import ExpertCache
+
+GEOMETRIES = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b")
+
+
+def per_call_us(geometry: str, fraction: float, policy: str, tokens: int, steps: int, fused: bool) -> float:
+    p = PRESETS[geometry]
+    L, E = p["num_hidden_layers"], p.get("num_experts") or p["num_local_experts"]
+    k = p["num_experts_per_tok"]
+    S = max(round(fraction * L * E), min(E, tokens * k))
+    trace = synthetic_trace(4 * steps + 64, L, E, k, skew=1.0, repeat=0.3, seed=0)  # [steps, layers, k]
+    ids = torch.from_numpy(trace).long().cuda()
+    cache = ExpertCache(L, E, S, policy, "cuda", 1, collect_stats=True)
+    ensure = cache.ensure if fused else cache._ensure_torch
+
+    def step(rows: torch.Tensor) -> None:  # rows: [layers, k] for token 0; more tokens repeat other rows
+        for layer in range(L):
+            ensure(layer, torch.stack([rows[(layer + t) % L] for t in range(tokens)]))
+
+    for s in range(64):  # warm: the cache fills and the policy state settles
+        step(ids[s])
+    window = ids[64 : 64 + steps]
+    graph = capture(lambda: [step(window[s]) for s in range(steps)])
+    return timed(graph.replay, torch.device("cuda"), 5) / (steps * L) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=1, help="decode batch (distinct ids per layer: up to tokens x k)")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    rows = []
+    for geometry in GEOMETRIES:
+        for fraction in (0.25, 0.5):
+            for policy in ("lru", "scored"):
+                fused = per_call_us(geometry, fraction, policy, a.tokens, a.steps, True)
+                torch_ = per_call_us(geometry, fraction, policy, a.tokens, a.steps, False)
+                rows.append(dict(geometry=geometry, fraction=fraction, policy=policy, fused_us=fused, torch_us=torch_))
+                print(
+                    f"{geometry:>18} {fraction:.0%} {policy:>6}: fused {fused:6.1f} us, torch {torch_:6.1f} us "
+                    f"per call ({torch_ / fused:.1f}x)"
+                )
+    if a.json:
+        a.json.write_text(
+            json.dumps({"device": torch.cuda.get_device_name(), "tokens": a.tokens, "rows": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()

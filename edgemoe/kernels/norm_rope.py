@@ -1,6 +1,6 @@
-"""RMSNorm, rotary embedding and the attention prologue as one Triton launch each on CUDA, where torch runs ~8, ~15
-and (per-head q/k norm + rotary + two KV-cache copies) ~30 tiny kernels: decode-time cost is launches, not bytes.
-References: `RMSNorm._forward_torch` (`edgemoe.layers.norm`), `RotaryEmbedding._forward_torch`
+"""RMSNorm and the attention prologue (per-head q/k norm + rotary + KV-cache write) as one Triton launch each on CUDA,
+where torch runs ~8 and ~30 tiny kernels: decode-time cost is launches, not bytes.
+References: `RMSNorm._forward_torch` (`edgemoe.layers.norm`), `RotaryEmbedding.forward`
 (`edgemoe.layers.rotary`) and `index_copy_` into the cache (`PagedAttention.forward`); the kernels round where torch
 rounds:
 
@@ -9,11 +9,11 @@ rounds:
   dtype. Only the order of the sum differs from torch, so results agree to an ulp or so, mostly bitwise.
 - `add_rms_norm`, the residual add of a pre-norm block fused into the next norm: x + residual in fp32 rounded once
   (torch's add, bitwise), stored, then `rms_norm`'s arithmetic on it: bitwise equal to rms_norm(x + residual).
-- `apply_rotary`, program per (token, head) over q's heads then k's: the fp32 cos/sin row is rounded to q's dtype,
-  each product and the sum rounded to q's dtype as torch's separate bf16 ops do: bitwise equal.
-- `attention_prologue`, program per (token, head) over q's heads, k's, then v's: the two above through the same
-  helpers (the norm's values at a head's rotate_half partners are recomputed, not exchanged), k and v stored
-  straight into their KV-cache slots in the cache's dtype: bitwise equal to rms_norm + apply_rotary + index_copy_.
+- `attention_prologue`, program per (token, head) over q's heads, k's, then v's: `rms_norm`'s arithmetic through
+  the same helpers (the norm's values at a head's rotate_half partners are recomputed, not exchanged), then rotary
+  with the fp32 cos/sin row rounded to q's dtype and each product and the sum rounded as torch's separate ops do;
+  k and v stored straight into their KV-cache slots in the cache's dtype: bitwise equal to rms_norm per head +
+  `RotaryEmbedding` + `index_copy_`.
 
 FMA contraction is off (`enable_fp_fusion=False`): x * cos + rh * sin fused would round once instead of twice.
 No host sync and only torch.empty outputs: all are CUDA-graph capturable once compiled.
@@ -182,49 +182,6 @@ def _norm_rotate_row(
     return _round(a + b, X_TY, RNE_BY_HAND)
 
 
-@triton.jit
-def _rotary(
-    q,
-    k,
-    q_out,
-    k_out,
-    cos_sin,
-    positions,
-    heads,
-    dim,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_cs,
-    stride_cp,
-    X_TY: tl.constexpr,
-    BLOCK: tl.constexpr,
-    RNE_BY_HAND: tl.constexpr,
-):
-    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < dim
-    c, s = _cos_sin(cos_sin, positions, t, stride_cs, stride_cp, offs, mask, X_TY, RNE_BY_HAND)
-    half = dim // 2
-    if h < heads:
-        o = _norm_rotate_row(
-            q + t * stride_qt + h * stride_qh, stride_qd, q, 0.0, 0.0, c, s, offs, half, mask, False, X_TY,
-            RNE_BY_HAND,
-        )  # fmt: skip
-        tl.store(q_out + (t * heads + h) * dim + offs, o.to(X_TY), mask=mask)
-    else:
-        kv_heads = tl.num_programs(1) - heads
-        kh = h - heads
-        o = _norm_rotate_row(
-            k + t * stride_kt + kh * stride_kh, stride_kd, k, 0.0, 0.0, c, s, offs, half, mask, False, X_TY,
-            RNE_BY_HAND,
-        )  # fmt: skip
-        tl.store(k_out + (t * kv_heads + kh) * dim + offs, o.to(X_TY), mask=mask)
-
-
 def _check_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, name: str) -> None:
     tokens, _, dim = q.shape
     if q.dtype not in _DTYPES or k.dtype != q.dtype:
@@ -233,28 +190,6 @@ def _check_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, posit
         raise ValueError(f"shapes do not match: q {list(q.shape)}, k {list(k.shape)}, positions {positions.shape}")
     if cos_sin.dim() != 3 or cos_sin.shape[0] != 2 or cos_sin.shape[2] != dim or cos_sin.stride(2) != 1:
         raise ValueError(f"cos_sin must be [2, positions, {dim}] with a contiguous last dim, got {cos_sin.shape}")
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim] (any strides, same dtype); cos_sin: [2,
-    max_positions, head_dim] float32; positions: [tokens] integer, on the device and within the table (unchecked:
-    checking would sync) -> new contiguous (q_out, k_out) in q's dtype. head_dim even."""
-    _check_rotary(q, k, cos_sin, positions, "apply_rotary")
-    tokens, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device)
-    if tokens == 0:
-        return q_out, k_out
-    block = triton.next_power_of_2(dim)
-    _rotary[(tokens, heads + kv_heads)](
-        q, k, q_out, k_out, cos_sin, positions, heads, dim,
-        *q.stride(), *k.stride(), cos_sin.stride(0), cos_sin.stride(1),
-        _DTYPES[q.dtype], block, not q.is_cuda, num_warps=max(1, min(4, block // 256)), enable_fp_fusion=False,
-    )  # fmt: skip
-    return q_out, k_out
 
 
 @triton.jit
@@ -347,7 +282,7 @@ def attention_prologue(
     returns q_out (new, contiguous, q's dtype) and writes k_cache[slot_mapping[t]] = rotated k[t],
     v_cache[slot_mapping[t]] = v[t] in the caches' dtypes; nothing else in the caches changes.
 
-    Equal to `rms_norm` (each head) + `apply_rotary` + `index_copy_`: same shapes, dtypes and conditions as those,
+    Equal to `rms_norm` (each head) + `RotaryEmbedding` + `index_copy_`: same shapes, dtypes and conditions as those,
     plus v: [tokens, kv_heads, head_dim] (any float dtype, strides); k_cache, v_cache: [slots, kv_heads, head_dim];
     slot_mapping: [tokens] integer. The norm's output dtype must be q's (torch.promote_types(q, weight) == q).
     Slots and positions are not checked (checking would sync); slots must be distinct, except padding tokens that

@@ -20,17 +20,8 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.stack((emb.cos(), emb.sin())).to(device)  # [2, positions, head_dim]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
-        if q.is_cuda:
-            from edgemoe.kernels.norm_rope import apply_rotary  # CPU-only machines lack triton
-
-            return apply_rotary(q, k, self.cos_sin, positions)  # one launch for q and k instead of ~15
-        return self._forward_torch(positions, q, k)
-
-    def _forward_torch(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # the reference of the kernel
+        # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. CUDA runs this inside one kernel with the
+        # q/k norm and the KV-cache write (`edgemoe.kernels.norm_rope.attention_prologue`); this is its reference
         cos, sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # [tokens, 1, head_dim] each
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 

@@ -1,11 +1,12 @@
 """RMSNorm, rotary and attention-prologue kernels (`edgemoe.kernels.norm_rope`) compiled on CUDA against their torch
-references (`RMSNorm._forward_torch`, `RotaryEmbedding._forward_torch`, `index_copy_` into the KV cache) at real
+references (`RMSNorm._forward_torch`, `RotaryEmbedding.forward`, `index_copy_` into the KV cache) at real
 shapes in float32 and bf16, without host synchronisation, through the layers' CUDA dispatch (`SelfAttention` against
 its unfused sequence), and replayed from a CUDA graph with new inputs.
 
-Rotary must be bitwise equal (it rounds where torch's separate ops round; no FMA). The norm sums in another order than
-torch's reduction: float32 within 1e-6 relative, bf16 within a rare flipped rounding of x * rsqrt. The prologue must
-be bitwise equal to the unfused kernels (rms_norm per head, apply_rotary, index_copy_): same helpers, same warps."""
+The prologue's rotary must be bitwise equal to torch's (it rounds where torch's separate ops round; no FMA). The norm
+sums in another order than torch's reduction: float32 within 1e-6 relative, bf16 within a rare flipped rounding of
+x * rsqrt. The prologue must be bitwise equal to the unfused sequence (the rms_norm kernel per head, torch's rotary,
+index_copy_): same helpers, same warps."""
 
 from __future__ import annotations
 
@@ -92,37 +93,16 @@ def test_rms_norm_mixed_dtypes_promote_like_torch() -> None:
     assert_close_to_reference(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("tokens", [1, 9, 300])
-def test_rotary_bitwise_equal(tokens: int, dtype: torch.dtype) -> None:
-    g = gen(200 + tokens)
-    rotary = make_rotary()
-    qkv = randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, g=g, dtype=dtype, scale=2.0)  # q, k: views of it
-    q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
-    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
-    before = qkv.clone()
-    pos = positions(tokens, g)
-    q_out, k_out = rotary(pos, q, k)
-    q_ref, k_ref = rotary._forward_torch(pos, q, k)
-    assert q_out.dtype == dtype and torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-    assert torch.equal(qkv, before)  # not in place
-
-
 def test_no_host_sync_once_compiled() -> None:
-    from edgemoe.kernels.norm_rope import apply_rotary, rms_norm
+    from edgemoe.kernels.norm_rope import rms_norm
 
     g = gen(0)
-    rotary = make_rotary()
     x, w = randn(1, 2048, g=g, dtype=torch.bfloat16), randn(2048, g=g, dtype=torch.bfloat16)
-    q, k = randn(1, HEADS, HEAD_DIM, g=g, dtype=torch.bfloat16), randn(1, KV_HEADS, HEAD_DIM, g=g, dtype=torch.bfloat16)
-    pos = positions(1, g)
     rms_norm(x, w, EPS)  # compiles (may sync)
-    apply_rotary(q, k, rotary.cos_sin, pos)
     with torch.cuda.device(x.device):
         torch.cuda.set_sync_debug_mode("error")
         try:
             rms_norm(x, w, EPS)
-            apply_rotary(q, k, rotary.cos_sin, pos)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -168,7 +148,7 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
         assert_close_to_reference(outs[0], input_norm._forward_torch(x), dtype)
         q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
         k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
-        q_ref, k_ref = rotary._forward_torch(pos, q_norm(q), k_norm(k))  # on the kernel's norms: rotary alone
+        q_ref, k_ref = rotary(pos, q_norm(q), k_norm(k))  # on the kernel's norms: rotary alone
         assert torch.equal(outs[1], q_ref) and torch.equal(outs[2], k_ref)
 
 
@@ -190,19 +170,17 @@ def prologue_case(
     return q, k, v, positions(tokens, g), make_rotary().cos_sin, k_cache, v_cache, slots, *weights
 
 
-def unfused_prologue(*case: torch.Tensor | None, kernels: bool = True) -> tuple[torch.Tensor, ...]:
-    """SelfAttention's sequence before the fusion: [rms_norm per head], apply_rotary, index_copy_ into copies of the
-    caches; or torch's rotary (`_forward_torch`) and index_copy_ on the given q, k -> (q_out, k_cache, v_cache)."""
-    from edgemoe.kernels.norm_rope import apply_rotary, rms_norm
+def unfused_prologue(*case: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """SelfAttention's sequence before the fusion: [the rms_norm kernel per head], torch's rotary, index_copy_ into
+    copies of the caches -> (q_out, k_cache, v_cache)."""
+    from edgemoe.kernels.norm_rope import rms_norm
 
     q, k, v, pos, cos_sin, k_cache, v_cache, slots, q_w, k_w = case
     if q_w is not None:
         q, k = rms_norm(q, q_w, EPS), rms_norm(k, k_w, EPS)
-    if kernels:
-        q, k = apply_rotary(q, k, cos_sin, pos)
-    else:
-        rotary = make_rotary()
-        q, k = rotary._forward_torch(pos, q, k)
+    rotary = RotaryEmbedding(q.shape[2], cos_sin.shape[1], 1.0)
+    rotary.cos_sin = cos_sin
+    q, k = rotary(pos, q, k)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
@@ -256,12 +234,12 @@ def test_prologue_matches_torch_references(shape: tuple[int, int, int], tokens: 
 
     heads, kv_heads, _ = shape
     case = prologue_case(tokens, heads, kv_heads, dtype, gen(400 + tokens), norm=False)
-    assert_bitwise(fused_prologue(*case), unfused_prologue(*case, kernels=False), "no norm, vs torch:")
+    assert_bitwise(fused_prologue(*case), unfused_prologue(*case), "no norm, vs torch:")
     q, k, v, pos, cos_sin, k_cache, v_cache, slots, q_w, k_w = prologue_case(
         tokens, heads, kv_heads, dtype, gen(500 + tokens)
     )
     q_n, k_n = rms_norm(q, q_w, EPS), rms_norm(k, k_w, EPS)
-    refs = unfused_prologue(q_n, k_n, v, pos, cos_sin, k_cache, v_cache, slots, None, None, kernels=False)
+    refs = unfused_prologue(q_n, k_n, v, pos, cos_sin, k_cache, v_cache, slots, None, None)
     assert_bitwise(fused_prologue(q, k, v, pos, cos_sin, k_cache, v_cache, slots, q_w, k_w), refs, "norm, vs torch:")
     for x, w, x_n in ((q, q_w, q_n), (k, k_w, k_n)):
         norm = RMSNorm(HEAD_DIM, EPS)

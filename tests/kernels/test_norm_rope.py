@@ -1,18 +1,18 @@
 """RMSNorm, rotary and attention-prologue kernels (Triton's interpreter on CPU) against their torch references,
-`RMSNorm._forward_torch`, `RotaryEmbedding._forward_torch` and `index_copy_` into the KV cache, on fresh random inputs
+`RMSNorm._forward_torch`, `RotaryEmbedding.forward` and `index_copy_` into the KV cache, on fresh random inputs
 and weights: head dims and hidden sizes off powers of two, 3-D per-head norms, strided views, mixed weight /
 activation dtypes, repeated positions, MHA / GQA / MQA, random slots in a random cache.
 
 Rotary rounds where torch does, so it must be bitwise equal in every dtype. The norm sums its squares in another
 order than torch, so float32 is held to 1e-6 relative, and 16-bit inputs to a rare flipped rounding of x * rsqrt.
-The prologue must be bitwise equal to the unfused kernels (rms_norm, apply_rotary, index_copy_)."""
+The prologue must be bitwise equal to the unfused sequence (the rms_norm kernel, torch's rotary, index_copy_)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from edgemoe.kernels.norm_rope import apply_rotary, attention_prologue, rms_norm
+from edgemoe.kernels.norm_rope import attention_prologue, rms_norm
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 
@@ -101,63 +101,16 @@ def random_positions(tokens: int, max_positions: int = 4096) -> torch.Tensor:
 ROTARY_SHAPES = [(4, 4, 64), (8, 2, 96), (6, 1, 200), (3, 1, 32)]  # MHA, GQA, MQA off powers of two
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "h{}-kv{}-d{}".format(*s))
-def test_rotary_bitwise_equal(shape, dtype) -> None:
-    heads, kv_heads, dim = shape
-    rotary = rotary_table(dim)
-    positions = random_positions(5)
-    q, k = torch.randn(5, heads, dim).to(dtype), torch.randn(5, kv_heads, dim).to(dtype)
-    q_in, k_in = q.clone(), k.clone()
-    q_out, k_out = apply_rotary(q, k, rotary.cos_sin, positions)
-    q_ref, k_ref = rotary._forward_torch(positions, q, k)
-    assert q_out.dtype == dtype and k_out.dtype == dtype
-    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-    assert torch.equal(q, q_in) and torch.equal(k, k_in)  # new outputs, inputs untouched
-
-
-def test_rotary_random_table_and_int32_positions() -> None:
-    # a table of arbitrary values (not just cos/sin in [-1, 1]) still rounds like torch
-    rotary = RotaryEmbedding(96, 64, 1e4)
-    rotary.cos_sin = 2 * torch.randn(2, 64, 96)
-    positions = random_positions(4, 64).to(torch.int32)
-    q, k = torch.randn(4, 4, 96).to(torch.bfloat16), torch.randn(4, 2, 96).to(torch.bfloat16)
-    q_out, k_out = apply_rotary(q, k, rotary.cos_sin, positions)
-    q_ref, k_ref = rotary._forward_torch(positions, q, k)
-    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-
-
-def test_rotary_strided_views() -> None:
-    # q and k as views of a fused qkv projection output, and a q whose head_dim is not contiguous
-    heads, kv_heads, dim, tokens = 4, 2, 64, 3
-    rotary = rotary_table(dim)
-    positions = random_positions(tokens)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
-    q = qkv[:, : heads * dim].view(tokens, heads, dim)
-    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    for q_view in (q, q.transpose(1, 2).contiguous().transpose(1, 2)):
-        q_out, k_out = apply_rotary(q_view, k, rotary.cos_sin, positions)
-        q_ref, k_ref = rotary._forward_torch(positions, q_view, k)
-        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-
-
-def test_no_tokens() -> None:
-    rotary = rotary_table(32)
-    q_out, k_out = apply_rotary(torch.randn(0, 4, 32), torch.randn(0, 1, 32), rotary.cos_sin, torch.zeros(0).long())
-    assert q_out.shape == (0, 4, 32) and k_out.shape == (0, 1, 32)
-    assert rms_norm(torch.randn(0, 96), torch.randn(96), EPS).shape == (0, 96)
-
-
 def unfused_prologue(*case: torch.Tensor | None, kernels: bool = True) -> tuple[torch.Tensor, ...]:
-    """What `SelfAttention` runs on the CPU: [per-head norm], rotary, index_copy_ into copies of the caches; with the
-    Triton kernels, or with their torch references -> (q_out, k_cache, v_cache)."""
+    """What `SelfAttention` runs on the CPU: [per-head norm], rotary, index_copy_ into copies of the caches; the norm
+    by the Triton kernel, or by its torch reference -> (q_out, k_cache, v_cache)."""
     q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w = case
     if q_w is not None:
         norm = rms_norm if kernels else norm_reference
         q, k = norm(q, q_w, EPS), norm(k, k_w, EPS)
     rotary = RotaryEmbedding(q.shape[2], cos_sin.shape[1], 1.0)
     rotary.cos_sin = cos_sin
-    q, k = apply_rotary(q, k, cos_sin, positions) if kernels else rotary._forward_torch(positions, q, k)
+    q, k = rotary(positions, q, k)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
@@ -195,6 +148,17 @@ def prologue_case(
     return q, k, v, positions, rotary_table(dim).cos_sin, k_cache, v_cache, slot_mapping, *weights
 
 
+def test_rms_norm_no_rows() -> None:
+    assert rms_norm(torch.randn(0, 96), torch.randn(96), EPS).shape == (0, 96)
+
+
+def test_prologue_random_table_and_int32_positions() -> None:
+    # a table of arbitrary values (not just cos/sin in [-1, 1]) still rounds like torch's rotary
+    q, k, v, positions, _, k_cache, v_cache, slots, q_w, k_w = prologue_case(4, 2, 96, tokens=4, dtype=torch.bfloat16)
+    case = (q, k, v, positions.to(torch.int32), 2 * torch.randn(2, 4096, 96), k_cache, v_cache, slots, None, None)
+    assert_bitwise(fused_prologue(*case), unfused_prologue(*case, kernels=False))
+
+
 def assert_bitwise(outs: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...]) -> None:
     for out, ref in zip(outs, refs, strict=True):
         assert out.dtype == ref.dtype and out.shape == ref.shape
@@ -216,7 +180,7 @@ def test_prologue_bitwise_equal_to_unfused_kernels(shape, dtype: torch.dtype, no
         assert not torch.equal(out[slots], before[slots])  # written
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "h{}-kv{}-d{}".format(*s))
 def test_prologue_matches_torch_references(shape, dtype: torch.dtype) -> None:
     """Without the norm every op rounds as torch's: bitwise. With it: torch's rotary and index_copy_ on the rms_norm

@@ -22,6 +22,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +30,9 @@ import torch
 
 from edgemoe.config import ExpertCacheConfig, parse_size
 from edgemoe.engine.context import ForwardContext, set_context
-from edgemoe.engine.cuda_graphs import uploads_at_capture
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.engine.kv_cache import KVCache
-from edgemoe.engine.streams import side_stream, upload_graph
+from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.random_checkpoint import PRESETS, hf_config
@@ -271,23 +272,9 @@ def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM)
     return wanted
 
 
-def capture(step, upload: str = "auto", warm_replay: bool = False) -> torch.cuda.CUDAGraph:
-    """One decode step as a CUDA graph, after an eager warm-up step on a side stream (as DecodeGraphs does)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    if uploads_at_capture(upload):
-        upload_graph(graph, torch.cuda.current_stream())
-        torch.cuda.synchronize()
-    if warm_replay:
-        graph.replay()
-        torch.cuda.synchronize()
-    return graph
+def capture(step: Callable[[], object], upload: str = "auto", warm_replay: bool = False) -> torch.cuda.CUDAGraph:
+    """One decode step (or any work) as a CUDA graph, as the engine captures it."""
+    return capture_graph(step, None, upload, warm_replay)[0]
 
 
 UPLOAD_VARIANTS = {"auto": ("auto", False), "capture": ("capture", False), "none": ("none", False)}

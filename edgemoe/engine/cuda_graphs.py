@@ -13,12 +13,17 @@ engine we follow). `warm_replay` replays each graph once at capture time instead
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from edgemoe.config import GRAPH_UPLOADS
 from edgemoe.engine.context import ForwardContext, set_context
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.models.decoder import MoEForCausalLM
+
+T = TypeVar("T")
 
 
 def uploads_at_capture(policy: str) -> bool:
@@ -27,6 +32,31 @@ def uploads_at_capture(policy: str) -> bool:
     if policy not in GRAPH_UPLOADS:
         raise ValueError(f"unknown graph upload policy {policy!r}")
     return policy == "capture"
+
+
+def capture_graph(
+    fn: Callable[[], T], pool: tuple | None = None, upload: str = "auto", warm_replay: bool = False
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`fn` once eagerly on a side stream (kernels compiled, allocator and caches warmed, so the captured work finds
+    the state a replay will), then captured (into `pool` when given); uploaded or replayed once per the policy.
+    -> (graph, what the captured call returned: its static outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    if uploads_at_capture(upload):
+        from edgemoe.engine.streams import upload_graph
+
+        upload_graph(graph, torch.cuda.current_stream())
+        torch.cuda.synchronize()
+    if warm_replay:
+        graph.replay()
+        torch.cuda.synchronize()
+    return graph, out
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -49,7 +79,8 @@ class DecodeGraphs:
         warm_replay: bool = False,
     ) -> None:
         self.model, self.kv, self.sizes, self.max_blocks = model, kv, sorted(set(sizes)), max_blocks
-        self.upload, self.warm_replay = uploads_at_capture(upload), warm_replay
+        uploads_at_capture(upload)  # a bad policy fails here, before any capture
+        self.upload, self.warm_replay = upload, warm_replay
         device, b = kv.k.device, max(sizes)
         self.pad_slot = kv.pad_block * kv.block_size
         self.input_ids = torch.zeros(b, dtype=torch.long, device=device)
@@ -78,24 +109,8 @@ class DecodeGraphs:
         runs on the padding inputs the static buffers hold (KV writes land in the pad block)."""
         pool = None
         for b in reversed(self.sizes):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(b)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b)
-            pool = graph.pool()
-            self.graphs[b] = graph
-            if self.upload:
-                from edgemoe.engine.streams import upload_graph
-
-                upload_graph(graph, torch.cuda.current_stream())
-                torch.cuda.synchronize()
-            if self.warm_replay:
-                graph.replay()
-                torch.cuda.synchronize()
+            graph, self.logits[b] = capture_graph(lambda b=b: self._forward(b), pool, self.upload, self.warm_replay)
+            self.graphs[b], pool = graph, graph.pool()
         torch.cuda.synchronize()
 
     def size_for(self, n: int) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import zlib
 from pathlib import Path
@@ -10,7 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgemoe import demo_model_path
+# Without CUDA the Triton kernels run under Triton's interpreter (numpy). The variable must be set before `triton.jit`
+# decorates them, i.e. before any edgemoe.kernels module is imported by any test module: here, the first conftest.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from edgemoe import demo_model_path  # noqa: E402
 
 VOCAB = 6144  # the demo tokenizer's vocabulary, so that text prompts work on tiny models too
 

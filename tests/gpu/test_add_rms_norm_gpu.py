@@ -14,30 +14,10 @@ import torch
 from edgemoe import LLM, SamplingParams
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.models.decoder import MoEForCausalLM
+from tests.gpu.test_norm_rope_gpu import assert_close_to_reference, gen, make_norm, randn
+from tests.kernels.test_add_rms_norm import textbook_forward
 
 EPS = 1e-6
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator(device="cuda").manual_seed(seed)
-
-
-def randn(*shape: int, g: torch.Generator, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    return (scale * torch.randn(*shape, generator=g, device="cuda")).to(dtype)
-
-
-def make_norm(dim: int, dtype: torch.dtype, g: torch.Generator) -> RMSNorm:
-    norm = RMSNorm(dim, EPS).cuda()
-    norm.weight.data = (1 + 0.5 * torch.randn(dim, generator=g, device="cuda")).to(dtype)
-    return norm
-
-
-def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, x_dtype: torch.dtype) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    rtol = 1e-6 if x_dtype == torch.float32 else 2.5 * torch.finfo(x_dtype).eps
-    torch.testing.assert_close(out, ref, rtol=rtol, atol=0.0)
-    if x_dtype != torch.float32:
-        assert (out == ref).float().mean() >= 0.99
 
 
 def check(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,15 +115,6 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
         for o, e, t in zip(outs, stream(), textbook()):
             assert torch.equal(o, e)  # every element rewritten, deterministic
             assert torch.equal(o, t)  # the same numbers as the separate adds and norms
-
-
-def textbook_forward(model: MoEForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The decoder as written before the residual moved into the norms."""
-    x = model.model.embed_tokens(input_ids)
-    for layer in model.model.layers:
-        x = x + layer.self_attn(layer.input_layernorm(x), positions)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.model.norm(x)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

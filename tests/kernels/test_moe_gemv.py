@@ -1,5 +1,5 @@
 """The fused decode experts (`edgemoe.kernels.moe_gemv`) against `gathered_experts` and a per-token loop, on fresh
-random inputs; without CUDA under Triton's interpreter (tests/kernels/conftest.py), hence small shapes."""
+random inputs; without CUDA under Triton's interpreter (set by tests/conftest.py), hence small shapes."""
 
 from __future__ import annotations
 

@@ -99,10 +99,30 @@ def _parallel_branch(step: list[GpuOp], main: int, copy_kernel: str) -> list[Gpu
     return [o for o in step if o.stream not in copy_streams and any(o.start < b and o.end > a for a, b in windows)]
 
 
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list, at most 60 characters."""
+    for cut in ("<", "("):
+        if cut in name and not name.startswith(cut):
+            name = name[: name.index(cut)]
+    return name[:60]
+
+
+def _top_ops(ops: list[GpuOp], steps: int, n: int = 12) -> list[dict]:
+    """The n operation names with the most time per step: name, count and µs per step."""
+    total: dict[str, list[float]] = {}
+    for o in ops:
+        entry = total.setdefault(_short(o.name), [0, 0.0])
+        entry[0] += 1
+        entry[1] += o.end - o.start
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][1])[:n]
+    return [{"name": k, "count": v[0] / steps, "us": v[1] / steps / 1e3} for k, v in ranked]
+
+
 def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kernel: str = MISS_COPY) -> dict:
     """Per step (medians over the steps): kernels, busy_us (union of operation intervals), gpu_us (first start to
     last end), tok_s (tokens over the start-to-start period); per stream: ops per step, median and p90 gap between
-    consecutive operations within a step (µs); where a branch runs beside the routed experts (`_parallel_branch`):
+    consecutive operations within a step (µs); `top`: the operations taking most time, by name (µs and count per
+    step, with a short name); where a branch runs beside the routed experts (`_parallel_branch`):
     `shared_us` its time per step and `overlap`, the fraction of that time during a miss-copy kernel."""
     if steps < 2 or not ops or len(ops) % steps:
         raise ValueError(f"{len(ops)} GPU operations do not split into {steps} identical steps (need >= 2 steps)")
@@ -122,6 +142,7 @@ def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kerne
         "period_us": statistics.median(period) / 1e3,
         "tok_s": tokens_per_step * 1e9 / statistics.median(period),
         "streams": {},
+        "top": _top_ops(ops, steps),
     }
     for s in streams:
         gaps = []

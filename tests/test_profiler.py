@@ -41,6 +41,29 @@ def test_summarize_hand_worked_timeline() -> None:
     # which 3 + 2 ns during the copy [12, 20)
     assert got["shared_us"] == pytest.approx(0.009)
     assert got["overlap"] == pytest.approx(5 / 9)
+    # per name, by time per step: gemv and memset 10 and 9 ns, the copy 8 (its Triton suffix kept), shared 6 and 3
+    assert [(t["name"], t["count"], t["us"]) for t in got["top"]] == [
+        ("gemv", 1, pytest.approx(0.010)),
+        ("memset", 1, pytest.approx(0.009)),
+        ("_copy_rows_0d1d", 1, pytest.approx(0.008)),
+        ("shared_down", 1, pytest.approx(0.006)),
+        ("shared_up", 1, pytest.approx(0.003)),
+    ]
+
+
+def test_kernel_names_are_shortened() -> None:
+    ops = []
+    for i in range(2):
+        ops += [
+            GpuOp(
+                "void at::native::vectorized_elementwise_kernel<4, Add>(int, Add, Array<char*, 3>)", 1, i, i + 1, True
+            ),
+            GpuOp(
+                "void at::native::vectorized_elementwise_kernel<4, Mul>(int, Mul, Array<char*, 3>)", 1, i, i + 1, True
+            ),
+        ]
+    (top,) = summarize(ops, 2)["top"]
+    assert top["name"] == "void at::native::vectorized_elementwise_kernel" and top["count"] == 2
 
 
 def test_summarize_is_order_free_and_counts_tokens() -> None:

@@ -2,20 +2,27 @@
 addressing (a pinned host tensor's pointer is valid on the device). `copy_rows_pair` copies both banks of the
 experts (gate_up and down) in one launch, one fewer per MoE layer and decode step; `copy_rows` copies one bank.
 
-The grid is fixed by the copy list's capacity M, not its length: program (c, r) copies chunk c of entry r, the
-chunks of the first bank's row then the second's, and entries at or past the device-side `count` exit at once. No
-host synchronisation, so it can be captured in a CUDA graph. Its oracle is `expert_cache.copy_rows_reference`;
-`benchmarks/miss_copy.py` measures it against a plain pinned `copy_`. Imported only on CUDA devices (CPU-only
-machines never import triton).
+A persistent grid: P programs (a few per SM, fixed, so capturable in a CUDA graph) walk the work items of the
+device-side copy list in strides of P. Item i is chunk i % C of entry i // C (C chunks per entry: the first bank's
+row, then the second's), so at any moment the P programs read P consecutive chunks of host memory. The grid no
+longer scales with the list's capacity: an empty list (every hit) costs P programs that read `count` and exit,
+where a grid of chunks x capacity ran thousands. No host synchronisation. Its oracle is
+`expert_cache.copy_rows_reference`; `benchmarks/miss_copy.py` measures it against a plain pinned `copy_` and sweeps
+P, the block and the warps. Imported only on CUDA devices and by the interpreter tests (CPU-only machines without
+triton never import it).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096  # elements per program: 8 KiB of bf16, many programs in flight to cover PCIe latency
+BLOCK = 4096  # elements per work item: 8 KiB of bf16
+PROGRAMS_PER_SM = 4  # programs of the persistent grid per SM: P x BLOCK bytes in flight cover PCIe's latency
+INTERPRETED_PROGRAMS = 3  # the grid under Triton's interpreter (CPU tests): several programs, several items each
 
 
 @triton.jit
@@ -40,20 +47,33 @@ def _copy_rows(
     row_a: tl.constexpr,
     row_b: tl.constexpr,
     CHUNKS_A: tl.constexpr,
+    CHUNKS: tl.constexpr,
     BLOCK: tl.constexpr,
     EVEN_A: tl.constexpr,
     EVEN_B: tl.constexpr,
 ):
-    # chunks on axis 0 (up to 2^31 - 1 programs): a row pair of a large expert passes axis 1's 65535
-    r = tl.program_id(1)
-    if r < tl.load(count):
+    items = tl.load(count) * CHUNKS
+    for i in range(tl.program_id(0), items, tl.num_programs(0)):
+        r = i // CHUNKS
+        c = i % CHUNKS
         src = tl.load(src_ids + r).to(tl.int64)
         dst = tl.load(dst_ids + r).to(tl.int64)
-        c = tl.program_id(0)
         if c < CHUNKS_A:
             _copy_chunk(bank_a, pool_a, src, dst, c, row_a, BLOCK, EVEN_A)
         else:
             _copy_chunk(bank_b, pool_b, src, dst, c - CHUNKS_A, row_b, BLOCK, EVEN_B)
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_programs(device: torch.device) -> int:
+    """The persistent grid's size on `device`: PROGRAMS_PER_SM per SM on CUDA, INTERPRETED_PROGRAMS elsewhere."""
+    if device.type != "cuda":
+        return INTERPRETED_PROGRAMS
+    return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def copy_rows_pair(
@@ -64,11 +84,13 @@ def copy_rows_pair(
     count: torch.Tensor,
     block: int = BLOCK,
     num_warps: int = 4,
+    programs: int | None = None,
 ) -> None:
     """pools[k][dst[i]] = banks[k][src[i]] for both k and i < count, in one launch. pools: [S + 1, ...] on the GPU;
     banks: [E, ...] contiguous pinned host memory (or device memory), each of its pool's dtype and row shape; src,
-    dst: [M] int64, count: [] int64 (device). `block` and `num_warps` are for benchmarks/miss_copy.py's sweep."""
-    _launch(pools, banks, src, dst, count, block, num_warps)
+    dst: [M] int64, count: [] int64 (device). `block`, `num_warps` and `programs` (default: `default_programs`)
+    are for benchmarks/miss_copy.py's sweep."""
+    _launch(pools, banks, src, dst, count, block, num_warps, programs)
 
 
 def copy_rows(
@@ -79,9 +101,10 @@ def copy_rows(
     count: torch.Tensor,
     block: int = BLOCK,
     num_warps: int = 4,
+    programs: int | None = None,
 ) -> None:
     """`copy_rows_pair` of one bank: pool[dst[i]] = bank[src[i]] for i < count."""
-    _launch((pool,), (bank,), src, dst, count, block, num_warps)
+    _launch((pool,), (bank,), src, dst, count, block, num_warps, programs)
 
 
 def _launch(
@@ -92,6 +115,7 @@ def _launch(
     count: torch.Tensor,
     block: int,
     num_warps: int,
+    programs: int | None,
 ) -> None:
     for pool, bank in zip(pools, banks, strict=True):
         assert pool.dtype == bank.dtype and pool.shape[1:] == bank.shape[1:], "a bank and its pool differ"
@@ -101,7 +125,8 @@ def _launch(
     if not src.numel():
         return
     a, b = 0, len(pools) - 1  # one bank: the second pair is the first again, given no chunks
-    _copy_rows[(sum(chunks), src.numel())](
-        src, dst, count, banks[a], pools[a], banks[b], pools[b], rows[a], rows[b], chunks[a], block,
+    grid = programs or default_programs(pools[0].device)
+    _copy_rows[(grid,)](
+        src, dst, count, banks[a], pools[a], banks[b], pools[b], rows[a], rows[b], chunks[a], sum(chunks), block,
         rows[a] % block == 0, rows[b] % block == 0, num_warps=num_warps,
     )  # fmt: skip

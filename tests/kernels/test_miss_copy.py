@@ -1,6 +1,7 @@
 """The two-bank miss copy (`copy_rows_pair`, Triton's interpreter on CPU) against `copy_rows_reference` applied to each
 bank: rows of both banks of an expert (gate_up [2I, H] and down [H, I]) in one launch, rows of several chunks and of
-a partial last chunk in either bank, empty, partial and full copy lists, and banks of different dtypes.
+a partial last chunk in either bank, empty, partial and full copy lists, banks of different dtypes, and persistent grids
+of one program (every item in turn), a few, and more programs than items.
 `copy_rows` (one bank) goes through the same kernel: tests/kernels/test_ensure_kernel.py."""
 
 from __future__ import annotations
@@ -42,6 +43,20 @@ def test_pair_matches_reference(case: tuple, dtype: torch.dtype) -> None:
         copy_rows_pair(pools, banks, src, dst, n, block=block)
         for pool, want in zip(pools, expected):
             assert torch.equal(pool[:S], want[:S]), count  # the scratch slot S: only the reference writes it
+
+
+@pytest.mark.parametrize("programs", [1, 2, 64])
+def test_any_grid_size_copies_every_item(programs: int) -> None:
+    gen = torch.Generator().manual_seed(programs)
+    banks = torch.randn(E, 6, 4, generator=gen), torch.randn(E, 5, 3, generator=gen)  # 3 + 2 chunks of 8
+    pools = tuple(torch.randn(S + 1, *b.shape[1:], generator=gen) for b in banks)
+    want = tuple(p.clone() for p in pools)
+    src, dst, n = random_list(M, gen)
+    for pool, bank in zip(want, banks):
+        copy_rows_reference(pool, bank, src, dst)
+    copy_rows_pair(pools, banks, src, dst, n, block=8, programs=programs)
+    for pool, w in zip(pools, want):
+        assert torch.equal(pool, w)
 
 
 def test_banks_of_different_dtypes_and_garbage_past_count() -> None:

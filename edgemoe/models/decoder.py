@@ -19,14 +19,20 @@ from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.moe.layer import SparseMoE
 
 
+def qkv_sizes(cfg: ModelConfig) -> list[int]:
+    """Rows of the checkpoint's q_proj, k_proj and v_proj: the row blocks of our fused qkv_proj, in that order."""
+    return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, block_size: int) -> None:
         super().__init__()
         h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.nq, self.nkv, self.d, self.clip = nq, nkv, d, cfg.clip_qkv
-        self.q_proj = nn.Linear(h, nq * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias)
+        # q, k and v as one GEMM (decode reads one weight in one launch, not three small ones); the loader fills
+        # its row blocks from the checkpoint's q_proj, k_proj and v_proj
+        self.qkv_proj = nn.Linear(h, (nq + 2 * nkv) * d, bias=cfg.qkv_bias)
+        self.qkv_sizes = qkv_sizes(cfg)
         self.o_proj = nn.Linear(nq * d, h, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":
@@ -37,7 +43,7 @@ class SelfAttention(nn.Module):
         self.attn = PagedAttention(nq, nkv, d, block_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [tokens, heads * head_dim]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # [tokens, heads * head_dim], row-strided views
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:

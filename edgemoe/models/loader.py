@@ -17,10 +17,11 @@ from tqdm import tqdm
 
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.models.decoder import MoEForCausalLM, qkv_sizes
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_QKV = re.compile(r"^(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$")  # row blocks of our qkv_proj
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
@@ -103,6 +104,13 @@ def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausa
         w = _param(params, pname, name)[expert]
         half = w.shape[0] // 2
         return pname, w[:half] if part == "gate" else w[half:]
+    m = _QKV.match(name)
+    if m:
+        pname = f"{m.group(1)}.qkv_proj.{m.group(3)}"
+        sizes = qkv_sizes(model.config)
+        part = "qkv".index(m.group(2))
+        start = sum(sizes[:part])
+        return pname, _param(params, pname, name)[start : start + sizes[part]]
     if _IGNORED.search(name) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
         return name, None
     if name not in params and ".shared_expert" in name and not model.config.shared_expert_intermediate_size:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.models.decoder import MoEForCausalLM, qkv_sizes
 from edgemoe.models.registry import families
 
 # geometry -> family and config fields (public config.json values for the real ones)
@@ -165,6 +165,15 @@ def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) 
     raise EdgeMoEError(f"unknown family {family!r}; supported: {', '.join(sorted(families()))}")
 
 
+def _draw(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):  # norms near 1, not exactly 1, so that they matter in tests
+        return 1 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith(".bias"):
+        return 0.1 * torch.randn(shape, generator=gen)
+    fan_in = shape[-1] if "embed_tokens" not in name else 1  # unit-variance activations (embeddings: unit rows)
+    return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+
+
 def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: torch.dtype):
     """Yield (checkpoint name, tensor) in Hugging Face naming, experts per-expert or fused."""
     cfg = families()[family].normalise(config)
@@ -172,15 +181,19 @@ def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: tor
         model = MoEForCausalLM(cfg)
     gen = torch.Generator().manual_seed(seed)
     prefix, gate, up, down = _PER_EXPERT.get(family, ("mlp", "gate_proj", "up_proj", "down_proj"))
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):  # norms near 1, not exactly 1, so that they matter in tests
-            t = 1 + 0.1 * torch.randn(p.shape, generator=gen)
-        elif name.endswith(".bias"):
-            t = 0.1 * torch.randn(p.shape, generator=gen)
-        else:  # unit-variance activations: fan-in scaling (embeddings: unit rows)
-            fan_in = p.shape[-1] if "embed_tokens" not in name else 1
-            t = torch.randn(p.shape, generator=gen) / math.sqrt(fan_in)
-        t = t.to(dtype)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if name.endswith("qkv_proj.bias"):
+            continue  # drawn with the weight
+        if name.endswith("qkv_proj.weight"):  # Hugging Face's q_proj, k_proj, v_proj, each weight then its bias
+            attn = name.removesuffix(".qkv_proj.weight")
+            bias = params.get(f"{attn}.qkv_proj.bias")
+            for part, rows in zip("qkv", qkv_sizes(cfg)):
+                yield f"{attn}.{part}_proj.weight", _draw(f"{part}.weight", (rows, p.shape[1]), gen).to(dtype)
+                if bias is not None:
+                    yield f"{attn}.{part}_proj.bias", _draw(f"{part}.bias", (rows,), gen).to(dtype)
+            continue
+        t = _draw(name, p.shape, gen).to(dtype)
         if ".experts." not in name or layout == "fused":
             yield name, t
             continue

@@ -338,7 +338,7 @@ def make_attention(qk_norm: str | None, clip: float | None, dtype: torch.dtype, 
 
 def unfused_forward(layer: SelfAttention, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """SelfAttention.forward before the fusion (each op its own kernel): the reference of the wiring."""
-    q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
+    q, k, v = layer.qkv_proj(x).split(layer.qkv_sizes, dim=-1)
     if layer.qk_norm == "full":
         q, k = layer.q_norm(q), layer.k_norm(k)
     if layer.clip is not None:

@@ -1,24 +1,24 @@
-"""The MoE router of decode as one Triton launch on CUDA, where torch runs ~6 small kernels (gate GEMV, softmax,
+"""The MoE router of decode as two Triton launches on CUDA, where torch runs ~6 small kernels (gate GEMV, softmax,
 top-k, renormalisation, cast, padding-row substitution). Its reference is `edgemoe.moe.router.route` applied to
 `F.linear(x, gate_weight)`, followed by `SparseMoE._routed`'s substitution for CUDA-graph padding rows (rows with
 `valid` False take row 0's ids and keep their own weights).
 
-One program per token, in torch's order of operations:
+- `gate_logits`, the gate GEMV: a program per (token, block of BLOCK_E experts), so that many SMs share the reading
+  of the gate (timed in benchmarks/router.py). x @ gate_weight.T over [BLOCK_E, BLOCK_H] tiles with fp32
+  accumulation (one tile holds the block's rows where H allows: all its loads in flight at once), rounded to x's
+  dtype as `self.gate(x)` returns it, into a logits buffer.
+- `route_logits`, the routing: one program per token on those logits, in torch's order of operations:
+  - softmax in fp32, in the order of torch's CUDA softmax for E <= 1024 (PersistentSoftmax.cuh: each of
+    min(E', 32) lanes sums the elements lane, lane + 32, ... in turn from 0, then a butterfly over the lanes;
+    E' = next_power_of_2(E)), with libdevice's expf and IEEE division as nvcc compiles `::exp` and `/` there
+    (Triton's libdevice flushes subnormal results: probabilities below 2^-126 read 0 where torch keeps them).
+  - top-k by k rounds of (max, lowest expert holding it): descending, ties to the lower expert id. torch.topk
+    leaves the order of ties unspecified (on the CPU, heap / introselect orders differ from that).
+  - optional renormalisation: the k weights summed in order from 0, IEEE division; cast to x's dtype.
+  - a padding row routes row 0's logits for its ids (the same logits row 0 routes: the same ids).
 
-- logits = x @ gate_weight.T over [BLOCK_E, BLOCK_H] tiles with fp32 accumulation (all experts per tile, a
-  bounded number of elements so that the accumulators stay in registers), rounded to x's dtype as `self.gate(x)`
-  returns it. A padding row also accumulates row 0's logits from the same weight tiles.
-- softmax in fp32, in the order of torch's CUDA softmax for E <= 1024 (PersistentSoftmax.cuh: each of min(E', 32)
-  lanes sums the elements lane, lane + 32, ... in turn from 0, then a butterfly over the lanes; E' =
-  next_power_of_2(E)), with libdevice's expf and IEEE division as nvcc compiles `::exp` and `/` there (Triton's
-  libdevice flushes subnormal results: probabilities below 2^-126 read 0 where torch keeps them).
-- top-k by k rounds of (max, lowest expert holding it): descending, ties to the lower expert id. torch.topk leaves
-  the order of ties unspecified (on the CPU, heap / introselect orders differ from that).
-- optional renormalisation: the k weights summed in order from 0, IEEE division; cast to x's dtype.
-
-`route_logits` runs the same kernel from precomputed logits (the tests feed it the fused path's own logits to hold
-the routing part to `route` exactly). No host sync and only torch.empty outputs: CUDA-graph capturable once
-compiled. Under Triton's interpreter (CPU tests) exp is numpy's and bf16 casts are rounded by hand.
+`fused_route` is the two in turn. No host sync and only torch.empty outputs: CUDA-graph capturable once compiled.
+Under Triton's interpreter (CPU tests) exp is numpy's and bf16 casts are rounded by hand.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from triton.language.extra import libdevice
 from edgemoe.kernels.norm_rope import _round
 
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-TILE = 8192  # weight elements per step: 32 fp32 accumulators a thread at 8 warps (two for padding rows)
-NUM_WARPS = 8
-NUM_STAGES = 3  # weight tiles in flight (cp.async): one program reads the whole gate, latency is the limit
-MAX_EXPERTS = 1024  # torch's warp softmax, whose summation order the kernel follows, covers E <= 1024
+TILE = 8192  # gate elements a GEMV program holds at once: 32 fp32 accumulators a thread at 8 warps
+MIN_PROGRAMS = 64  # GEMV programs per token wanted, where the experts allow: the gate's reading spread over SMs
+MAX_EXPERTS = 1024  # torch's warp softmax, whose summation order the routing follows, covers E <= 1024
 
 
 @triton.jit
@@ -80,54 +79,45 @@ def _top_k(probs, e, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr
 
 
 @triton.jit
-def _route(x, w, logits, ids_out, weights_out, logits_out, valid, H, E, stride_x, stride_w, stride_l,
-           K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, FROM_LOGITS: tl.constexpr,
-           STORE_LOGITS: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, WARP: tl.constexpr,
-           LOG_WARP: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr, STAGES: tl.constexpr,
-           X_TY: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _gate_gemv(x, w, out, H, E, stride_x, stride_w, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+               EVEN_H: tl.constexpr, X_TY: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    in_e = e < E
+    h = tl.arange(0, BLOCK_H)
+    w_ptr = w + e[:, None].to(tl.int64) * stride_w + h[None, :]  # [BLOCK_E, BLOCK_H]
+    x_ptr = x + t * stride_x + h
+    acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)  # reduced once after the loop
+    for h0 in range(0, H, BLOCK_H):  # one step where H <= BLOCK_H: all of a program's loads in flight at once
+        if EVEN_H:
+            wk = tl.load(w_ptr + h0, mask=in_e[:, None], other=0.0)
+            xk = tl.load(x_ptr + h0)
+        else:
+            cols = h0 + h < H
+            wk = tl.load(w_ptr + h0, mask=in_e[:, None] & cols[None, :], other=0.0)
+            xk = tl.load(x_ptr + h0, mask=cols, other=0.0)
+        acc += wk.to(tl.float32) * xk.to(tl.float32)[None, :]
+    logits = _round(tl.sum(acc, 1), X_TY, INTERPRETED)  # self.gate(x) returns x's dtype
+    tl.store(out + t * E + e, logits.to(X_TY), mask=in_e)
+
+
+@triton.jit
+def _route(logits, ids_out, weights_out, valid, E, stride_l, K: tl.constexpr, K_PAD: tl.constexpr,
+           NORMALIZE: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, WARP: tl.constexpr,
+           LOG_WARP: tl.constexpr, X_TY: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     in_e = e < E
-    if HAS_VALID:
-        pad = tl.load(valid + t) == 0  # a CUDA-graph padding row
-    if FROM_LOGITS:
-        own = tl.load(logits + t * stride_l + e, mask=in_e, other=0.0).to(tl.float32)
-    else:
-        h = tl.arange(0, BLOCK_H)
-        w_ptr = w + e[:, None] * stride_w + h[None, :]  # [BLOCK_E, BLOCK_H]
-        x_ptr = x + t * stride_x + h
-        acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)  # reduced once after the loop
-        acc0 = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)  # row 0's, accumulated by padding rows only
-        for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):  # loop num_stages: pipelines loads without a dot
-            if EVEN_H:
-                wk = tl.load(w_ptr + h0, mask=in_e[:, None], other=0.0).to(tl.float32)
-                xk = tl.load(x_ptr + h0).to(tl.float32)
-            else:
-                cols = h0 + h < H
-                wk = tl.load(w_ptr + h0, mask=in_e[:, None] & cols[None, :], other=0.0).to(tl.float32)
-                xk = tl.load(x_ptr + h0, mask=cols, other=0.0).to(tl.float32)
-            acc += wk * xk[None, :]
-            if HAS_VALID:
-                if pad:  # uniform per program: valid rows skip the second product
-                    x0 = tl.load(x + h0 + h, mask=h0 + h < H, other=0.0).to(tl.float32)
-                    acc0 += wk * x0[None, :]
-        own = _round(tl.sum(acc, 1), X_TY, INTERPRETED)  # self.gate(x) returns x's dtype
-        if HAS_VALID:
-            first = _round(tl.sum(acc0, 1), X_TY, INTERPRETED)
-    own = tl.where(in_e, own, float("-inf"))
-    if STORE_LOGITS:
-        tl.store(logits_out + t * E + e, own.to(X_TY), mask=in_e)
+    own = tl.load(logits + t * stride_l + e, mask=in_e, other=float("-inf")).to(tl.float32)
     probs = tl.where(in_e, _softmax(own, BLOCK_E, WARP, LOG_WARP, INTERPRETED), -1.0)  # -1: below every prob
     ids, values, total = _top_k(probs, e, K, K_PAD, BLOCK_E)
     if NORMALIZE:
         values = tl.div_rn(values, total)
     if HAS_VALID:
-        if pad:  # padding rows take row 0's experts (no extra fetches, no extra counts) but keep their weights
-            if FROM_LOGITS:
-                first = tl.load(logits + e, mask=in_e, other=0.0).to(tl.float32)
-            first = tl.where(in_e, first, float("-inf"))
+        if tl.load(valid + t) == 0:  # a CUDA-graph padding row: row 0's experts (no extra fetches or counts)
+            first = tl.load(logits + e, mask=in_e, other=float("-inf")).to(tl.float32)
             probs0 = tl.where(in_e, _softmax(first, BLOCK_E, WARP, LOG_WARP, INTERPRETED), -1.0)
-            ids = _top_k(probs0, e, K, K_PAD, BLOCK_E)[0]
+            ids = _top_k(probs0, e, K, K_PAD, BLOCK_E)[0]  # the weights stay its own
     j = tl.arange(0, K_PAD)
     tl.store(ids_out + t * K + j, ids.to(tl.int64), mask=j < K)
     tl.store(weights_out + t * K + j, _round(values, X_TY, INTERPRETED).to(X_TY), mask=j < K)
@@ -145,59 +135,77 @@ def fused_route(
     """x: [T, H]; gate_weight: [E, H] in x's dtype (no bias); valid: [T] bool or None -> (ids [T, top_k] int64,
     weights [T, top_k] in x's dtype). Dtypes float32, bfloat16, float16; E <= 1024. `logits_out` ([T, E]
     contiguous, x's dtype; for tests) receives the logits the routing used."""
+    _check_routing(x.shape[0], gate_weight.shape[0], top_k, x.dtype, valid)
+    logits = gate_logits(x, gate_weight, logits_out)  # [T, E]
+    return _launch_route(logits, top_k, normalize, valid)
+
+
+def gate_logits(
+    x: torch.Tensor, gate_weight: torch.Tensor, out: torch.Tensor | None = None, block_e: int | None = None
+) -> torch.Tensor:
+    """x [T, H] @ gate_weight [E, H].T with fp32 accumulation, rounded to x's dtype: `F.linear(x, gate_weight)` up to
+    the order of the sum. `out`: [T, E] contiguous in x's dtype, else a new one. `block_e` (a power of two; for
+    benchmarks and tests) overrides the experts per program."""
     (T, H), E = x.shape, gate_weight.shape[0]
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"the router takes float32, bfloat16 or float16, got {x.dtype}")
     if gate_weight.shape != (E, H) or gate_weight.dtype != x.dtype:
         raise ValueError(f"gate weight {gate_weight.dtype} {list(gate_weight.shape)} does not fit x {x.dtype} {[T, H]}")
-    if logits_out is not None and (
-        logits_out.shape != (T, E) or logits_out.dtype != x.dtype or not logits_out.is_contiguous()
-    ):
-        raise ValueError(f"logits_out: need contiguous [{T}, {E}] {x.dtype}, got {logits_out.dtype} {logits_out.shape}")
+    if out is None:
+        out = torch.empty(T, E, dtype=x.dtype, device=x.device)
+    elif out.shape != (T, E) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"logits out: need contiguous [{T}, {E}] {x.dtype}, got {out.dtype} {list(out.shape)}")
+    if T == 0 or E == 0:
+        return out
     x = x if x.stride(1) == 1 else x.contiguous()
     gate_weight = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
-    return _launch(x, gate_weight, None, T, H, E, top_k, normalize, valid, logits_out)
+    width = triton.next_power_of_2(H)
+    if block_e is None:  # gate rows that fit one tile, yet MIN_PROGRAMS programs where E allows
+        block_e = min(max(1, TILE // width), _floor_power_of_2(max(1, E // MIN_PROGRAMS)))
+    block_h = min(width, max(1, TILE // block_e))
+    warps = min(8, max(1, block_e * block_h // 256))  # >= 8 elements (16 bytes of bf16) a thread
+    _gate_gemv[(T, triton.cdiv(E, block_e))](
+        x, gate_weight, out, H, E, x.stride(0), gate_weight.stride(0), block_e, block_h, H % block_h == 0,
+        _DTYPES[x.dtype], not x.is_cuda, num_warps=warps,
+    )  # fmt: skip
+    return out
 
 
 def route_logits(
     logits: torch.Tensor, top_k: int, normalize: bool, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_route` from precomputed logits [T, E] (the routing part alone, for tests) -> (ids, weights)."""
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    return _launch(None, None, logits, logits.shape[0], 1, logits.shape[1], top_k, normalize, valid, None)
+    """The routing part of `fused_route` from logits [T, E] -> (ids, weights)."""
+    _check_routing(logits.shape[0], logits.shape[1], top_k, logits.dtype, valid)
+    return _launch_route(logits if logits.stride(1) == 1 else logits.contiguous(), top_k, normalize, valid)
 
 
-def _launch(
-    x: torch.Tensor | None,
-    w: torch.Tensor | None,
-    logits: torch.Tensor | None,
-    T: int,
-    H: int,
-    E: int,
-    top_k: int,
-    normalize: bool,
-    valid: torch.Tensor | None,
-    logits_out: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    src = x if x is not None else logits  # the dtype and device of everything
-    if src.dtype not in _DTYPES:
-        raise ValueError(f"the router takes float32, bfloat16 or float16, got {src.dtype}")
+def _floor_power_of_2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _check_routing(T: int, E: int, top_k: int, dtype: torch.dtype, valid: torch.Tensor | None) -> None:
+    if dtype not in _DTYPES:
+        raise ValueError(f"the router takes float32, bfloat16 or float16, got {dtype}")
     if not 1 <= top_k <= E <= MAX_EXPERTS:
         raise ValueError(f"top_k {top_k} of {E} experts: need 1 <= top_k <= experts <= {MAX_EXPERTS}")
     if valid is not None and (valid.shape != (T,) or valid.dtype != torch.bool):
         raise ValueError(f"valid must be [{T}] bool, got {valid.dtype} {list(valid.shape)}")
-    ids = torch.empty(T, top_k, dtype=torch.long, device=src.device)
-    weights = torch.empty(T, top_k, dtype=src.dtype, device=src.device)
+
+
+def _launch_route(
+    logits: torch.Tensor, top_k: int, normalize: bool, valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, E = logits.shape
+    ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
     if T == 0:
         return ids, weights
     block_e = triton.next_power_of_2(E)
     warp = min(block_e, 32)  # torch's lanes per row
-    block_h = min(max(1, TILE // block_e), triton.next_power_of_2(H))
     flags = valid.contiguous().view(torch.uint8) if valid is not None else None  # bool pointers: uint8, no copy
     _route[(T,)](
-        x, w, logits, ids, weights, logits_out, flags, H, E,
-        x.stride(0) if x is not None else 0, w.stride(0) if w is not None else 0,
-        logits.stride(0) if logits is not None else 0,
-        top_k, triton.next_power_of_2(top_k), normalize, logits is not None, logits_out is not None,
-        valid is not None, block_e, warp, warp.bit_length() - 1, block_h, H % block_h == 0, NUM_STAGES,
-        _DTYPES[src.dtype], not src.is_cuda, num_warps=NUM_WARPS,
+        logits, ids, weights, flags, E, logits.stride(0), top_k, triton.next_power_of_2(top_k), normalize,
+        valid is not None, block_e, warp, warp.bit_length() - 1, _DTYPES[logits.dtype], not logits.is_cuda,
+        num_warps=min(4, max(1, block_e // 256)),  # one warp up to 256 experts: reductions stay in shuffles
     )  # fmt: skip
     return ids, weights

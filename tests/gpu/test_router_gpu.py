@@ -6,8 +6,10 @@ The routing part is held to `route` on the kernel's own logits: ids equal to a s
 probabilities (the kernel's ties go to the lower expert; torch.topk's tie order is unspecified), weights bitwise
 equal without renormalisation (the kernel follows torch's CUDA softmax: PersistentSoftmax.cuh's summation order,
 expf, IEEE division) and within 1 ulp with it (the k weights are summed in order, torch's reduction may pair them
-otherwise). The GEMV sums in another order than cuBLAS: logits within an ulp (bf16) or 1e-5 (fp32), and ids equal to
-`route(F.linear(x, w))`'s on logits built with clear margins."""
+otherwise). The GEMV (`gate_logits`) is held to the float64 product within fp32 accumulation and one rounding to the
+output dtype (`logits_error_bound`), at real geometries and a large 4096 x 512 gate, over block sizes, not to cuBLAS's
+F.linear (its bf16 GEMV may reduce otherwise: an ulp apart at times); ids equal to `route(F.linear(x, w))`'s on
+logits built with clear margins."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe.moe.router import route
+from tests.kernels.test_router import assert_logits_close
 
 # name -> (hidden, experts, top_k)
 GEOMETRIES = {
@@ -23,9 +26,8 @@ GEOMETRIES = {
     "qwen1.5-moe-a2.7b": (2048, 60, 4),
     "mixtral-8x7b": (4096, 8, 2),
 }
-# the GEMV against F.linear (another summation order): fp32 rounding, or one bf16 ulp (2^-8..2^-7 relative); and
-# the weights that follow from those logits
-LOGIT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-5)}
+LARGE = {"large-4096x512": (4096, 512, 10)}  # many expert blocks, the softmax over 512
+# the weights against route(F.linear(x, w))'s, whose logits may be an ulp (bf16) or an fp32 rounding apart
 WEIGHT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=1e-6)}
 
 
@@ -78,20 +80,35 @@ def check_routing(ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-@pytest.mark.parametrize("name", list(GEOMETRIES))
+@pytest.mark.parametrize("name", [*GEOMETRIES, *LARGE])
 def test_matches_route(name: str, tokens: int, dtype: torch.dtype, normalize: bool) -> None:
-    from edgemoe.kernels.router import fused_route, route_logits
+    from edgemoe.kernels.router import fused_route, gate_logits, route_logits
 
-    hidden, experts, top_k = GEOMETRIES[name]
+    hidden, experts, top_k = {**GEOMETRIES, **LARGE}[name]
     g = gen(tokens + 10 * normalize)
     x, w = random_inputs(tokens, hidden, experts, dtype, g)
     logits = torch.empty(tokens, experts, dtype=dtype, device="cuda")
     ids, weights = fused_route(x, w, top_k, normalize, logits_out=logits)
     same = route_logits(logits, top_k, normalize)
     assert torch.equal(ids, same[0]) and torch.equal(weights, same[1])  # one routing code path
-    linear = F.linear(x, w)
-    torch.testing.assert_close(logits, linear, **LOGIT_TOL[dtype])
+    assert torch.equal(logits, gate_logits(x, w))
+    assert_logits_close(logits, x, w)
     check_routing(ids, weights, logits, top_k, normalize)
+
+
+@pytest.mark.parametrize("block_e", [None, 1, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("name", [*GEOMETRIES, *LARGE])
+def test_gate_logits_within_bound_of_float64(name: str, tokens: int, dtype: torch.dtype, block_e: int | None) -> None:
+    """The GEMV alone over block sizes (8: qwen1.5's 60 experts end in a partial block); every element written."""
+    from edgemoe.kernels.router import gate_logits
+
+    hidden, experts, _ = {**GEOMETRIES, **LARGE}[name]
+    x, w = random_inputs(tokens, hidden, experts, dtype, gen(tokens + experts))
+    out = torch.full((tokens, experts), float("nan"), dtype=dtype, device="cuda")
+    assert gate_logits(x, w, out, block_e) is out
+    assert_logits_close(out, x, w)  # NaN fails it
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1,14 +1,17 @@
 """The fused router (`edgemoe.kernels.router`, Triton's interpreter on CPU) against `edgemoe.moe.router.route` and
 `SparseMoE._routed`'s padding-row substitution, on fresh random inputs in float32 and bf16.
 
+- The gate GEMV (`gate_logits`) against the float64 product, within fp32 accumulation and one rounding to the
+  output dtype (`logits_error_bound`), over several expert blocks (the last one partial), one and more tokens,
+  hidden sizes that need one or more steps, masked or not; every output element written.
 - Routing alone (`route_logits`), on logits with distinct values: ids equal to `route`'s; weights bitwise equal to
   `kernel_order_route` (the kernel's order of operations in numpy, i.e. torch's CUDA order with the interpreter's
   exp), and within 4 ulps (float32) / 1 ulp (bf16) of `route`'s, whose CPU softmax has another exp and multiplies
   by 1 / sum.
 - Ties (equal logits): the lower expert first, which torch.topk does not promise (its CPU order differs).
-- The fused path: bitwise equal to `route_logits` on the logits it reports; those within an ulp of F.linear's; ids
+- The fused path: bitwise equal to `route_logits` on the logits it reports, those bitwise `gate_logits`'s; ids
   equal to `route(F.linear(x, w))`'s on logits built with clear margins.
-- Padding rows: row 0's ids, their own weights, bitwise."""
+- Padding rows: row 0's ids, their own weights and logits, bitwise."""
 
 from __future__ import annotations
 
@@ -19,15 +22,13 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from edgemoe.kernels.router import fused_route, route_logits  # noqa: E402
+from edgemoe.kernels.router import fused_route, gate_logits, route_logits  # noqa: E402
 from edgemoe.moe.router import route  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 ULPS = {torch.float32: 4, torch.bfloat16: 1}  # from `route` (CPU softmax); kernel_order_route: 0
 GEOMETRIES = [(8, 1), (8, 2), (60, 4), (128, 8)]  # (experts, top_k)
-# the GEMV against F.linear (another summation order): fp32 rounding, or one bf16 ulp (2^-8..2^-7 relative); and
-# the weights that follow from those logits
-LOGIT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-5)}
+# the weights against route(F.linear(x, w))'s, whose logits may be an ulp (bf16) or an fp32 rounding apart
 WEIGHT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=1e-6)}
 
 
@@ -35,6 +36,30 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """Largest distance in units in the last place between same-dtype tensors of one sign."""
     ints = torch.int32 if a.dtype == torch.float32 else torch.int16
     return int((a.view(ints).long() - b.view(ints).long()).abs().max()) if a.numel() else 0
+
+
+def logits_error_bound(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ w.T in float64, the most logits in `dtype` computed with fp32 accumulation may differ from it).
+
+    Accumulation: a sum whose partial sums each pass through at most d roundings (any order: in turn, a tree, a
+    thread's elements then shuffles then warps) errs by at most gamma_d = d u / (1 - d u), u = 2^-24, times
+    sum |x_i w_i| (Higham, Accuracy and Stability of Numerical Algorithms, 3.1); products of 16-bit floats are
+    exact in fp32, fp32 products (or FMAs) add one rounding. 2^-16 covers d < 255; the kernel's depth is a few steps
+    over hidden + a thread's elements of a tile (<= 64) + 5 shuffles + the warps (<= 8), numpy's pairwise sum less.
+    Then one rounding of that fp32 sum s to `dtype`: half an ulp at |s|, <= eps / 2 * |s| <= eps / 2 * (|exact| +
+    accumulation): relative to |s| rather than |exact|, so that a sum rounded across a power of two, where the ulp
+    doubles, is covered; plus half the subnormal spacing (fp16 near 0). F.linear is no oracle: cuBLAS's bf16 GEMV
+    may reduce in another precision (split-K), one bf16 ulp apart from the kernel at times."""
+    exact = x.double() @ w.double().T  # float64: its own error ~H 2^-53 relative, far below the bound
+    accumulation = 2**-16 * (x.double().abs() @ w.double().abs().T)
+    f = torch.finfo(dtype)
+    return exact, accumulation + f.eps / 2 * (exact.abs() + accumulation) + f.tiny * f.eps / 2
+
+
+def assert_logits_close(logits: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    exact, bound = logits_error_bound(x, w, logits.dtype)
+    err = (logits.double() - exact).abs()
+    assert (err <= bound).all(), f"logits off the float64 product by up to {(err / bound).max().item():.2f}x the bound"
 
 
 def kernel_order_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +98,30 @@ def distinct_logits(tokens: int, experts: int, dtype: torch.dtype, g: torch.Gene
 def stable_ids(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     probs = torch.softmax(logits.float(), dim=-1)
     return torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize(
+    "experts, hidden, block_e",
+    [
+        (60, 256, None),  # the default choice: one expert a program here, hidden in one unmasked step
+        (60, 200, 8),  # 8 blocks, the last of 4 experts; hidden masked
+        (100, 200, 64),  # 2 blocks, the last of 36; hidden in two steps of 128, the second masked
+        (48, 512, 32),  # 2 blocks, the last of 16; two unmasked steps of 256
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=str)
+def test_gate_logits_within_bound_of_float64(
+    dtype: torch.dtype, experts: int, hidden: int, block_e: int | None, tokens: int
+) -> None:
+    g = torch.Generator().manual_seed(experts + hidden + tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = (2 * torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype)  # logits of a few units
+    out = torch.full((tokens, experts), float("nan"), dtype=dtype)
+    assert gate_logits(x, w, out, block_e) is out
+    assert_logits_close(out, x, w)  # no NaN left: every element written
+    assert torch.equal(gate_logits(x, w, block_e=block_e), out)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -140,10 +189,9 @@ def test_fused_matches_route_of_linear(dtype: torch.dtype, experts: int, top_k: 
     # the routing part on the kernel's own logits: bitwise
     same = route_logits(logits, top_k, normalize)
     assert torch.equal(ids, same[0]) and torch.equal(weights, same[1])
-    # the GEMV: fp32 accumulation in another order than F.linear's
-    linear = F.linear(x, w)
-    torch.testing.assert_close(logits, linear, **LOGIT_TOL[dtype])
-    ref_ids, ref_weights = route(linear, top_k, normalize)
+    assert torch.equal(logits, gate_logits(x, w))
+    assert_logits_close(logits, x, w)
+    ref_ids, ref_weights = route(F.linear(x, w), top_k, normalize)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, **WEIGHT_TOL[dtype])
 
@@ -168,9 +216,11 @@ def test_padding_rows_take_row_zero_experts(mask: list[bool], dtype: torch.dtype
     x, w, _ = separated_inputs(3, 200, 60, dtype, g)
     for normalize in (False, True):
         ids, weights = fused_route(x, w, 4, normalize)
-        padded = fused_route(x, w, 4, normalize, valid)
+        logits = torch.empty(3, 60, dtype=dtype)
+        padded = fused_route(x, w, 4, normalize, valid, logits_out=logits)
         assert torch.equal(padded[0], torch.where(valid[:, None], ids, ids[:1]))
         assert torch.equal(padded[1], weights)
+        assert torch.equal(logits, gate_logits(x, w))  # padding rows' own logits
         logits = torch.randn(3, 60, generator=g).to(dtype)
         ids, weights = route_logits(logits, 4, normalize)
         padded = route_logits(logits, 4, normalize, valid)
@@ -186,5 +236,7 @@ def test_rejects_bad_arguments() -> None:
         fused_route(x, w.to(torch.bfloat16), 2, False)
     with pytest.raises(ValueError):
         fused_route(x, w, 2, False, torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError):
+        fused_route(x, w, 2, False, logits_out=torch.empty(8, 2))  # transposed
     ids, weights = fused_route(x[:0], w, 2, False)
     assert ids.shape == weights.shape == (0, 2)

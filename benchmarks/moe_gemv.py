@@ -1,19 +1,20 @@
 """Decode routed experts on CUDA: the fused GEMVs (`edgemoe.kernels.moe_gemv`) against `gathered_experts` at real
 geometries, replayed from a CUDA graph and eager, against HBM bandwidth (a device-to-device copy) in the same run.
 
-    python benchmarks/moe_gemv.py [--dtype bfloat16] [--tokens 1,4] [--sweep] [--json OUT]
+    python benchmarks/moe_gemv.py [--dtype bfloat16] [--tokens 1,4] [--sweep] [--sweep-stages] [--json OUT]
 
 Bytes per call = pairs x 3 H I x itemsize, each (token, expert) pair's weights read once, as the kernels do; "distinct"
 counts each expert of a call once (at T > 1, pairs of one expert share rows through L2, so the pairs figure can pass
 1). Every call of a timed run reads its own set of random inputs (one of `SETS`; ids top-k distinct per token) from a
 bank of all the layer's experts, so repeated calls do not measure the L2 cache. The graph figure is what decode runs
 (one graph per step); the eager one adds Triton's launch overhead. `up` and `down` time each kernel alone;
-`--sweep` times each over block sizes.
+`--sweep` times each over block sizes, `--sweep-stages` over software pipelining.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -117,11 +118,33 @@ def sweep(geometry: tuple[int, int, int, int], tokens: int, dtype: torch.dtype) 
     return out
 
 
+def sweep_stages(geometry: tuple[int, int, int, int], tokens: int, dtype: torch.dtype) -> dict:
+    """Software pipelining (loop steps in flight) around the default blocks and two neighbours: each kernel's time
+    alone (graph, us)."""
+    H, inter, top_k, experts = geometry
+    x, ids, weights, w13, w2 = problem(H, inter, top_k, experts, tokens, dtype)
+    h = [up_proj(x[i], ids[i], w13) for i in range(SETS)]
+    d = pick_blocks(H, inter)
+    out = {"up": {}, "down": {}}
+    for n, k, warps in ((d.up_n, d.up_k, d.up_warps), (16, 256, 8), (8, 128, 4)):
+        for stages in (1, 2, 3, 4):
+            b = dataclasses.replace(d, up_n=n, up_k=k, up_warps=warps, up_stages=stages)
+            us = graph_seconds(lambda i, b=b: up_proj(x[i], ids[i], w13, b)) * 1e6
+            out["up"][f"n{n}_k{k}_w{warps}_s{stages}"] = us
+    for n, k, warps in ((d.down_n, d.down_k, d.down_warps), (2, 128, 4)):
+        for stages in (1, 2, 3, 4):
+            b = dataclasses.replace(d, down_n=n, down_k=k, down_warps=warps, down_stages=stages)
+            us = graph_seconds(lambda i, b=b: down_proj(h[i], ids[i], weights[i], w2, b)) * 1e6
+            out["down"][f"n{n}_k{k}_w{warps}_s{stages}"] = us
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--tokens", default="1,4", help="decode batch sizes (default: 1,4)")
     ap.add_argument("--sweep", action="store_true", help="also time block-size choices (slow: many compilations)")
+    ap.add_argument("--sweep-stages", action="store_true", help="also time software pipelining (stages 1-4)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
@@ -140,8 +163,10 @@ def main() -> None:
                 f"{r['up_graph_us']:.1f} us {r['up_over_hbm']:.2f}, {r['down_graph_us']:.1f} us "
                 f"{r['down_over_hbm']:.2f} (rel diff {r['rel_diff_vs_gathered']:.1e})"
             )
-            if a.sweep:
-                s = r["sweep"] = sweep(geometry, tokens, dtype)
+            for flag, fn in (("sweep", sweep), ("sweep_stages", sweep_stages)):
+                if not getattr(a, flag):
+                    continue
+                s = r[flag] = fn(geometry, tokens, dtype)
                 for kernel in ("up", "down"):
                     ranked = sorted(s[kernel], key=s[kernel].get)[:4]
                     print(f"  sweep {kernel}: " + ", ".join(f"{c} {s[kernel][c]:.1f}" for c in ranked))

@@ -16,8 +16,9 @@ for dtype in bfloat16 float32; do
 done
 python3 benchmarks/miss_copy.py --json "$out/miss_copy.json" | tail -12 || rc=1
 python3 benchmarks/moe_gemv.py --json "$out/moe_gemv.json" | tail -16 || rc=1
+python3 benchmarks/router.py --json "$out/router.json" | tail -12 || rc=1
 python3 benchmarks/ensure.py --json "$out/ensure.json" | tail -12 || rc=1
 python3 benchmarks/paged_attention.py --json "$out/paged_attention.json" | tail -12 || rc=1
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-cache-fraction 0.25,0.5,1 --routing-trace synthetic \
-  --profile 4 --json "$out/bench_qwen3_8layers.json" | tail -12 || rc=1
+  --mode graph --profile 4 --json "$out/bench_qwen3_8layers.json" | tail -12 || rc=1
 exit $rc

@@ -38,6 +38,7 @@ def _up(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of gate; up's are inter rows further
@@ -49,7 +50,7 @@ def _up(
     x_ptr = x + (pair // top_k).to(tl.int64) * stride_x + k
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced once after the loop
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):  # STAGES > 1: the next steps' loads in flight
         if EVEN_K:
             xk = tl.load(x_ptr + k0)
             mask = rows[:, None]
@@ -82,6 +83,7 @@ def _down(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     t = tl.program_id(0)
     p = tl.arange(0, BLOCK_P)  # the token's pairs (top_k padded to a power of two)
@@ -94,7 +96,7 @@ def _down(
     w_ptr = w2 + expert[:, None, None] * stride_e + n[None, :, None] * stride_r + k[None, None, :]
     h_ptr = h + pair[:, None] * inter + k[None, :]  # [BLOCK_P, BLOCK_K]
     acc = tl.zeros([BLOCK_P, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             hk = tl.load(h_ptr + k0, mask=pairs[:, None], other=0.0)
             mask = rows
@@ -119,6 +121,8 @@ class Blocks:
     down_n: int
     down_k: int
     down_warps: int
+    up_stages: int = 1  # loop steps in flight (software pipelining)
+    down_stages: int = 1
 
 
 @functools.cache
@@ -163,7 +167,7 @@ def up_proj(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, blocks: Block
         # pairs on the fastest axis: pairs of one expert (other tokens) read the same rows together, from L2
         _up[(T * K, triton.cdiv(inter, b.up_n))](
             x, ids, w13, h, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1),
-            b.up_n, b.up_k, H % b.up_k == 0, num_warps=b.up_warps,
+            b.up_n, b.up_k, H % b.up_k == 0, b.up_stages, num_warps=b.up_warps,
         )  # fmt: skip
     return h
 
@@ -180,6 +184,7 @@ def down_proj(
         b = blocks or pick_blocks(H, inter)
         _down[(T, triton.cdiv(H, b.down_n))](  # likewise tokens first
             h, ids, weights, w2, out, H, inter, K, out.stride(0), w2.stride(0), w2.stride(1),
-            triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0, num_warps=b.down_warps,
+            triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0, b.down_stages,
+            num_warps=b.down_warps,
         )  # fmt: skip
     return out

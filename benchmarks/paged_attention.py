@@ -1,13 +1,16 @@
 """Paged decode attention on CUDA: the Triton kernel (`edgemoe.kernels.paged_attention`) against its reference
-`PagedAttention._decode_torch`, block tables padded to a 32K-token width (CUDA-graph decode's), contexts of 4K and
-32K tokens at batch 1 and 4, against HBM bandwidth (a device-to-device copy) in the same run.
+`PagedAttention._decode_torch`, contexts of 4K and 32K tokens at batch 1 and 4, each in block tables padded to a 40K
+width (CUDA-graph decode's, qwen3's max_model_len) and in tables as wide as the context, against HBM bandwidth (a
+device-to-device copy) in the same run.
 
-    python benchmarks/paged_attention.py [--dtype bfloat16] [--width 32768] [--sweep] [--json OUT]
+    python benchmarks/paged_attention.py [--dtype bfloat16] [--width 40960] [--sweep] [--json OUT]
 
-KV bytes per call = the K and V bytes the contexts hold (what attention must read). Calls cycle over `layers` KV
-caches sharing one block table (as decode's layers do), enough that they do not fit in L2, so repeated calls do not
-measure the L2 cache. The graph figure is what decode runs (the calls of all layers captured in one graph); the
-eager one includes launch overhead. `--sweep` times the kernel over partition sizes, tiles and warps.
+KV bytes per call = the K and V bytes the contexts hold (what attention must read); "of copy" is their rate over the
+copy's (read + write) rate. Calls cycle over `layers` KV caches sharing one block table (as decode's layers do),
+enough that they do not fit in L2, so repeated calls do not measure the L2 cache. The graph figure is what decode
+runs (the calls of all layers captured in one graph); the eager one includes launch overhead. The kernel runs with the
+splits `choose_splits` picks for this GPU (the engine's); the splits line times forced splits S next to it, so one run
+shows whether the pick is the best. `--sweep` times the kernel over tiles and warps at the chosen splits.
 """
 
 from __future__ import annotations
@@ -23,12 +26,21 @@ import torch
 
 from edgemoe.bench import bandwidths, capture, timed
 from edgemoe.engine.context import ForwardContext
-from edgemoe.kernels.paged_attention import BLOCK_N, PARTITION, paged_decode_attention
+from edgemoe.kernels.paged_attention import BLOCK_N, PROGRAMS_PER_SM, choose_splits, paged_decode_attention
 from edgemoe.layers.attention import PagedAttention
 
 DEV = torch.device("cuda")
 BLOCK_SIZE = 16  # the engine's default
-SHAPES = {"16/16/128 (olmoe)": (16, 16, 128), "32/4/128 (qwen3-30b-a3b)": (32, 4, 128), "4/1/64 (mqa)": (4, 1, 64)}
+SHAPES = {
+    "16/16/128 (olmoe, qwen1.5-moe)": (16, 16, 128),
+    "32/4/128 (qwen3-30b-a3b)": (32, 4, 128),
+    "4/1/64 (mqa)": (4, 1, 64),
+}
+FORCED_SPLITS = (1, 8, 32, 64, 128, 256)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class Problem:
@@ -49,6 +61,12 @@ class Problem:
         self.tables = torch.full((batch, width // BLOCK_SIZE), num_blocks, dtype=torch.long, device=DEV)
         self.tables[:, :used] = torch.randperm(num_blocks, device=DEV).view(batch, used)
         self.lens = torch.full((batch,), context, dtype=torch.long, device=DEV)
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+        self.splits = choose_splits(batch, kv_heads, width, sms)  # what the kernel picks with splits=None
+        # the kernel's split length at this context (on the device there), for the report
+        self.split_len = max(1, cdiv(cdiv(context, self.splits), BLOCK_N)) * BLOCK_N
+        self.programs = batch * kv_heads * self.splits  # the partial kernel's grid
+        self.active = batch * kv_heads * cdiv(context, self.split_len)  # its programs that hold tokens
         self.attn = []
         for i in range(self.layers):
             attn = PagedAttention(heads, kv_heads, dim, BLOCK_SIZE)
@@ -83,6 +101,7 @@ def measure(p: Problem, hbm: float, sweep: bool) -> dict:
     ref = p.reference(0).float()
     diff = (p.kernel(0).float() - ref).abs().max().item()
     r = {"kv_bytes": p.kv_bytes, "layers": p.layers, "max_abs_diff_vs_torch": diff}
+    r.update(splits=p.splits, split_len=p.split_len, partial_programs=p.programs, partial_programs_with_tokens=p.active)
     for mode, seconds in (("graph", graph_seconds), ("eager", eager_seconds)):
         for name, call in (("kernel", p.kernel), ("torch", p.reference)):
             r[f"{name}_{mode}_us"] = seconds(call, p.layers) * 1e6
@@ -90,11 +109,15 @@ def measure(p: Problem, hbm: float, sweep: bool) -> dict:
     for name in ("kernel", "torch"):
         r[f"{name}_kv_bytes_per_s"] = p.kv_bytes / (r[f"{name}_graph_us"] / 1e6)
         r[f"{name}_over_copy"] = r[f"{name}_kv_bytes_per_s"] / hbm
+    r["splits_graph_us"] = {
+        s: graph_seconds(lambda i, o=s: p.kernel(i, splits=o), p.layers) * 1e6 for s in FORCED_SPLITS
+    }
+    r["splits_over_copy"] = {s: p.kv_bytes / (us / 1e6) / hbm for s, us in r["splits_graph_us"].items()}
     if sweep:
         r["sweep_graph_us"] = {}
-        for part, block_n, warps in itertools.product((256, 512, 1024), (32, 64, 128), (4, 8)):
-            opts = dict(partition=part, block_n=block_n, num_warps=warps)
-            key = f"p{part}_n{block_n}_w{warps}"
+        for block_n, warps in itertools.product((32, 64, 128), (4, 8)):
+            opts = dict(splits=p.splits, block_n=block_n, num_warps=warps)
+            key = f"n{block_n}_w{warps}"
             try:
                 r["sweep_graph_us"][key] = graph_seconds(lambda i, o=opts: p.kernel(i, **o), p.layers) * 1e6
             except Exception as exc:  # e.g. out of shared memory: reported, not fatal
@@ -105,10 +128,10 @@ def measure(p: Problem, hbm: float, sweep: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--width", type=int, default=32768, help="padded block-table width in tokens (default: 32768)")
+    ap.add_argument("--width", type=int, default=40960, help="padded block-table width in tokens (default: 40960)")
     ap.add_argument("--contexts", default="4096,32768", help="context lengths (default: 4096,32768)")
     ap.add_argument("--batches", default="1,4", help="decode batch sizes (default: 1,4)")
-    ap.add_argument("--sweep", action="store_true", help="also time partition / tile / warps (many compilations)")
+    ap.add_argument("--sweep", action="store_true", help="also time tiles / warps at the chosen splits")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
@@ -118,23 +141,34 @@ def main() -> None:
         "torch": torch.__version__,
         "dtype": a.dtype,
         "width": a.width,
-        "defaults": {"partition": PARTITION, "block_n": BLOCK_N, "num_warps": 4},
+        "defaults": {"splits": "choose_splits", "block_n": BLOCK_N, "num_warps": 4},
+        "sms": torch.cuda.get_device_properties(DEV).multi_processor_count,
+        "programs_per_sm": PROGRAMS_PER_SM,
         "copy_bytes_per_s": hbm,
     }
-    print(f"{results['device']}, {a.dtype}, width {a.width}: HBM copy {hbm / 1e9:.0f} GB/s (read + write)")
-    print("shape, batch, context: kernel / torch us (graph) -> speedup | eager -> speedup | KV GB/s, of copy")
-    for name, shape in SHAPES.items():
-        for batch, context in itertools.product(map(int, a.batches.split(",")), map(int, a.contexts.split(","))):
-            if context > a.width:
+    print(f"{results['device']}, {a.dtype}: HBM copy {hbm / 1e9:.0f} GB/s (read + write)")
+    print("shape, batch, context, width: kernel / torch us (graph) -> speedup | eager -> speedup | KV GB/s, of copy")
+    batches, contexts = map(int, a.batches.split(",")), map(int, a.contexts.split(","))
+    for (name, shape), batch, context in itertools.product(SHAPES.items(), list(batches), list(contexts)):
+        for width in sorted({a.width, context}, reverse=True):  # padded as in a CUDA graph, then tight
+            if context > width:
                 continue
-            r = measure(Problem(shape, batch, context, a.width, dtype), hbm, a.sweep)
-            results[f"{name}/B{batch}/C{context}"] = r
+            r = measure(Problem(shape, batch, context, width, dtype), hbm, a.sweep)
+            results[f"{name}/B{batch}/C{context}/W{width}"] = r
             print(
-                f"{name}, B={batch}, C={context}: {r['kernel_graph_us']:.1f} / {r['torch_graph_us']:.1f} us -> "
-                f"{r['speedup_graph']:.1f}x | {r['kernel_eager_us']:.1f} / {r['torch_eager_us']:.1f} us -> "
+                f"{name}, B={batch}, C={context}, W={width}: {r['kernel_graph_us']:.1f} / {r['torch_graph_us']:.1f} "
+                f"us -> {r['speedup_graph']:.1f}x | {r['kernel_eager_us']:.1f} / {r['torch_eager_us']:.1f} us -> "
                 f"{r['speedup_eager']:.1f}x | kernel {r['kernel_kv_bytes_per_s'] / 1e9:.0f} GB/s "
                 f"({r['kernel_over_copy']:.2f}), torch {r['torch_kv_bytes_per_s'] / 1e9:.0f} GB/s "
                 f"({r['torch_over_copy']:.2f}) (max diff {r['max_abs_diff_vs_torch']:.1e})"
+            )
+            forced = ", ".join(
+                f"S{k} {us:.1f} ({r['splits_over_copy'][k]:.2f})" for k, us in r["splits_graph_us"].items()
+            )
+            print(
+                f"  splits: chose S{r['splits']} ({r['partial_programs']} programs, "
+                f"{r['partial_programs_with_tokens']} with tokens, {r['split_len']} tokens each) "
+                f"{r['kernel_graph_us']:.1f} us ({r['kernel_over_copy']:.2f}) | forced, us (of copy): {forced}"
             )
             if a.sweep and r["sweep_graph_us"]:
                 s = r["sweep_graph_us"]

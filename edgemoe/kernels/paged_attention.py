@@ -2,28 +2,67 @@
 block table and only up to the sequence's context length (split-KV, "flash decoding"). Its reference is
 `PagedAttention._decode_torch`, which gathers the whole padded table and masks.
 
-- partial, program (seq, kv head, split): the split's `partition` tokens of one KV head, for all the `group` query
-  heads that share it (K/V read once per KV head), in tiles of `block_n` tokens with an online softmax in fp32.
-  Splits that start at or past the context length do nothing.
-- reduce, program (seq, head): combines the splits that hold tokens (max / sum-exp rescaling) into the output.
-  With one split the partial kernel normalises and writes the output itself, and reduce does not run.
+- partial, program (seq, kv head, split): one split of the sequence's context, for all the `group` query heads that
+  share the KV head (K/V read once per KV head), in tiles of `block_n` tokens with an online softmax in fp32. The
+  number of splits S is fixed by the shapes (`choose_splits`); their length follows the context length read on the
+  device: L = cdiv(ctx_len, S) rounded up to whole tiles, split s covering [s * L, min((s + 1) * L, ctx_len)), so a
+  short context in a table padded far past it still spreads over many programs (4K tokens at S = 256: 64 one-tile
+  splits per KV head, where fixed 512-token splits made 8). Splits past the context exit at once.
+- reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
+  the output. With one split the partial kernel normalises and writes the output itself, and reduce does not run.
 
-The grid follows from the padded table width, never from the context lengths, and nothing syncs with the host:
-CUDA-graph capturable once compiled (the partials workspace comes from torch's allocator, so from the graph pool).
-`benchmarks/paged_attention.py` times it against the reference.
+The grid follows from the shapes, never from the context lengths, and nothing syncs with the host: CUDA-graph
+capturable once compiled (the partials workspace comes from torch's allocator, so from the graph pool), and a replay
+with new context lengths re-splits them. `benchmarks/paged_attention.py` times it against the reference.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-PARTITION = 512  # tokens per split: enough work per program, few partials to combine
+PROGRAMS_PER_SM = 4  # the partial kernel's target: several resident programs per SM hide its load latency
+MAX_SPLITS = 256  # bounds the partials workspace and the reduce's serial work
+STAND_IN_SMS = 132  # an H200's count, for CPU tensors (the interpreter): deterministic tests
 BLOCK_N = 64  # tokens per tile
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def choose_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int = BLOCK_N) -> int:
+    """Splits per (sequence, KV head): the smallest power of two S with seqs * kv_heads * S >= PROGRAMS_PER_SM * sms
+    programs, capped at MAX_SPLITS and at the largest power of two <= width // block_n (a full-width context gives
+    every split at least one tile); 1 when the width holds fewer than two tiles.
+
+    Decode reads the KV once with little arithmetic, so its speed is the HBM bandwidth the grid draws; one program
+    streams its split from one SM, and one SM alone draws a small share of it, so the programs holding tokens must
+    cover every SM, several each. The splits share the context, not the padded width, so the target holds at any
+    context of at least S tiles (below that fewer, one-tile, splits). More splits cost partials to write and combine
+    (heads * head_dim fp32 each), hence the smallest S that fills the GPU. Only shapes enter, so a CUDA graph captures
+    a fixed S, and powers of two bound the compiled variants of the reduce."""
+    target = PROGRAMS_PER_SM * sms
+    cap = min(MAX_SPLITS, max(1, width // block_n))
+    splits = 1
+    while splits * 2 <= cap and seqs * kv_heads * splits < target:
+        splits *= 2
+    return splits
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return STAND_IN_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _split_len(ctx_len, num_splits, BLOCK_N: tl.constexpr):
+    # tokens per split for this context: cdiv(ctx_len, num_splits) in whole tiles, at least one (for ctx_len 0 too)
+    tiles = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N)
+    return tl.maximum(tiles, 1) * BLOCK_N
 
 
 @triton.jit
@@ -54,7 +93,6 @@ def _partial(
     G_PAD: tl.constexpr,
     D: tl.constexpr,
     BS: tl.constexpr,
-    PARTITION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE: tl.constexpr,
     DOT_TY: tl.constexpr,
@@ -62,8 +100,9 @@ def _partial(
 ):
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)  # the reference masks to the width too
-    start = split * PARTITION
-    end = tl.minimum(start + PARTITION, ctx_len)  # past the context: no iterations
+    span = _split_len(ctx_len, num_splits, BLOCK_N)
+    start = split * span  # a multiple of BLOCK_N: tiles stay aligned
+    end = tl.minimum(start + span, ctx_len)  # past the context: no iterations
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     n = tl.arange(0, BLOCK_N)
@@ -125,13 +164,13 @@ def _reduce(
     stride_os,
     stride_oh,
     D: tl.constexpr,
-    PARTITION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     seq, h = tl.program_id(0), tl.program_id(1)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)
-    used = tl.cdiv(ctx_len, PARTITION)  # splits the partial kernel wrote
+    used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))  # splits the partial kernel wrote
     base = (seq.to(tl.int64) * heads + h) * num_splits
     s = tl.arange(0, SPLITS_PAD)
     m = tl.load(m_part + base + s, mask=s < used, other=float("-inf"))
@@ -158,15 +197,15 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     block_size: int,
-    partition: int = PARTITION,
+    splits: int | None = None,
     block_n: int = BLOCK_N,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """q: [seqs, heads, head_dim]; k_cache, v_cache: [num_slots, kv_heads, head_dim] (slot = block * block_size +
     offset); block_tables: [seqs, max_blocks] int64 (entries past a sequence's context are never read);
     context_lens: [seqs] int64 on the device -> [seqs, heads, head_dim] in q's dtype. head_dim a power of two >= 16
-    (others: ValueError, use the torch path); heads a multiple of kv_heads. `partition`, `block_n` and `num_warps`
-    are for tests (the interpreter) and benchmarks/paged_attention.py's sweep."""
+    (others: ValueError, use the torch path); heads a multiple of kv_heads. `splits` (None: `choose_splits`'s),
+    `block_n` and `num_warps` are for tests (the interpreter) and benchmarks/paged_attention.py's sweep."""
     seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if dim < 16 or dim & (dim - 1):
@@ -179,38 +218,42 @@ def paged_decode_attention(
         raise ValueError(f"KV cache dtype {k_cache.dtype} / {v_cache.dtype}: use one of float32, bfloat16, float16")
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
-    if partition % block_n or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n ({block_n}) must be a power of two >= 16 dividing partition ({partition})")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    width = block_tables.shape[1] * block_size  # padded tokens: bounds the context lengths
+    if splits is None:
+        splits = choose_splits(seqs, kv_heads, width, _sm_count(q.device), block_n)
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
     q = q if q.stride(2) == 1 else q.contiguous()
     group = heads // kv_heads
     g_pad = 1 if group == 1 else max(16, triton.next_power_of_2(group))
-    width = block_tables.shape[1] * block_size  # padded tokens: fixes the grid
-    num_splits = max(1, triton.cdiv(width, partition))
-    single = num_splits == 1
+    single = splits == 1
     out = torch.empty(seqs, heads, dim, dtype=q.dtype, device=q.device)
     if seqs == 0:
         return out
     if single:
         m_part = l_part = acc_part = out  # unused
     else:
-        m_part = torch.empty(seqs, heads, num_splits, dtype=torch.float32, device=q.device)
+        m_part = torch.empty(seqs, heads, splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
-        acc_part = torch.empty(seqs, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+        acc_part = torch.empty(seqs, heads, splits, dim, dtype=torch.float32, device=q.device)
     # dot operands in the cache's dtype (tensor cores for 16-bit); fp32 stays fp32 (no tf32). Triton's interpreter
     # (CPU tensors) multiplies bf16 dot operands as raw bits (triton-lang/triton#11584), so there they go to fp32.
     interpreted_bf16 = not k_cache.is_cuda and k_cache.dtype == torch.bfloat16
     dot_ty = tl.float32 if interpreted_bf16 else _DTYPES[k_cache.dtype]
     precision = "ieee" if dot_ty == tl.float32 else "tf32"  # (tf32: the default, ignored for 16-bit operands)
-    _partial[(seqs, kv_heads, num_splits)](
+    _partial[(seqs, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, m_part, l_part, acc_part,
-        scale * math.log2(math.e), width, num_splits, heads,
+        scale * math.log2(math.e), width, splits, heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        group, g_pad, dim, block_size, partition, block_n, single, dot_ty, precision, num_warps=num_warps,
+        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, num_warps=num_warps,
     )  # fmt: skip
-    if not single:
+    if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers
+        splits_pad = triton.next_power_of_2(splits)
         _reduce[(seqs, heads)](
-            m_part, l_part, acc_part, context_lens, out, width, num_splits, heads, out.stride(0), out.stride(1),
-            dim, partition, triton.next_power_of_2(num_splits), 16, num_warps=4,
+            m_part, l_part, acc_part, context_lens, out, width, splits, heads, out.stride(0), out.stride(1),
+            dim, block_n, splits_pad, min(64, splits_pad), num_warps=4,
         )  # fmt: skip
     return out

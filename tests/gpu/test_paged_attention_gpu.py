@@ -1,7 +1,8 @@
 """Paged decode attention (`edgemoe.kernels.paged_attention`) compiled on CUDA: against `PagedAttention._decode_torch`
-and a float64 per-sequence softmax at real shapes up to a 32K padded width, in float32 and bf16; the layer's decode
-path; no host synchronisation; offsets past int32 in a large cache; replayed from a CUDA graph with new context
-lengths, block tables and cache contents."""
+and a float64 per-sequence softmax at real shapes up to a 40K padded width (qwen3's max_model_len), in float32 and
+bf16, with the splits `choose_splits` picks for this GPU (256 at batch 1 on an H200) and with forced ones (1, a few,
+the most); the layer's decode path; no host synchronisation; offsets past int32 in a large cache; replayed from a CUDA
+graph with new context lengths, block tables and cache contents (the split length follows the new lengths)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from edgemoe.engine.context import ForwardContext
 from edgemoe.layers.attention import PagedAttention
 
 SHAPES = [(16, 16, 128), (32, 4, 128), (4, 1, 64)]  # (heads, kv_heads, head_dim): MHA, GQA 8, MQA
-LENS = [1, 15, 511, 512, 513, 4096, 20000, 32768]  # on and off block and partition (512) boundaries
+LENS = [1, 15, 511, 512, 513, 4096, 20000, 32768]  # on and off block and tile boundaries
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -65,7 +66,7 @@ def plain_attention(q, k_cache, v_cache, tables, lens, block_size: int) -> torch
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("width, block_size", [(32768, 16), (512, 16), (2048, 1)])  # 512: one split, no reduce
+@pytest.mark.parametrize("width, block_size", [(40960, 16), (512, 16), (2048, 1), (64, 16)])  # 64: one split
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}".format(*s))
 def test_matches_references(shape, dtype, width: int, block_size: int) -> None:
@@ -75,11 +76,32 @@ def test_matches_references(shape, dtype, width: int, block_size: int) -> None:
     lens = [n for n in LENS if n <= width] + [width]
     q, k, v, tables, ctx_lens = paged_case(lens, heads, kv_heads, dim, block_size, width, dtype, seed=len(lens))
     attn = layer_with(k, v, heads, block_size)
-    out = paged_decode_attention(q, k, v, tables, ctx_lens, attn.scale, block_size)
+    out = paged_decode_attention(q, k, v, tables, ctx_lens, attn.scale, block_size)  # the chosen splits
     assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
     torch.testing.assert_close(out, attn._decode_torch(q, decode_ctx(tables, ctx_lens)), **TOL[dtype])
     torch.testing.assert_close(out.double(), plain_attention(q, k, v, tables, ctx_lens, block_size), **TOL[dtype])
     torch.testing.assert_close(attn._decode(q, decode_ctx(tables, ctx_lens)), out, atol=0, rtol=0)  # the layer's path
+
+
+@pytest.mark.parametrize(
+    "lens, width",
+    [([4096], 40960), ([32768], 40960), ([4096, 1, 40960, 2500], 40960), ([4095], 4096), ([4096, 1, 3001, 17], 4096)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_splits_at_qwen3_shape(lens: list[int], width: int, dtype) -> None:
+    """qwen3-30b-a3b's 32 / 4 / 128 at batch 1 and 4: the chosen splits, one split, a few, and the most (mostly
+    empty at 4K in a 40K table), all against the references."""
+    from edgemoe.kernels.paged_attention import MAX_SPLITS, choose_splits, paged_decode_attention
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    chosen = choose_splits(len(lens), 4, width, sms)
+    q, k, v, tables, ctx_lens = paged_case(lens, 32, 4, 128, 16, width, dtype, seed=lens[0])
+    attn = layer_with(k, v, 32, 16)
+    expected = plain_attention(q, k, v, tables, ctx_lens, 16)
+    for splits in (None, chosen, 1, 8, MAX_SPLITS):
+        out = paged_decode_attention(q, k, v, tables, ctx_lens, attn.scale, 16, splits=splits)
+        torch.testing.assert_close(out.double(), expected, **TOL[dtype], msg=lambda m, s=splits: f"S={s}: {m}")
+    torch.testing.assert_close(out, attn._decode_torch(q, decode_ctx(tables, ctx_lens)), **TOL[dtype])
 
 
 def test_does_not_synchronise() -> None:
@@ -113,13 +135,16 @@ def test_offsets_past_int32() -> None:
     torch.testing.assert_close(out.double(), plain_attention(q, k, v, tables, lens, bs), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("seqs", [1, 4])  # on an H200: 256 and 64 splits
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cuda_graph_replays_new_lengths_and_tables(dtype) -> None:
-    """Captured once at a 32K width; each replay gets new q, cache contents, block tables and context lengths
-    (one token to the full width) written into the static buffers."""
+def test_cuda_graph_replays_new_lengths_and_tables(dtype, seqs: int) -> None:
+    """Captured once at a 40K width with one-token contexts; each replay gets new q, cache contents, block tables
+    and context lengths (one token to the full width) written into the static buffers. A split length frozen at
+    capture (64 tokens) would miss tokens of the long contexts; partials left by a long round would spoil a short
+    one if reduce read past the splits this round wrote."""
     from edgemoe.kernels.paged_attention import paged_decode_attention
 
-    heads, kv_heads, dim, bs, width, seqs = 32, 4, 128, 16, 32768, 4
+    heads, kv_heads, dim, bs, width = 32, 4, 128, 16, 40960
     num_blocks = seqs * width // bs  # room for every sequence at the full width
     k = torch.zeros((num_blocks + 1) * bs, kv_heads, dim, dtype=dtype, device="cuda")
     v = torch.zeros_like(k)
@@ -140,7 +165,16 @@ def test_cuda_graph_replays_new_lengths_and_tables(dtype) -> None:
     with torch.cuda.graph(graph):
         out = step()
     gen = torch.Generator().manual_seed(0)
-    for round_lens in ([1, 1, 1, 1], [1, 512, 513, 32768], [4096, 17, 32767, 1000], [32768] * 4, [3, 2, 1, 600]):
+    rounds = (
+        [1, 1, 1, 1],
+        [1, 512, 513, 40960],
+        [4096, 17, 40959, 1000],
+        [40960] * 4,
+        [3, 2, 1, 600],
+        [4096] * 4,
+        [32768, 4097, 65, 64],
+    )
+    for round_lens in (r[-seqs:] for r in rounds):
         q.copy_(2 * torch.randn(q.shape, generator=gen))
         k.normal_()
         v.normal_()

@@ -1,19 +1,23 @@
 """Paged decode attention kernel (Triton's interpreter on CPU) against `PagedAttention._decode_torch` and a plain
 per-sequence softmax, on fresh random inputs: shuffled block tables padded with a pad block, context lengths on and
-off block and partition boundaries, MHA / GQA / MQA, block sizes 1 and 16. Small partitions keep several splits
-(and the reduce kernel) in play at interpreter-sized contexts."""
+off block and split boundaries, MHA / GQA / MQA, block sizes 1 and 16. Small tiles keep several splits (and the reduce
+kernel) in play at interpreter-sized contexts; the split length follows each context length: lengths far apart in
+one batch, tables padded far past the contexts, more splits than tiles (empty splits, never read), one split.
+`choose_splits` against a table and a plain rule (CPU tensors: an H200's SM count)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from edgemoe.engine.context import ForwardContext
-from edgemoe.kernels.paged_attention import paged_decode_attention
+from edgemoe.kernels.paged_attention import MAX_SPLITS, STAND_IN_SMS, choose_splits, paged_decode_attention
 from edgemoe.layers.attention import PagedAttention
 
-PARTITION, BLOCK_N = 32, 16  # tests only: 4 splits over a 128-token width
-LENS = [1, 16, 32, 33, 97, 128]  # one token, one tile, one partition, one past it, ragged, the full width
+SPLITS, BLOCK_N = 4, 16  # tests only: at 128 tokens, 4 splits of 2 tiles
+LENS = [1, 16, 32, 33, 97, 128]  # one token (3 empty splits), one tile, two, one past, ragged, the full width
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
     torch.float16: dict(atol=4e-3, rtol=4e-3),
@@ -64,10 +68,17 @@ def torch_decode(c: dict, heads: int, kv_heads: int, dim: int, block_size: int) 
     return attn._decode_torch(c["q"], ctx)
 
 
-def kernel(c: dict, block_size: int, partition: int = PARTITION) -> torch.Tensor:
+def kernel(c: dict, block_size: int, splits: int | None = SPLITS, block_n: int = BLOCK_N) -> torch.Tensor:
     scale = c["q"].shape[2] ** -0.5
     args = (c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["context_lens"], scale, block_size)
-    return paged_decode_attention(*args, partition=partition, block_n=BLOCK_N)
+    return paged_decode_attention(*args, splits=splits, block_n=block_n)
+
+
+def check(c: dict, out: torch.Tensor, block_size: int) -> None:
+    heads, kv_heads, dim = c["q"].shape[1], c["k_cache"].shape[1], c["q"].shape[2]
+    tol = TOL[c["q"].dtype]
+    torch.testing.assert_close(out, torch_decode(c, heads, kv_heads, dim, block_size), **tol)
+    torch.testing.assert_close(out.float(), plain_attention(c, dim**-0.5, block_size).float(), **tol)
 
 
 SHAPES = [(4, 4, 32), (8, 2, 64), (6, 2, 32), (16, 1, 32)]  # MHA, GQA, GQA group 3 (padded), MQA group 16
@@ -98,10 +109,15 @@ def test_half_precision_matches_references(shape, dtype) -> None:
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_one_split_writes_the_output_directly(block_size) -> None:
-    # width <= partition: no partials, no reduce kernel
-    c = paged_case([1, 5, 17, 64], 8, 2, 32, block_size, 64, torch.float32)
-    out = kernel(c, block_size, partition=64)
-    torch.testing.assert_close(out, torch_decode(c, 8, 2, 32, block_size), **TOL[torch.float32])
+    # one split: no partials, no reduce kernel; whole contexts in one runtime-bounded loop
+    c = paged_case([1, 5, 17, 64, 100], 8, 2, 32, block_size, 128, torch.float32)
+    check(c, kernel(c, block_size, splits=1), block_size)
+
+
+def test_narrow_table_gets_one_split() -> None:
+    c = paged_case([1, 20, 24], 4, 2, 32, 1, 24, torch.float32)  # 24 tokens: fewer than two tiles of 16
+    assert choose_splits(3, 2, 24, STAND_IN_SMS, BLOCK_N) == 1
+    check(c, kernel(c, 1, splits=None), 1)
 
 
 def test_reads_nothing_past_the_context() -> None:
@@ -130,3 +146,81 @@ def test_unsupported_head_dim_is_refused() -> None:
         kernel(c, 16)
     assert not PagedAttention(4, 2, 48, 16).fused_decode  # the layer keeps the torch path for it
     assert PagedAttention(4, 2, 128, 16).fused_decode
+
+
+def test_contexts_far_apart_in_a_wide_table() -> None:
+    """Splits chosen for the shapes (32 of 16 tokens at a 512 width): one token, a few, mid-block, mid-split and the
+    full width in one batch, each split over its own context."""
+    lens, width = [1, 3, 24, 150, 512], 512
+    assert choose_splits(len(lens), 2, width, STAND_IN_SMS, BLOCK_N) == 32
+    c = paged_case(lens, 8, 2, 32, 16, width, torch.float32)
+    check(c, kernel(c, 16, splits=None), 16)
+
+
+@pytest.mark.parametrize("splits", [8, 64])
+def test_table_padded_far_past_the_contexts(splits: int) -> None:
+    """A 4K table over contexts of at most 300 tokens (CUDA graphs pad to the longest context allowed): the splits
+    share the contexts, not the width; at 64 splits most are empty."""
+    c = paged_case([300, 1, 77, 200], 6, 2, 32, 16, 4096, torch.bfloat16)
+    check(c, kernel(c, 16, splits=splits), 16)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_more_splits_than_tiles(monkeypatch, block_size: int) -> None:
+    """16 splits over contexts of 1 to 3 tiles: the empty splits write nothing and reduce reads only the splits that
+    hold tokens (a workspace poisoned with NaN, which any read of an unwritten partial would spread)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(make):
+        def make_poisoned(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        return make_poisoned
+
+    c = paged_case([20, 1, 48, 33], 8, 2, 32, block_size, 256, torch.float32)
+    monkeypatch.setattr(torch, "empty", poisoned(empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(empty_like))
+    out = kernel(c, block_size, splits=16)
+    monkeypatch.undo()
+    check(c, out, block_size)
+
+
+def test_reduce_over_more_than_one_chunk() -> None:
+    """128 splits (two reduce chunks of 64) chosen at a 2K width: one tile each at the full width."""
+    lens, width = [2000, 1, 2048], 2048
+    assert choose_splits(len(lens), 1, width, STAND_IN_SMS, BLOCK_N) == 128
+    c = paged_case(lens, 4, 1, 16, 16, width, torch.float32)
+    check(c, kernel(c, 16, splits=None), 16)
+
+
+def plain_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int) -> int:
+    """The powers of two up to min(256, width // block_n) (or 1); the first with 4 programs per SM, else the last."""
+    allowed = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s == 1 or s <= width // block_n]
+    return next((s for s in allowed if seqs * kv_heads * s >= 4 * sms), allowed[-1])
+
+
+@pytest.mark.parametrize(
+    "seqs, kv_heads, width, expected",
+    [
+        (1, 4, 40960, 256),  # qwen3-30b-a3b (4 KV heads), B=1, graph width: 1024 programs (132 needed 528)
+        (4, 4, 40960, 64),  # qwen3, B=4: 1024 programs
+        (1, 4, 4096, 64),  # qwen3, B=1, a 4K table: 64 tiles of 64 tokens, 256 programs
+        (1, 16, 40960, 64),  # qwen1.5-moe (16 KV heads), B=1: 1024 programs
+        (1, 16, 32768, 64),
+        (64, 4, 40960, 4),  # large batches: few splits
+        (256, 4, 40960, 1),
+        (1, 4, 127, 1),  # fewer than two tiles: one split, no reduce
+        (1, 4, 128, 2),
+        (1, 1, 1 << 20, MAX_SPLITS),
+    ],
+)
+def test_choose_splits_cases(seqs: int, kv_heads: int, width: int, expected: int) -> None:
+    assert choose_splits(seqs, kv_heads, width, 132) == expected
+
+
+def test_choose_splits_matches_the_plain_rule() -> None:
+    for seqs, kv_heads, width, sms, block_n in itertools.product(
+        (1, 2, 3, 8, 64, 512), (1, 2, 4, 8, 16), (1, 16, 64, 100, 512, 4096, 40960, 131072), (1, 78, 132), (16, 64)
+    ):
+        assert choose_splits(seqs, kv_heads, width, sms, block_n) == plain_splits(seqs, kv_heads, width, sms, block_n)

@@ -6,7 +6,7 @@ block table and only up to the sequence's context length (split-KV, "flash decod
   share the KV head (K/V read once per KV head), in tiles of `block_n` tokens with an online softmax in fp32. The
   number of splits S is fixed by the shapes (`choose_splits`); their length follows the context length read on the
   device: L = cdiv(ctx_len, S) rounded up to whole tiles, split s covering [s * L, min((s + 1) * L, ctx_len)), so a
-  short context in a table padded far past it still spreads over many programs (4K tokens at S = 256: 64 one-tile
+  short context in a table padded far past it still spreads over many programs (4K tokens at S = 128: 64 one-tile
   splits per KV head, where fixed 512-token splits made 8). Splits past the context exit at once.
 - reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
   the output. With one split the partial kernel normalises and writes the output itself, and reduce does not run.
@@ -33,9 +33,12 @@ _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16
 
 
 def choose_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int = BLOCK_N) -> int:
-    """Splits per (sequence, KV head): the smallest power of two S with seqs * kv_heads * S >= PROGRAMS_PER_SM * sms
-    programs, capped at MAX_SPLITS and at the largest power of two <= width // block_n (a full-width context gives
-    every split at least one tile); 1 when the width holds fewer than two tiles.
+    """Splits per (sequence, KV head): the smallest power of two S with seqs * kv_heads * S >= the largest power of
+    two <= PROGRAMS_PER_SM * sms programs (512 on an H200's 132 SMs; measured there, benchmarks/paged_attention.py:
+    1024 programs slower at every shape, 512 the best or near it, e.g. qwen3 B=1 12.7 us at 4K where 128 programs
+    took 11.1, 30.7 at 32K against 30.0), capped at MAX_SPLITS and at
+    the largest power of two <= width // block_n (a full-width context gives every split at least one tile); 1 when
+    the width holds fewer than two tiles.
 
     Decode reads the KV once with little arithmetic, so its speed is the HBM bandwidth the grid draws; one program
     streams its split from one SM, and one SM alone draws a small share of it, so the programs holding tokens must
@@ -43,7 +46,7 @@ def choose_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int =
     context of at least S tiles (below that fewer, one-tile, splits). More splits cost partials to write and combine
     (heads * head_dim fp32 each), hence the smallest S that fills the GPU. Only shapes enter, so a CUDA graph captures
     a fixed S, and powers of two bound the compiled variants of the reduce."""
-    target = PROGRAMS_PER_SM * sms
+    target = 1 << ((PROGRAMS_PER_SM * sms).bit_length() - 1)
     cap = min(MAX_SPLITS, max(1, width // block_n))
     splits = 1
     while splits * 2 <= cap and seqs * kv_heads * splits < target:

@@ -1,6 +1,6 @@
 """Paged decode attention (`edgemoe.kernels.paged_attention`) compiled on CUDA: against `PagedAttention._decode_torch`
 and a float64 per-sequence softmax at real shapes up to a 40K padded width (qwen3's max_model_len), in float32 and
-bf16, with the splits `choose_splits` picks for this GPU (256 at batch 1 on an H200) and with forced ones (1, a few,
+bf16, with the splits `choose_splits` picks for this GPU (128 at batch 1 on an H200) and with forced ones (1, a few,
 the most); the layer's decode path; no host synchronisation; offsets past int32 in a large cache; replayed from a CUDA
 graph with new context lengths, block tables and cache contents (the split length follows the new lengths)."""
 
@@ -135,7 +135,7 @@ def test_offsets_past_int32() -> None:
     torch.testing.assert_close(out.double(), plain_attention(q, k, v, tables, lens, bs), **TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("seqs", [1, 4])  # on an H200: 256 and 64 splits
+@pytest.mark.parametrize("seqs", [1, 4])  # on an H200: 128 and 32 splits
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_graph_replays_new_lengths_and_tables(dtype, seqs: int) -> None:
     """Captured once at a 40K width with one-token contexts; each replay gets new q, cache contents, block tables

@@ -1,13 +1,13 @@
 """Miss copy on CUDA: the Triton kernel (`edgemoe.kernels.miss_copy`) against plain pinned host-to-device copies of
 the same bytes, in one run, for expert-sized rows of real geometries.
 
-    python benchmarks/miss_copy.py [--rows 8] [--bank-gib 16] [--json OUT]
+    python benchmarks/miss_copy.py [--rows 8] [--bank-gib 16] [--sweep] [--json OUT]
 
 Per geometry, `rows` random experts of one layer's pinned banks (gate_up and down, copied together in one launch as
 `ExpertCache.copy_missing` does) go to random slots of a device pool. Compared: `memcpy` (one pinned `copy_` of the
 same bytes, contiguous: the reference of the goal), `memcpy per row` (one `copy_` per listed row and bank, the
-batched-cudaMemcpyAsync way, which needs the list on the host), and the kernel over a device-side copy list for a
-sweep of persistent-grid sizes (programs per SM), block sizes and warps. Also: the cost of an empty list (every
+batched-cudaMemcpyAsync way, which needs the list on the host), and the kernel over a device-side copy list (with
+`--sweep`: over persistent-grid sizes, programs per SM, block sizes and warps). Also: the cost of an empty list (every
 expert hit: the launch that finds nothing to copy), timed from a CUDA graph of 50 launches; and the default kernel
 on rows drawn from one large pinned bank (`--bank-gib`), as the engine's banks of every layer are, to show whether
 the GPU's translation of scattered host pages costs bandwidth. And a candidate: the same persistent loop reading the
@@ -47,7 +47,7 @@ def _copy_rows_tma(
         c = i % CHUNKS
         src = tl.load(src_ids + r).to(tl.int32)
         dst = tl.load(dst_ids + r).to(tl.int64)
-        block = desc.load([src * ROWS + c * CR, 0])  # [CR, 256] by TMA into shared memory
+        block = desc.load([(src * ROWS + c * CR).to(tl.int32), 0])  # [CR, 256] into shared memory; int32 coordinates
         rr = c * CR + tl.arange(0, CR)
         offs = (dst * ROWS + rr[:, None]) * W + tl.arange(0, W)[None, :]
         tl.store(pool + offs, block, mask=(rr < ROWS)[:, None])
@@ -76,7 +76,7 @@ def tma_candidate(pool, bank, src, dst, count, sms: int, nbytes: int, out: dict)
             ok = torch.equal(pool[dst].cpu().view(torch.int16), bank[src.cpu()].view(torch.int16))
             out["tma"][f"box{cr}x{TMA_WIDTH}"] = nbytes / seconds(fn) if ok else "wrong bytes"
         except Exception as exc:  # a candidate that fails to compile or launch is reported, not fatal
-            out["tma"][f"box{cr}x{TMA_WIDTH}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            out["tma"][f"box{cr}x{TMA_WIDTH}"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
 
 
 def seconds(fn, reps: int = 20) -> float:
@@ -131,7 +131,7 @@ def measure(banks: tuple[torch.Tensor, ...], rows: int, sweep: bool, slots: int 
 
     graph, _ = capture_graph(noop)
     out["empty_list_us"] = seconds(graph.replay) / 50 * 1e6
-    if sweep and banks[0][0].numel() % TMA_WIDTH == 0:
+    if banks[0][0].numel() % TMA_WIDTH == 0:
         one = rows * banks[0][0].numel() * banks[0].element_size()
         tma_candidate(pools[0], banks[0], src_d, dst_d, count, sms, one, out)
     return out
@@ -141,6 +141,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=8, help="experts per copy list (default: 8, top-k of qwen3)")
     ap.add_argument("--bank-gib", type=float, default=16, help="the large bank's size (default: 16 GiB; 0: skip)")
+    ap.add_argument("--sweep", action="store_true", help="time grid sizes x blocks x warps (slow)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -150,7 +151,7 @@ def main() -> None:
     for name in ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b"):
         g = PRESETS[name]
         shapes = ((2 * g["moe_intermediate_size"], g["hidden_size"]), (g["hidden_size"], g["moe_intermediate_size"]))
-        cases.append((name, g["num_experts"], shapes, True))
+        cases.append((name, g["num_experts"], shapes, a.sweep))
         if name == "qwen3-30b-a3b" and a.bank_gib:
             per_expert = 3 * shapes[0][0] * shapes[0][1]  # bf16 bytes of gate_up + down = 2 * 1.5 * 2I * H
             cases.append((f"{name} ({a.bank_gib:g} GiB bank)", int(a.bank_gib * GiB // per_expert), shapes, False))

@@ -135,7 +135,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA: capture decode in one graph per batch size (1, 2, 4, ..., max_num_seqs)
     graph_upload: str = "auto"  # "auto" | "capture" | "none": when captured graphs are uploaded (engine/cuda_graphs)
     graph_warm_replay: bool = False  # replay each graph once at capture time
-    shared_expert_overlap: bool = True  # CUDA: shared expert on a side stream beside the routed experts' miss copy
+    shared_expert_overlap: bool = True  # CUDA: shared expert on a side stream beside the routed experts (and copy)
     moe: ExpertCacheConfig = field(default_factory=ExpertCacheConfig)
 
     def __post_init__(self) -> None:

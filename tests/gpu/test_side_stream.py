@@ -59,9 +59,11 @@ def test_overlap_on_off_graphs_on_off_token_identical(policy: str) -> None:
     first = outs[False, False]
     assert all(o == first for o in outs.values())
     assert all(s == stats[False, False] for s in stats.values()) and stats[False, False]["misses"] > 0
-    resident, llm = generate()
-    assert resident == first
-    assert all(m.side_stream is None for m in llm.engine.model.modules() if isinstance(m, SparseMoE))
+    for overlap in (True, False):  # resident: on by default too
+        resident, llm = generate(shared_expert_overlap=overlap)
+        assert resident == first
+        moe = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoE)]
+        assert all((m.side_stream is not None) == overlap for m in moe)
 
 
 def test_profiler_sees_the_side_stream_beside_the_miss_copy() -> None:

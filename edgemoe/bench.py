@@ -141,10 +141,10 @@ class Decoder:
                     self.hooks.append(m.register_forward_pre_hook(self._route))
 
     def _route(self, module: OffloadedExperts, args: tuple) -> tuple:
-        x, ids, *rest = args  # rest: weights (and SparseMoE's fork)
+        x, ids, weights = args
         if ids.shape[0] != 1:
             return args  # prefill: the router decides
-        return x, self.trace.index_select(0, self.step_ix)[0, module.layer].view(1, -1), *rest
+        return x, self.trace.index_select(0, self.step_ix)[0, module.layer].view(1, -1), weights
 
     def step(self) -> None:
         set_context(self.ctx)

@@ -6,8 +6,6 @@ Weights are two banks in Hugging Face's fused layout: `gate_up_proj [experts, 2 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,13 +19,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
-    def forward(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fork: Callable[[], None] | None = None
-    ) -> torch.Tensor:
-        # x: [tokens, hidden]; ids, weights: [tokens, top_k]; `fork` (SparseMoE's side stream): called once, before
-        # the expert kernels (the offloaded experts call it before their miss copy)
-        if fork is not None:
-            fork()
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, hidden]; ids, weights: [tokens, top_k]
         if not get_context().is_prefill:  # sync-free, graph-capturable
             return decode_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
         if ids.numel() <= self.gate_up_proj.shape[0]:

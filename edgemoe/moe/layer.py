@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -15,13 +13,10 @@ from edgemoe.moe.router import route
 class SparseMoE(nn.Module):
     """Router + routed experts (+ a sigmoid-gated shared expert where the family has one).
 
-    With a `side_stream` (CUDA, `set_shared_expert_stream`), the shared expert and its gate run there, joined before
-    the sum. The fork comes once the routed path's bookkeeping is queued (router, then offloaded: `ensure`), just
-    before the miss copy: the side stream has the highest priority, so forked at the layer input its GEMMs took the
-    SMs ahead of the router and the one-program ensure and delayed the copy they should hide behind (H200,
-    benchmarks/RESULTS.md). Forked there, the shared expert fills the SMs while the copy, PCIe-bound on one program
-    per SM, runs; with every expert cached it runs beside the routed experts' GEMVs. Same ops, same sum: outputs are
-    bitwise equal with and without the side stream."""
+    With a `side_stream` (CUDA, `set_shared_expert_stream`), the shared expert and its gate run there, forked once
+    the layer input is ready and joined before the sum, so they overlap the routed experts' router, ensure, miss
+    copy and GEMVs on the current stream (forking later, just before the copy, measured slower on the H200:
+    benchmarks/RESULTS.md). Same ops, same sum: outputs are bitwise equal with and without the side stream."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -40,29 +35,26 @@ class SparseMoE(nn.Module):
             return self._routed(x)
         if self.side_stream is None:
             return self._routed(x) + self._shared(x)
-        main, shared = torch.cuda.current_stream(), []
-
-        def fork() -> None:  # called by the experts once the routed bookkeeping is queued
-            self.side_stream.wait_stream(main)
-            with torch.cuda.stream(self.side_stream):
-                shared.append(self._shared(x))
-
-        routed = self._routed(x, fork)
+        main = torch.cuda.current_stream()
+        self.side_stream.wait_stream(main)  # fork: x is ready
+        with torch.cuda.stream(self.side_stream):
+            shared = self._shared(x)
+        routed = self._routed(x)
         main.wait_stream(self.side_stream)  # join
-        return routed + shared[0]
+        return routed + shared
 
-    def _routed(self, x: torch.Tensor, fork: Callable[[], None] | None = None) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and not get_context().is_prefill:
             from edgemoe.kernels.router import fused_route  # CPU-only machines lack triton
 
             # decode: gate GEMV and routing, two launches instead of ~6 (softmax, top-k, cast, padding rows...)
             ids, weights = fused_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, get_context().valid)
-            return self.experts(x, ids, weights, fork)
+            return self.experts(x, ids, weights)
         ids, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)
         valid = get_context().valid
         if valid is not None:  # padding rows reuse row 0's experts: no extra fetches, no extra counts
             ids = torch.where(valid[:, None], ids, ids[:1])
-        return self.experts(x, ids, weights, fork)
+        return self.experts(x, ids, weights)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -10,7 +10,7 @@ equal to resident experts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,27 +35,20 @@ class OffloadedExperts(nn.Module):
         self.num_experts = gate_up_proj.shape[0]
         self.cache: ExpertCache | None = None  # set by attach_expert_cache
 
-    def forward(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fork: Callable[[], None] | None = None
-    ) -> torch.Tensor:
-        # x: [tokens, hidden]; ids, weights: [tokens, top_k]; the same kernel choice as `Experts.forward`; `fork`
-        # (SparseMoE's side stream): called once, between ensure and the miss copy (prefill waves: first)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, hidden]; ids, weights: [tokens, top_k]; the same kernel choice as `Experts.forward`
         pairs, E, S = ids.numel(), self.num_experts, self.cache.num_slots
         gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
         if gathered and (pairs <= S or E <= S):
-            got = self.load(ids, fork)
+            got = self.load(ids)
             experts = gathered_experts if get_context().is_prefill else decode_experts  # prefill: bitwise as resident
             return experts(x, got.slots, weights, self.cache.w13, self.cache.w2)
-        if fork is not None:
-            fork()
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
         return self._grouped_waves(x, ids, weights)
 
-    def load(self, ids: torch.Tensor, fork: Callable[[], None] | None = None) -> Ensured:
+    def load(self, ids: torch.Tensor) -> Ensured:
         got = self.cache.ensure(self.layer, ids)
-        if fork is not None:
-            fork()
         self.cache.copy_missing(got, self.gate_up_proj, self.down_proj)
         return got
 

@@ -33,7 +33,7 @@ class RoutingRecorder:
 
     def _hook(self, module: nn.Module, args: tuple) -> None:
         if self.row is not None:
-            self._step.append(args[1][self.row].clone())  # args: (x, ids, weights[, fork])
+            self._step.append(args[1][self.row].clone())  # args: (x, ids, weights)
 
     def begin(self, batch) -> None:
         self.row = None

@@ -6,10 +6,12 @@
 #                                                #   shared-expert overlap off/on, profiles (overlap fraction)
 #   bash benchmarks/figures.sh OUT_DIR qwen15-cached  # the same with every expert cached (no miss copy): does
 #                                                #   the side stream help resident-like decode?
+#   bash benchmarks/figures.sh OUT_DIR candidates  # kernels not yet in the engine against what it runs: dense
+#                                                #   projections (Triton GEMV vs cuBLAS), miss-copy loads (CUDA C++)
 # Run from the repo root on the GPU machine (torch with CUDA; nothing to install).
 set -euo pipefail
 out=${1:?OUT_DIR}
-part=${2:?qwen3, qwen15 or qwen15-cached}
+part=${2:?qwen3, qwen15, qwen15-cached or candidates}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 case "$part" in
@@ -25,5 +27,8 @@ case "$part" in
     python3 -m edgemoe bench --geometry qwen1.5-moe-a2.7b --context 32768 --moe-cache-fraction 1 \
       --moe-policy lru --shared-expert-overlap off,on,off,on --routing-trace synthetic --mode graph \
       --steps 32 --warmup 8 --prefill 0 --profile 4 --json "$out/bench_qwen15_cached.json" > /dev/null ;;
-  *) echo "unknown part $part: qwen3, qwen15 or qwen15-cached" >&2; exit 2 ;;
+  candidates)
+    python3 benchmarks/dense_gemv.py --json "$out/dense_gemv.json"
+    python3 benchmarks/miss_copy_cuda.py --json "$out/miss_copy_cuda.json" ;;
+  *) echo "unknown part $part: qwen3, qwen15, qwen15-cached or candidates" >&2; exit 2 ;;
 esac

@@ -6,12 +6,14 @@
 #                                                #   shared-expert overlap off/on, profiles (overlap fraction)
 #   bash benchmarks/figures.sh OUT_DIR qwen15-cached  # the same with every expert cached (no miss copy): does
 #                                                #   the side stream help resident-like decode?
+#   bash benchmarks/figures.sh OUT_DIR qwen3-resident  # qwen3-30b-a3b with every expert resident on the device:
+#                                                #   eager and graph against the HBM roofline (issue #5)
 #   bash benchmarks/figures.sh OUT_DIR candidates  # kernels not yet in the engine against what it runs: dense
 #                                                #   projections (Triton GEMV vs cuBLAS), miss-copy loads (CUDA C++)
 # Run from the repo root on the GPU machine (torch with CUDA; nothing to install).
 set -euo pipefail
 out=${1:?OUT_DIR}
-part=${2:?qwen3, qwen15, qwen15-cached or candidates}
+part=${2:?qwen3, qwen3-resident, qwen15, qwen15-cached or candidates}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 case "$part" in
@@ -27,8 +29,11 @@ case "$part" in
     python3 -m edgemoe bench --geometry qwen1.5-moe-a2.7b --context 32768 --moe-cache-fraction 1 \
       --moe-policy lru --shared-expert-overlap off,on,off,on --routing-trace synthetic --mode graph \
       --steps 32 --warmup 8 --prefill 0 --profile 4 --json "$out/bench_qwen15_cached.json" > /dev/null ;;
+  qwen3-resident)
+    python3 -m edgemoe bench --geometry qwen3-30b-a3b --context 4096 --moe-strategy resident --steps 16 --warmup 8 \
+      --prefill 512 --profile 4 --json "$out/bench_qwen3_resident.json" > /dev/null ;;
   candidates)
     python3 benchmarks/dense_gemv.py --json "$out/dense_gemv.json"
     python3 benchmarks/miss_copy_cuda.py --json "$out/miss_copy_cuda.json" ;;
-  *) echo "unknown part $part: qwen3, qwen15, qwen15-cached or candidates" >&2; exit 2 ;;
+  *) echo "unknown part $part: qwen3, qwen3-resident, qwen15, qwen15-cached or candidates" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
-"""`edgemoe bench`: offloaded decode at batch 1 on a synthetic model of a real geometry (random weights, built in
-memory), measured against the bound of docs (SYSTEM.md) in the same run:
+"""`edgemoe bench`: offloaded (or, with `--moe-strategy resident`, resident) decode at batch 1 on a synthetic model of
+a real geometry (random weights, built in memory), measured against the bound of docs (SYSTEM.md) in the same run:
 
     t_step >= bytes_read_from_HBM / HBM_bw + bytes_missed / PCIe_bw
 
@@ -7,7 +7,9 @@ HBM bandwidth is a device-to-device copy (bytes read + written), PCIe a pinned h
 rows. Random weights route almost uniformly, so `--routing-trace` can drive the cache instead: a recorded trace
 (`--record-routing`, .npy [steps, layers, top_k]) or `synthetic` (`edgemoe.moe.cache_sim.synthetic_trace`: per
 layer Zipf(1.0) popularity, each pick repeating a previous-step expert with probability 0.3). Decode runs eager
-and, where it captures, as one CUDA graph per step (the same step, replayed).
+and, where it captures, as one CUDA graph per step (the same step, replayed). Resident decode keeps every expert
+on the device as parameters (no cache, no ensure, no miss copy): its bound is the HBM roofline; its experts hold
+the same values as the offloaded banks', so both decode the same tokens.
 
 `--shared-expert-overlap off,on` runs each configuration with the shared expert inline and on the side stream;
 `--profile N` records N replayed graph steps per graph-upload policy (`edgemoe.profiler`) and reports kernel
@@ -17,6 +19,7 @@ counts, busy time, inter-kernel gaps per stream and the side stream's overlap wi
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from edgemoe.config import ExpertCacheConfig, parse_size
 from edgemoe.engine.context import ForwardContext, set_context
@@ -39,6 +43,7 @@ from edgemoe.models.random_checkpoint import PRESETS, hf_config
 from edgemoe.models.registry import families
 from edgemoe.moe.banks import offload_experts
 from edgemoe.moe.cache_sim import load_trace, synthetic_trace
+from edgemoe.moe.experts import Experts
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.offload import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
 
@@ -46,21 +51,31 @@ GEOMETRIES = list(PRESETS)  # real ones fix their family; tiny and small are qwe
 
 
 def build_model(
-    geometry: str, layers: int | None, device: torch.device, dtype: torch.dtype, positions: int = 0
+    geometry: str,
+    layers: int | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    positions: int = 0,
+    resident: bool = False,
 ) -> MoEForCausalLM:
-    """A random-weight model with offloaded experts: dense weights on `device`, banks in (pinned) host memory. Its
-    RoPE table covers at least `positions` (a benchmark may run a geometry past its trained context)."""
+    """A random-weight model: dense weights on `device`, experts in (pinned) host banks, or with `resident` on
+    `device` as parameters holding the same values. Its RoPE table covers at least `positions` (a benchmark may run
+    a geometry past its trained context)."""
     preset = dict(PRESETS[geometry])
     preset["max_position_embeddings"] = max(preset.get("max_position_embeddings") or 0, positions)
     family = preset.pop("family", "qwen2_moe")
     cfg = families()[family].normalise(hf_config(family, preset, preset["vocab_size"] or 6144, layers))
     with torch.device("meta"):
         model = MoEForCausalLM(cfg).to(dtype)
-    banks = offload_experts(model, dtype, pin=device.type == "cuda")
+    banks = {} if resident else offload_experts(model, dtype, pin=device.type == "cuda")
     model.to_empty(device=device)
+    if resident:
+        banks = {n: p for n, p in model.named_parameters() if ".experts." in n}
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if ".experts." in name:
+                continue  # filled below, as banks
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
@@ -69,10 +84,10 @@ def build_model(
                 p.normal_(0, 1 / math.sqrt(p.shape[-1] if "embed_tokens" not in name else 1), generator=gen)
         # banks: a few random experts tiled (filling 60 GB with fresh random numbers would dominate the run)
         cpu = torch.Generator().manual_seed(0)
-        for bank in banks.values():
+        for _, bank in sorted(banks.items()):  # by name: the same values resident and offloaded
             E, rest = bank.shape[0], bank.shape[1:]
             tile = math.gcd(E, 4)
-            base = (torch.randn(tile, *rest, generator=cpu) / math.sqrt(rest[-1])).to(dtype)
+            base = (torch.randn(tile, *rest, generator=cpu) / math.sqrt(rest[-1])).to(bank.device, dtype)
             bank.view(E // tile, tile, *rest).copy_(base.expand(E // tile, tile, *rest))
     model.model.rotary.build(device)
     return model.eval().requires_grad_(False)
@@ -136,15 +151,15 @@ class Decoder:
         self.trace = None if trace is None else torch.from_numpy(trace.astype(np.int64)).to(dev)
         self.hooks = []
         if self.trace is not None:
-            for m in model.modules():
-                if isinstance(m, OffloadedExperts):
-                    self.hooks.append(m.register_forward_pre_hook(self._route))
+            experts = [m for m in model.modules() if isinstance(m, (Experts, OffloadedExperts))]  # MoE layer order
+            for layer, m in enumerate(experts):
+                self.hooks.append(m.register_forward_pre_hook(functools.partial(self._route, layer=layer)))
 
-    def _route(self, module: OffloadedExperts, args: tuple) -> tuple:
+    def _route(self, module: nn.Module, args: tuple, layer: int) -> tuple:
         x, ids, weights = args
         if ids.shape[0] != 1:
             return args  # prefill: the router decides
-        return x, self.trace.index_select(0, self.step_ix)[0, module.layer].view(1, -1), weights
+        return x, self.trace.index_select(0, self.step_ix)[0, layer].view(1, -1), weights
 
     def step(self) -> None:
         set_context(self.ctx)
@@ -200,12 +215,13 @@ def run_bench(a: argparse.Namespace) -> dict:
     print(f"building {a.geometry} ({a.layers or 'all'} layers, {a.dtype}) ...", file=sys.stderr)
     per_run = a.warmup + a.steps + 2 + len(UPLOAD_VARIANTS) * (a.profile + 3)  # positions one decode() advances
     total_steps = 2 * per_run
-    model = build_model(a.geometry, a.layers, device, dtype, max(a.context, a.prefill) + total_steps + 1)
+    resident = a.moe_strategy == "resident"
+    model = build_model(a.geometry, a.layers, device, dtype, max(a.context, a.prefill) + total_steps + 1, resident)
     cfg = model.config
     L, per_expert = sum(cfg.moe_layers), expert_bytes(cfg, dtype)
     kv = KVCache(cfg, -(-(max(a.context, a.prefill) + total_steps) // 16), 16, dtype, device)
     kv.bind([layer.self_attn.attn for layer in model.model.layers])
-    dense = sum(t.numel() * t.element_size() for t in model.parameters())
+    dense = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".experts." not in n)
     embed = model.model.embed_tokens.weight
     dense_read = dense - (0 if cfg.tie_word_embeddings else embed.numel() * embed.element_size())
     kv_read = 2 * cfg.num_layers * a.context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
@@ -225,6 +241,13 @@ def run_bench(a: argparse.Namespace) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "runs": [],
     }
+    if a.moe_strategy == "resident":
+        if a.prefill:
+            prefill(model, kv, 16)  # warm-up: kernel compilation, allocator
+            seconds = prefill(model, kv, a.prefill)
+            result["prefill"] = {"tokens": a.prefill, "seconds": seconds, "tok_s": a.prefill / seconds}
+        decode_runs(result, a, model, kv, None, trace, L * cfg.num_experts, "resident", bw, dense_read + kv_read)
+        return result
     sizes = (
         [("moe_cache_fraction", float(f)) for f in a.moe_cache_fraction.split(",")]
         if a.moe_cache_fraction
@@ -250,18 +273,24 @@ def run_bench(a: argparse.Namespace) -> dict:
                     "pcie_stream_seconds": stream,
                     "pcie_stream_over_time": stream / seconds if stream else None,
                 }
-            for overlap in overlaps(a, device, model):
-                if device.type == "cuda":
-                    set_shared_expert_stream(model, side_stream(device.index or 0) if overlap else None)
-                for mode in a.mode.split(",") if device.type == "cuda" else ("eager",):
-                    run = decode(model, kv, cache, trace, a, mode, slots, policy, bw, dense_read + kv_read, per_expert)
-                    result["runs"].append({**run, "shared_expert_overlap": overlap})
-                    print(_row(result["runs"][-1]), file=sys.stderr)
+            decode_runs(result, a, model, kv, cache, trace, slots, policy, bw, dense_read + kv_read)
             del cache
             model.apply(lambda m: setattr(m, "cache", None) if isinstance(m, OffloadedExperts) else None)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return result
+
+
+def decode_runs(result: dict, a, model, kv, cache, trace, slots: int, policy: str, bw: dict, fixed_read: int) -> None:
+    """`decode` for each shared-expert overlap setting and mode, appended to result["runs"] and printed."""
+    device = next(model.parameters()).device
+    for overlap in overlaps(a, device, model):
+        if device.type == "cuda":
+            set_shared_expert_stream(model, side_stream(device.index or 0) if overlap else None)
+        for mode in a.mode.split(",") if device.type == "cuda" else ("eager",):
+            run = decode(model, kv, cache, trace, a, mode, slots, policy, bw, fixed_read, result["expert_bytes"])
+            result["runs"].append({**run, "shared_expert_overlap": overlap})
+            print(_row(result["runs"][-1]), file=sys.stderr)
 
 
 def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM) -> list[bool]:
@@ -310,7 +339,7 @@ def decode(
     }
     try:
         with torch.inference_mode():
-            if dec.trace is not None and a.prewarm:
+            if cache is not None and dec.trace is not None and a.prewarm:
                 prewarm(model, dec.trace[-a.prewarm :])
             for _ in range(a.warmup):
                 dec.step()
@@ -318,9 +347,10 @@ def decode(
             if mode == "graph":
                 fn = capture(dec.step).replay
             fn()
-            cache.stats.zero_()
+            if cache is not None:
+                cache.stats.zero_()
             seconds = timed(fn, dec.device, a.steps - 1)  # per step; the stats cover its warm call too
-            stats = cache.stats.sum(0).tolist()
+            stats = resident_stats(model, dec.trace, a.steps) if cache is None else cache.stats.sum(0).tolist()
             if dec.device.type == "cuda":
                 run["peak_vram_bytes"] = torch.cuda.max_memory_allocated(dec.device)
                 run["run_vram_bytes"] = run["peak_vram_bytes"] - before  # this run's own peak (graph pool etc.)
@@ -346,6 +376,19 @@ def decode(
         bound = hbm / bw["hbm_bytes_per_s"] + miss_bytes / bw["h2d_bytes_per_s"]
         run.update(bound_tok_s=1 / bound, achieved_over_bound=(1 / seconds) * bound)
     return run
+
+
+def resident_stats(model: MoEForCausalLM, trace: torch.Tensor | None, steps: int) -> list[float]:
+    """The cache's counters (accesses, hits, misses, evictions, bytes copied) for resident experts over `steps`
+    steps at batch 1: every distinct (layer, expert) of a step is a hit; per step, top_k per MoE layer from the
+    router, or the trace's mean distinct experts per row."""
+    cfg = model.config
+    if trace is None:
+        per_step = sum(cfg.moe_layers) * cfg.top_k
+    else:
+        rows = trace.cpu().numpy()
+        per_step = float(np.mean([sum(len(np.unique(layer)) for layer in row) for row in rows]))
+    return [steps * per_step, steps * per_step, 0, 0, 0]
 
 
 def _row(r: dict) -> str:
@@ -392,7 +435,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> None:
-    if (a.moe_cache_fraction is None) == (a.vram_budget is None):
+    if a.moe_strategy == "resident" and (a.moe_cache_fraction or a.vram_budget):
+        raise EdgeMoEError("--moe-strategy resident keeps every expert on the device: drop --moe-cache-fraction and "
+                           "--vram-budget")  # fmt: skip
+    if a.moe_strategy == "offload" and (a.moe_cache_fraction is None) == (a.vram_budget is None):
         raise EdgeMoEError("give one of --moe-cache-fraction or --vram-budget")
     if a.steps < 2 or min(a.warmup, a.prewarm, a.prefill) < 0 or a.context < 1:
         raise EdgeMoEError("--steps must be >= 2, --warmup, --prewarm and --prefill >= 0, --context >= 1")

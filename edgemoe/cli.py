@@ -142,6 +142,12 @@ def _add_bench_parser(sub) -> None:
     )
     b.add_argument("--layers", type=int, help="truncate to this many layers (quick runs)")
     b.add_argument("--context", type=int, default=4096, help="tokens already in the KV cache (default: 4096)")
+    b.add_argument(
+        "--moe-strategy",
+        default="offload",
+        choices=["offload", "resident"],
+        help="offload (default): experts in host banks behind a cache; resident: every expert on the device",
+    )
     b.add_argument("--moe-cache-fraction", help="comma-separated fractions of all experts to cache (a sweep)")
     b.add_argument("--vram-budget", help="size the cache from a device memory budget instead, e.g. 16GiB")
     b.add_argument("--moe-policy", default="lru,scored", help="comma-separated policies (default: lru,scored)")

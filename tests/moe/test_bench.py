@@ -59,3 +59,55 @@ def test_bench_runs_on_a_tiny_geometry(tmp_path, capsys) -> None:
     assert "the model needs [steps, >= 3, 2]" in capsys.readouterr().err
     assert main(argv[:7]) == 2
     assert "give one of --moe-cache-fraction or --vram-budget" in capsys.readouterr().err
+
+
+def test_resident_bench_counts_every_expert_as_read_and_none_as_missed(tmp_path, capsys) -> None:
+    out = tmp_path / "resident.json"
+    argv = ["bench", "--geometry", "tiny", "--device", "cpu", "--dtype", "float32", "--moe-strategy", "resident"]
+    quick = ["--steps", "3", "--warmup", "1", "--prefill", "16", "--context", "20", "--json", str(out)]
+    assert main(argv + quick) == 0
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    assert run["policy"] == "resident" and run["slots"] == result["experts"] and run["fraction"] == 1
+    assert run["hit_rate"] == 1 and run["misses_per_token"] == 0 and run["miss_bytes_per_token"] == 0
+    assert result["prefill"]["tok_s"] > 0
+    # HBM bytes per token as offloaded decode counts them with every expert cached (its cache counts the distinct
+    # experts each layer-step reads): the same dense weights, KV and top_k experts per MoE layer
+    offloaded = tmp_path / "offloaded.json"
+    assert main([*argv[:-2], "--moe-cache-fraction", "1", "--moe-policy", "lru", *quick[:-1], str(offloaded)]) == 0
+    (cached,) = json.loads(offloaded.read_text())["runs"]
+    assert cached["hbm_bytes_per_token"] == run["hbm_bytes_per_token"]
+    capsys.readouterr()
+    assert main(argv + ["--moe-cache-fraction", "0.5"]) == 2
+    assert "--moe-strategy resident keeps every expert on the device" in capsys.readouterr().err
+
+
+def test_resident_and_offloaded_bench_models_decode_the_same_tokens() -> None:
+    """The resident model's experts hold the offloaded banks' values: the same greedy tokens, step by step, under a
+    routing trace (the offloaded one through a cache of every expert, which Experts-level tests hold to
+    transformers)."""
+    import torch
+
+    from edgemoe.bench import Decoder, build_model, routing
+    from edgemoe.engine.kv_cache import KVCache
+    from edgemoe.moe.offload import attach_expert_cache
+
+    dev, dtype, context = torch.device("cpu"), torch.float32, 24
+    tokens = {}
+    for resident in (False, True):
+        model = build_model("tiny", None, dev, dtype, 64, resident)
+        cfg = model.config
+        kv = KVCache(cfg, 4, 16, dtype, dev)
+        kv.bind([layer.self_attn.attn for layer in model.model.layers])
+        if not resident:
+            attach_expert_cache(model, sum(cfg.moe_layers) * cfg.num_experts, "lru", False, dev, dtype)
+        trace = routing("synthetic", 8, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k)
+        dec = Decoder(model, kv, context, trace)
+        steps = []
+        with torch.inference_mode():
+            for _ in range(6):
+                dec.step()
+                steps.append(int(dec.ids))
+        dec.close()
+        tokens[resident] = steps
+    assert tokens[True] == tokens[False] and len(set(tokens[True])) > 1

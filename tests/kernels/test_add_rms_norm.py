@@ -118,10 +118,10 @@ def textbook_forward(model: MoEForCausalLM, input_ids: torch.Tensor, positions: 
     return model.model.norm(x)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decoder_is_bitwise_the_textbook_form(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every prefill and decode step of the demo model: the residual-carrying decoder's hidden states equal the
-    textbook form's bit for bit (run second on the same inputs, it rewrites the KV cache with the same values)."""
+def check_decoder_against_textbook(monkeypatch: pytest.MonkeyPatch, **llm_options) -> None:
+    """Every forward of the demo model (prefill and decode) through `LLM(**llm_options)`: the residual-carrying
+    decoder's hidden states equal the textbook form's bit for bit (run second on the same inputs, it rewrites the KV
+    cache with the same values)."""
     forward, checked = MoEForCausalLM.forward, []
 
     def both(self: MoEForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -131,9 +131,14 @@ def test_decoder_is_bitwise_the_textbook_form(dtype: str, monkeypatch: pytest.Mo
         return hidden
 
     monkeypatch.setattr(MoEForCausalLM, "forward", both)
-    llm = LLM(dtype=dtype, progress=False)
+    llm = LLM(progress=False, **llm_options)
     llm.generate(["ROMEO.\n", "To be, or not to be"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert len(checked) >= 8 and max(checked) > 2  # prefill and decode steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoder_is_bitwise_the_textbook_form(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    check_decoder_against_textbook(monkeypatch, dtype=dtype)
 
 
 def test_no_rows_and_bad_shapes() -> None:

@@ -25,7 +25,7 @@ import torch
 
 from edgemoe import demo_model_path
 from edgemoe.bench import bandwidths, capture, timed
-from edgemoe.kernels.moe_gemv import Blocks, down_proj, fused_experts, pick_blocks, up_proj
+from edgemoe.kernels.moe_gemv import down_proj, fused_experts, pick_blocks, up_proj
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.experts import gathered_experts
 
@@ -105,14 +105,15 @@ def sweep(geometry: tuple[int, int, int, int], tokens: int, dtype: torch.dtype) 
     x, ids, weights, w13, w2 = problem(H, inter, top_k, experts, tokens, dtype)
     h = [up_proj(x[i], ids[i], w13) for i in range(SETS)]
     p = 1 << (top_k - 1).bit_length()
+    default = pick_blocks(H, inter)  # each kernel's other choices (e.g. its pipelining) as the engine runs them
     out = {"up": {}, "down": {}}
     for n, k, warps in itertools.product((1, 2, 4, 8, 16, 32), (64, 128, 256, 512), (4, 8)):
         if n * k <= 8192:
-            b = Blocks(n, k, warps, 1, 64, 4)
+            b = dataclasses.replace(default, up_n=n, up_k=k, up_warps=warps)
             out["up"][f"n{n}_k{k}_w{warps}"] = graph_seconds(lambda i, b=b: up_proj(x[i], ids[i], w13, b)) * 1e6
     for n, k, warps in itertools.product((1, 2, 4, 8, 16), (64, 128, 256, 512), (2, 4, 8)):
         if p * n * k <= 16384:
-            b = Blocks(1, 64, 4, n, k, warps)
+            b = dataclasses.replace(default, down_n=n, down_k=k, down_warps=warps)
             us = graph_seconds(lambda i, b=b: down_proj(h[i], ids[i], weights[i], w2, b)) * 1e6
             out["down"][f"n{n}_k{k}_w{warps}"] = us
     return out

@@ -1,13 +1,16 @@
-"""Decode's dense projections on CUDA: cuBLAS (`F.linear`, what the engine runs) against a candidate Triton GEMV,
-replayed from CUDA graphs, against HBM bandwidth (a device-to-device copy) in the same run.
+"""Decode's dense projections on CUDA: cuBLAS (`F.linear`) against the engine's Triton GEMV
+(`edgemoe.kernels.dense_gemv.gemv`, its default config) and against that GEMV swept over configs, replayed from CUDA
+graphs, against HBM bandwidth (a device-to-device copy) in the same run.
 
-    python benchmarks/dense_gemv.py [--tokens 1,4] [--json OUT]
+    python benchmarks/dense_gemv.py [--tokens 1,4] [--json OUT]      (tokens <= 4: the GEMV's limit)
 
-Why: with every expert cached, a qwen3-30b-a3b layer's qkv and o projections take 7.6 and 7.2 µs under cuBLAS, 0.65
+Why: with every expert cached, a qwen3-30b-a3b layer's qkv and o projections took 7.6 and 7.2 µs under cuBLAS, 0.65
 and 0.55 of HBM (benchmarks/RESULTS.md), where the routed-expert GEMVs of `kernels/moe_gemv.py` reach 0.77. The
-candidate: one program per BLOCK_N output rows, fp32 accumulation over K in BLOCK_K steps with `STAGES` steps in
-flight, every token's row against one read of each weight tile (tokens <= 4 at decode). It is swept over blocks,
-warps and stages per shape; the best is reported next to cuBLAS. It moves into `edgemoe/kernels/` only if it wins.
+GEMV: one program per BLOCK_N output rows, fp32 accumulation over K in BLOCK_K steps with `STAGES` steps in flight,
+every token's row against one read of each weight tile. Swept over (BLOCK_N, BLOCK_K, warps, stages) per shape, its
+best won at one token on qkv, o and the shared-expert down (1.07-1.30x; it lost on gate_up, and on qkv at 4
+tokens), so the engine runs it there through `DecodeLinear` (`edgemoe/layers/linear.py`) at one row, with the
+config those wins share (`pick_block_n`, BLOCK_K 256, 4 warps, 4 stages). Each line prints cuBLAS | engine | best.
 
 Shapes (out x in, bf16): qwen3-30b-a3b's qkv (5120 x 2048) and o (2048 x 4096); qwen1.5-moe-a2.7b's qkv (6144 x
 2048), o (2048 x 2048) and shared-expert gate_up (11264 x 2048) and down (2048 x 5632). Every call of a timed graph
@@ -23,10 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from edgemoe.bench import bandwidths, capture, timed
+from edgemoe.kernels.dense_gemv import BLOCK_K, STAGES, WARPS, gemv, pick_block_n
 
 SETS = 8
 SHAPES = {
@@ -40,47 +42,13 @@ SHAPES = {
 CONFIGS = list(itertools.product((4, 8, 16), (128, 256), (4, 8), (1, 4)))  # (BLOCK_N, BLOCK_K, warps, stages)
 
 
-@triton.jit
-def _gemv(x, w, y, T, N, K, stride_x, stride_w, stride_y, T_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    t = tl.arange(0, T_PAD)
-    rows = n < N
-    w_ptr = w + n[:, None].to(tl.int64) * stride_w + k[None, :]  # [BLOCK_N, BLOCK_K]
-    x_ptr = x + t[:, None] * stride_x + k[None, :]  # [T_PAD, BLOCK_K]
-    acc = tl.zeros([T_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)  # every token against one read of the tile
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        cols = k0 + k < K
-        wk = tl.load(w_ptr + k0, mask=rows[:, None] & cols[None, :], other=0.0).to(tl.float32)
-        xk = tl.load(x_ptr + k0, mask=(t < T)[:, None] & cols[None, :], other=0.0).to(tl.float32)
-        acc += wk[None, :, :] * xk[:, None, :]
-    out = tl.sum(acc, axis=2)  # [T_PAD, BLOCK_N]
-    tl.store(y + t[:, None] * stride_y + n[None, :], out.to(y.dtype.element_ty), mask=(t < T)[:, None] & rows[None, :])
+def name(config: tuple[int, int, int, int]) -> str:
+    return "n{}_k{}_w{}_s{}".format(*config)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int]) -> torch.Tensor:
-    """x [T, K] @ w [N, K].T -> [T, N] in x's dtype (no bias)."""
-    (T, K), N = x.shape, w.shape[0]
+def swept(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int]) -> torch.Tensor:
     block_n, block_k, warps, stages = config
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    _gemv[(triton.cdiv(N, block_n),)](
-        x,
-        w,
-        y,
-        T,
-        N,
-        K,
-        x.stride(0),
-        w.stride(0),
-        y.stride(0),
-        triton.next_power_of_2(T),
-        block_n,
-        block_k,
-        stages,
-        num_warps=warps,
-    )
-    return y
+    return gemv(x, w, block_n=block_n, block_k=block_k, warps=warps, stages=stages)
 
 
 def graph_us(call, reps: int = 20) -> float:
@@ -96,17 +64,20 @@ def measure(out_features: int, in_features: int, tokens: int, hbm: float) -> dic
     x = torch.randn(SETS, tokens, in_features, device=dev).bfloat16()
     nbytes = out_features * in_features * 2
     ref = F.linear(x[0].double(), w[0].double())
-    r = {"bytes": nbytes, "cublas_us": graph_us(lambda i: F.linear(x[i], w[i])), "candidate_us": {}}
+    engine = (pick_block_n(out_features), BLOCK_K, WARPS, STAGES)
+    r = {"bytes": nbytes, "cublas_us": graph_us(lambda i: F.linear(x[i], w[i])), "engine": name(engine)}
+    r["engine_us"] = graph_us(lambda i: gemv(x[i], w[i]))  # the engine's call: its default config
+    r["candidate_us"] = {}
     for config in CONFIGS:
-        got = gemv(x[0], w[0], config).double()
+        got = swept(x[0], w[0], config).double()
         err = ((got - ref).abs().max() / ref.abs().max()).item()
-        if err > 2**-7:  # one bf16 rounding of the output is 2^-9 relative: anything far past it is a wrong kernel
-            raise AssertionError(f"candidate {config} is wrong: max error {err:.1e} relative to the largest output")
-        r["candidate_us"]["n{}_k{}_w{}_s{}".format(*config)] = graph_us(lambda i, c=config: gemv(x[i], w[i], c))
+        if err > 2**-7:  # one bf16 rounding of the output is 2^-8 relative: anything far past it is a wrong kernel
+            raise AssertionError(f"config {name(config)} is wrong: max error {err:.1e} relative to the largest output")
+        r["candidate_us"][name(config)] = graph_us(lambda i, c=config: swept(x[i], w[i], c))
     best = min(r["candidate_us"], key=r["candidate_us"].get)
     r["best"], r["best_us"] = best, r["candidate_us"][best]
-    r["cublas_over_hbm"] = nbytes / (r["cublas_us"] / 1e6) / hbm
-    r["best_over_hbm"] = nbytes / (r["best_us"] / 1e6) / hbm
+    for key in ("cublas", "engine", "best"):
+        r[f"{key}_over_hbm"] = nbytes / (r[f"{key}_us"] / 1e6) / hbm
     return r
 
 
@@ -119,12 +90,17 @@ def main() -> None:
         raise SystemExit("benchmarks/dense_gemv.py needs a CUDA GPU")
     hbm = bandwidths(torch.device("cuda"), 1 << 20)["hbm_bytes_per_s"]
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm": hbm}
-    print(f"{results['device']}: HBM copy {hbm / 1e9:.0f} GB/s; shape, T: cuBLAS | best candidate (graph replays)")
-    for (name, (n, k)), tokens in itertools.product(SHAPES.items(), map(int, a.tokens.split(","))):
-        r = results[f"{name}/T{tokens}"] = measure(n, k, tokens, hbm)
+    print(
+        f"{results['device']}: HBM copy {hbm / 1e9:.0f} GB/s; shape, T: cuBLAS | engine | best config (graph replays)"
+    )
+    for (shape, (n, k)), tokens in itertools.product(SHAPES.items(), map(int, a.tokens.split(","))):
+        r = results[f"{shape}/T{tokens}"] = measure(n, k, tokens, hbm)
+        us = {
+            key: f"{r[key + '_us']:6.1f} us ({r[key + '_over_hbm']:.2f} of HBM)" for key in ("cublas", "engine", "best")
+        }
         print(
-            f"{name:>34} T={tokens}: {r['cublas_us']:6.1f} us ({r['cublas_over_hbm']:.2f} of HBM) | "
-            f"{r['best_us']:6.1f} us ({r['best_over_hbm']:.2f}) {r['best']} -> {r['cublas_us'] / r['best_us']:.2f}x"
+            f"{shape:>34} T={tokens}: {us['cublas']} | {us['engine']} {r['engine']} "
+            f"{r['cublas_us'] / r['engine_us']:.2f}x | {us['best']} {r['best']} {r['cublas_us'] / r['best_us']:.2f}x"
         )
         torch.cuda.empty_cache()
     if a.json:

@@ -13,6 +13,7 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.engine.context import get_context
 from edgemoe.layers.attention import PagedAttention
+from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.mlp import GatedMLP
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
@@ -31,9 +32,9 @@ class SelfAttention(nn.Module):
         self.nq, self.nkv, self.d, self.clip = nq, nkv, d, cfg.clip_qkv
         # q, k and v as one GEMM (decode reads one weight in one launch, not three small ones); the loader fills
         # its row blocks from the checkpoint's q_proj, k_proj and v_proj
-        self.qkv_proj = nn.Linear(h, (nq + 2 * nkv) * d, bias=cfg.qkv_bias)
+        self.qkv_proj = DecodeLinear(h, (nq + 2 * nkv) * d, bias=cfg.qkv_bias)
         self.qkv_sizes = qkv_sizes(cfg)
-        self.o_proj = nn.Linear(nq * d, h, bias=cfg.o_proj_bias)
+        self.o_proj = DecodeLinear(nq * d, h, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)

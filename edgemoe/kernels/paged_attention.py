@@ -2,16 +2,14 @@
 block table and only up to the sequence's context length (split-KV, "flash decoding"). Its reference is
 `PagedAttention._decode_torch`, which gathers the whole padded table and masks.
 
-One launch, program (seq, kv head, split): one split of the sequence's context, for all the `group` query heads that
-share the KV head (K/V read once per KV head), in tiles of `block_n` tokens with an online softmax in fp32. The
-number of splits S is fixed by the shapes (`choose_splits`); their length follows the context length read on the
-device: L = cdiv(ctx_len, S) rounded up to whole tiles, split s covering [s * L, min((s + 1) * L, ctx_len)), so a
-short context in a table padded far past it still spreads over many programs (4K tokens at S = 128: 64 one-tile
-splits per KV head, where fixed 512-token splits made 8). Splits past the context exit at once. With one split a
-program normalises and writes its output itself; otherwise each writes its partials (max, sum-exp, sum) and counts
-itself on its (seq, kv head)'s arrival counter, and the last of the cdiv(ctx_len, L) splits that hold tokens to
-arrive combines them (max / sum-exp rescaling) into the group's outputs: no second launch (on an H200 the separate
-reduce kernel cost 4.4 us a layer at qwen3's 4K, nearly all latency).
+- partial, program (seq, kv head, split): one split of the sequence's context, for all the `group` query heads that
+  share the KV head (K/V read once per KV head), in tiles of `block_n` tokens with an online softmax in fp32. The
+  number of splits S is fixed by the shapes (`choose_splits`); their length follows the context length read on the
+  device: L = cdiv(ctx_len, S) rounded up to whole tiles, split s covering [s * L, min((s + 1) * L, ctx_len)), so a
+  short context in a table padded far past it still spreads over many programs (4K tokens at S = 128: 64 one-tile
+  splits per KV head, where fixed 512-token splits made 8). Splits past the context exit at once.
+- reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
+  the output. With one split the partial kernel normalises and writes the output itself, and reduce does not run.
 
 The grid follows from the shapes, never from the context lengths, and nothing syncs with the host: CUDA-graph
 capturable once compiled (the partials workspace comes from torch's allocator, so from the graph pool), and a replay
@@ -27,12 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-PROGRAMS_PER_SM = 4  # the kernel's target: several resident programs per SM hide its load latency
-MAX_SPLITS = 256  # bounds the partials workspace and the combine's serial work
+PROGRAMS_PER_SM = 4  # the partial kernel's target: several resident programs per SM hide its load latency
+MAX_SPLITS = 256  # bounds the partials workspace and the reduce's serial work
 STAND_IN_SMS = 132  # an H200's count, for CPU tensors (the interpreter): deterministic tests
 BLOCK_N = 64  # tokens per tile
-COMBINE_TILE = 8192  # partial-sum elements the last arriver holds at once: 64 fp32 registers a thread at 4 warps
-MIN_COUNTERS = 1 << 16  # (sequence, KV head) pairs the first allocation of arrival counters covers
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -49,28 +45,13 @@ def choose_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int =
     cover every SM, several each. The splits share the context, not the padded width, so the target holds at any
     context of at least S tiles (below that fewer, one-tile, splits). More splits cost partials to write and combine
     (heads * head_dim fp32 each), hence the smallest S that fills the GPU. Only shapes enter, so a CUDA graph captures
-    a fixed S."""
+    a fixed S, and powers of two bound the compiled variants of the reduce."""
     target = 1 << ((PROGRAMS_PER_SM * sms).bit_length() - 1)
     cap = min(MAX_SPLITS, max(1, width // block_n))
     splits = 1
     while splits * 2 <= cap and seqs * kv_heads * splits < target:
         splits *= 2
     return splits
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), kept per device. Each launch's last arriver sets its
-    counter back to 0, so they need no clearing between launches or CUDA-graph replays; launches running at once
-    on two streams would share them (the engine runs attention on one stream)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("paged_decode_attention: run it once outside CUDA-graph capture first (its counters)")
-        counters = _COUNTERS[device] = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
-    return counters
 
 
 @functools.cache
@@ -88,7 +69,7 @@ def _split_len(ctx_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend(
+def _partial(
     q,
     k_cache,
     v_cache,
@@ -98,12 +79,10 @@ def _attend(
     m_part,
     l_part,
     acc_part,
-    arrived,
     qk_scale,
     width,
     num_splits,
     heads,
-    kv_heads,
     stride_qs,
     stride_qh,
     stride_ks,
@@ -115,11 +94,9 @@ def _attend(
     stride_oh,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
-    G_POW2: tl.constexpr,
     D: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     SINGLE: tl.constexpr,
     DOT_TY: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -170,54 +147,49 @@ def _attend(
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context: zeros
         o_ptr = out + seq64 * stride_os + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, o.to(out.dtype.element_ty), mask=rows[:, None])
-    elif start < ctx_len or split == 0:  # splits past the context write nothing (split 0 stands for an empty one)
+    elif start < ctx_len:  # splits past the context write nothing; reduce never reads them
         row = (seq64 * heads + head) * num_splits + split  # [G_PAD] rows of the partials
         tl.store(m_part + row, m_i, mask=rows)
         tl.store(l_part + row, l_i, mask=rows)
         tl.store(acc_part + row[:, None] * D + d[None, :], acc, mask=rows[:, None])
-        # last arriver: every thread's stores, then one release of the CTA's writes (and acquire of the others')
-        used = tl.maximum(tl.cdiv(ctx_len, span), 1)  # splits that write partials
-        tl.debug_barrier()
-        counter = arrived + seq64 * kv_heads + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # back to 0 for the next launch (or replay)
-            _combine(m_part, l_part, acc_part, out, seq64, kvh, used, num_splits, heads, stride_os, stride_oh,
-                     GROUP, G_POW2, D, BLOCK_S)  # fmt: skip
 
 
 @triton.jit
-def _combine(m_part, l_part, acc_part, out, seq64, kvh, used, num_splits, heads, stride_os, stride_oh,
-             GROUP: tl.constexpr, G_POW2: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
-    """The `used` splits' partials of one (sequence, KV head)'s query heads -> their outputs (max / sum-exp
-    rescaling). Loads bypass L1 (.cg): other SMs wrote the partials."""
-    g = tl.arange(0, G_POW2)
-    rows = g < GROUP
-    head = kvh * GROUP + g
-    base = (seq64 * heads + head) * num_splits  # [G_POW2]
+def _reduce(
+    m_part,
+    l_part,
+    acc_part,
+    context_lens,
+    out,
+    width,
+    num_splits,
+    heads,
+    stride_os,
+    stride_oh,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq, h = tl.program_id(0), tl.program_id(1)
+    ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)
+    used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))  # splits the partial kernel wrote
+    base = (seq.to(tl.int64) * heads + h) * num_splits
+    s = tl.arange(0, SPLITS_PAD)
+    m = tl.load(m_part + base + s, mask=s < used, other=float("-inf"))
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: keeps exp2 below NaN-free
+    l_sum = tl.sum(tl.exp2(m - m_max) * tl.load(l_part + base + s, mask=s < used, other=0.0), axis=0)
     d = tl.arange(0, D)
     sb = tl.arange(0, BLOCK_S)
-    m_max = tl.full([G_POW2], float("-inf"), tl.float32)
-    for s0 in range(0, used, BLOCK_S):  # pass 1: the largest max of each head
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, used, BLOCK_S):  # chunks keep the [splits, D] tile small at long contexts
         i = s0 + sb
-        mask = rows[:, None] & (i < used)[None, :]
-        m = tl.load(m_part + base[:, None] + i[None, :], mask=mask, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.maximum(m_max, tl.max(m, axis=1))
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: keeps exp2 below NaN-free
-    l_sum = tl.zeros([G_POW2], tl.float32)
-    acc = tl.zeros([G_POW2, D], tl.float32)
-    for s0 in range(0, used, BLOCK_S):  # pass 2: rescaled sums, BLOCK_S splits at a time
-        i = s0 + sb
-        mask = rows[:, None] & (i < used)[None, :]
-        idx = base[:, None] + i[None, :]  # [G_POW2, BLOCK_S]
-        m = tl.load(m_part + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(m - m_max[:, None])  # 0 where masked
-        l_sum += tl.sum(w * tl.load(l_part + idx, mask=mask, other=0.0, cache_modifier=".cg"), axis=1)
-        a = tl.load(acc_part + idx[:, :, None] * D + d[None, None, :], mask=mask[:, :, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        acc += tl.sum(w[:, :, None] * a, axis=1)
-    o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    tl.store(out + seq64 * stride_os + head[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
-             mask=rows[:, None])  # fmt: skip
+        w = tl.exp2(tl.load(m_part + base + i, mask=i < used, other=float("-inf")) - m_max)  # [BLOCK_S]
+        a = tl.load(acc_part + (base + i)[:, None] * D + d[None, :], mask=(i < used)[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * a, axis=0)
+    o = acc / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(out + seq.to(tl.int64) * stride_os + h * stride_oh + d, o.to(out.dtype.element_ty))
 
 
 def paged_decode_attention(
@@ -274,13 +246,17 @@ def paged_decode_attention(
     interpreted_bf16 = not k_cache.is_cuda and k_cache.dtype == torch.bfloat16
     dot_ty = tl.float32 if interpreted_bf16 else _DTYPES[k_cache.dtype]
     precision = "ieee" if dot_ty == tl.float32 else "tf32"  # (tf32: the default, ignored for 16-bit operands)
-    g_pow2 = triton.next_power_of_2(group)
-    block_s = max(1, min(64, COMBINE_TILE // (g_pow2 * dim)))  # the combine's [group, splits, dim] tile
-    _attend[(seqs, kv_heads, splits)](
+    _partial[(seqs, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, m_part, l_part, acc_part,
-        _arrival_counters(q.device, seqs * kv_heads), scale * math.log2(math.e), width, splits, heads, kv_heads,
+        scale * math.log2(math.e), width, splits, heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        group, g_pad, g_pow2, dim, block_size, block_n, block_s, single, dot_ty, precision, num_warps=num_warps,
+        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, num_warps=num_warps,
     )  # fmt: skip
+    if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers
+        splits_pad = triton.next_power_of_2(splits)
+        _reduce[(seqs, heads)](
+            m_part, l_part, acc_part, context_lens, out, width, splits, heads, out.stride(0), out.stride(1),
+            dim, block_n, splits_pad, min(64, splits_pad), num_warps=4,
+        )  # fmt: skip
     return out

@@ -1,14 +1,13 @@
-"""The MoE router of decode as one Triton launch on CUDA, where torch runs ~6 small kernels (gate GEMV, softmax,
+"""The MoE router of decode as two Triton launches on CUDA, where torch runs ~6 small kernels (gate GEMV, softmax,
 top-k, renormalisation, cast, padding-row substitution). Its reference is `edgemoe.moe.router.route` applied to
 `F.linear(x, gate_weight)`, followed by `SparseMoE._routed`'s substitution for CUDA-graph padding rows (rows with
 `valid` False take row 0's ids and keep their own weights).
 
-- The gate GEMV: a program per (token, block of BLOCK_E experts), so that many SMs share the reading of the gate
-  (timed in benchmarks/router.py). x @ gate_weight.T over [BLOCK_E, BLOCK_H] tiles with fp32 accumulation (one tile
-  holds the block's rows where H allows: all its loads in flight at once), rounded to x's dtype as `self.gate(x)`
-  returns it, into a logits buffer.
-- The routing, by the last arriver: each program, its logits stored, adds 1 to one int32 counter; the program that
-  reads count - 1 routes every token in turn from the logits buffer, in torch's order of operations:
+- `gate_logits`, the gate GEMV: a program per (token, block of BLOCK_E experts), so that many SMs share the reading
+  of the gate (timed in benchmarks/router.py). x @ gate_weight.T over [BLOCK_E, BLOCK_H] tiles with fp32
+  accumulation (one tile holds the block's rows where H allows: all its loads in flight at once), rounded to x's
+  dtype as `self.gate(x)` returns it, into a logits buffer.
+- `route_logits`, the routing: one program per token on those logits, in torch's order of operations:
   - softmax in fp32, in the order of torch's CUDA softmax for E <= 1024 (PersistentSoftmax.cuh: each of
     min(E', 32) lanes sums the elements lane, lane + 32, ... in turn from 0, then a butterfly over the lanes;
     E' = next_power_of_2(E)), with libdevice's expf and IEEE division as nvcc compiles `::exp` and `/` there
@@ -16,20 +15,10 @@ top-k, renormalisation, cast, padding-row substitution). Its reference is `edgem
   - top-k by k rounds of (max, lowest expert holding it): descending, ties to the lower expert id. torch.topk
     leaves the order of ties unspecified (on the CPU, heap / introselect orders differ from that).
   - optional renormalisation: the k weights summed in order from 0, IEEE division; cast to x's dtype.
-  - a padding row takes the ids routed from row 0's logits, its weights its own.
-  One counter for the whole launch, not one per token: padding rows depend on row 0's logits. The routing is serial
-  over the T tokens (it was a second launch of T programs, nearly all launch latency at decode sizes): fine for
-  decode batches (up to the largest captured graph, `max_num_seqs`), not meant for prefill (which routes in torch).
+  - a padding row routes row 0's logits for its ids (the same logits row 0 routes: the same ids).
 
-The counter (`_ARRIVALS`, one zero-initialised int32 per device, made on the first call, which must come outside a
-CUDA-graph capture) needs no memset per launch: the last arriver puts it back to 0, after every program has counted,
-so each launch, eager or replayed from a graph, finds it at 0. Launches must not overlap: two in flight at once (on
-two streams) would mix their counts. The engine routes on its current stream only (SparseMoE's side stream runs the
-shared expert, never the router; `capture_graph`'s warm-up stream is joined before the capture).
-
-`fused_route` is the whole launch; `gate_logits` the same kernel without the routing (benchmarks, tests). No host sync
-and only torch.empty outputs: CUDA-graph capturable once compiled. Under Triton's interpreter (CPU tests) exp is
-numpy's, bf16 casts are rounded by hand and programs run one after another: the grid's last one routes.
+`fused_route` is the two in turn. No host sync and only torch.empty outputs: CUDA-graph capturable once compiled.
+Under Triton's interpreter (CPU tests) exp is numpy's and bf16 casts are rounded by hand.
 """
 
 from __future__ import annotations
@@ -90,33 +79,8 @@ def _top_k(probs, e, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr
 
 
 @triton.jit
-def _route_row(row, E, K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, ROUTE_E: tl.constexpr,
-               WARP: tl.constexpr, LOG_WARP: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    """One token's logits [E] -> (ids [K_PAD], fp32 weights [K_PAD]). Other SMs wrote them: .cg reads L2, not L1."""
-    e = tl.arange(0, ROUTE_E)
-    in_e = e < E
-    logits = tl.load(row + e, mask=in_e, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-    probs = tl.where(in_e, _softmax(logits, ROUTE_E, WARP, LOG_WARP, INTERPRETED), -1.0)  # -1: below every prob
-    ids, values, total = _top_k(probs, e, K, K_PAD, ROUTE_E)
-    if NORMALIZE:
-        values = tl.div_rn(values, total)
-    return ids, values
-
-
-@triton.jit
-def _store_row(ids_out, weights_out, r, ids, values, K: tl.constexpr, K_PAD: tl.constexpr, X_TY: tl.constexpr,
-               INTERPRETED: tl.constexpr):  # fmt: skip
-    j = tl.arange(0, K_PAD)
-    tl.store(ids_out + r * K + j, ids.to(tl.int64), mask=j < K)
-    tl.store(weights_out + r * K + j, _round(values, X_TY, INTERPRETED).to(X_TY), mask=j < K)
-
-
-@triton.jit
-def _gate_route(x, w, logits, arrivals, ids_out, weights_out, valid, T, H, E, stride_x, stride_w,
-                BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr, ROUTE: tl.constexpr,
-                K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, HAS_VALID: tl.constexpr,
-                ROUTE_E: tl.constexpr, WARP: tl.constexpr, LOG_WARP: tl.constexpr, X_TY: tl.constexpr,
-                INTERPRETED: tl.constexpr):  # fmt: skip
+def _gate_gemv(x, w, out, H, E, stride_x, stride_w, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+               EVEN_H: tl.constexpr, X_TY: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     in_e = e < E
@@ -133,28 +97,30 @@ def _gate_route(x, w, logits, arrivals, ids_out, weights_out, valid, T, H, E, st
             wk = tl.load(w_ptr + h0, mask=in_e[:, None] & cols[None, :], other=0.0)
             xk = tl.load(x_ptr + h0, mask=cols, other=0.0)
         acc += wk.to(tl.float32) * xk.to(tl.float32)[None, :]
-    out = _round(tl.sum(acc, 1), X_TY, INTERPRETED)  # self.gate(x) returns x's dtype
-    tl.store(logits + t * E + e, out.to(X_TY), mask=in_e)
-    if ROUTE:
-        # Memory order: one thread issues the atomic; the barrier puts every thread's logits stores before it, and its
-        # release (cumulative) publishes them at GPU scope. The last arriver's acquire, on the same counter, orders
-        # its loads after every program's stores; those loads (.cg) read L2, where no stale L1 line can answer.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last arriver: every row's logits stored
-            tl.store(arrivals, 0)  # all have counted: the next launch (or graph replay) starts from 0
-            ids0, values = _route_row(logits, E, K, K_PAD, NORMALIZE, ROUTE_E, WARP, LOG_WARP, INTERPRETED)
-            _store_row(ids_out, weights_out, 0, ids0, values, K, K_PAD, X_TY, INTERPRETED)
-            for r in range(1, T):
-                ids, values = _route_row(
-                    logits + r * E, E, K, K_PAD, NORMALIZE, ROUTE_E, WARP, LOG_WARP, INTERPRETED
-                )  # fmt: skip
-                if HAS_VALID:  # a CUDA-graph padding row: row 0's experts (no extra fetches or counts)
-                    ids = tl.where(tl.load(valid + r) != 0, ids, ids0)  # the weights stay its own
-                _store_row(ids_out, weights_out, r, ids, values, K, K_PAD, X_TY, INTERPRETED)
+    logits = _round(tl.sum(acc, 1), X_TY, INTERPRETED)  # self.gate(x) returns x's dtype
+    tl.store(out + t * E + e, logits.to(X_TY), mask=in_e)
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}  # device -> the kernel's int32 counter, 0 between launches
+@triton.jit
+def _route(logits, ids_out, weights_out, valid, E, stride_l, K: tl.constexpr, K_PAD: tl.constexpr,
+           NORMALIZE: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, WARP: tl.constexpr,
+           LOG_WARP: tl.constexpr, X_TY: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    in_e = e < E
+    own = tl.load(logits + t * stride_l + e, mask=in_e, other=float("-inf")).to(tl.float32)
+    probs = tl.where(in_e, _softmax(own, BLOCK_E, WARP, LOG_WARP, INTERPRETED), -1.0)  # -1: below every prob
+    ids, values, total = _top_k(probs, e, K, K_PAD, BLOCK_E)
+    if NORMALIZE:
+        values = tl.div_rn(values, total)
+    if HAS_VALID:
+        if tl.load(valid + t) == 0:  # a CUDA-graph padding row: row 0's experts (no extra fetches or counts)
+            first = tl.load(logits + e, mask=in_e, other=float("-inf")).to(tl.float32)
+            probs0 = tl.where(in_e, _softmax(first, BLOCK_E, WARP, LOG_WARP, INTERPRETED), -1.0)
+            ids = _top_k(probs0, e, K, K_PAD, BLOCK_E)[0]  # the weights stay its own
+    j = tl.arange(0, K_PAD)
+    tl.store(ids_out + t * K + j, ids.to(tl.int64), mask=j < K)
+    tl.store(weights_out + t * K + j, _round(values, X_TY, INTERPRETED).to(X_TY), mask=j < K)
 
 
 def fused_route(
@@ -167,32 +133,19 @@ def fused_route(
     logits_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H]; gate_weight: [E, H] in x's dtype (no bias); valid: [T] bool or None -> (ids [T, top_k] int64,
-    weights [T, top_k] in x's dtype), in one launch. Dtypes float32, bfloat16, float16; E <= 1024. `logits_out`
-    ([T, E] contiguous, x's dtype; for tests) receives the logits the routing used. Not concurrently on two streams
-    of one device (one counter); the first call on a device must come outside a CUDA-graph capture."""
-    T, E = x.shape[0], gate_weight.shape[0]
-    _check_routing(T, E, top_k, x.dtype, valid)
-    ids = torch.empty(T, top_k, dtype=torch.long, device=x.device)
-    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
-    flags = valid.contiguous().view(torch.uint8) if valid is not None else None  # bool pointers: uint8, no copy
-    _launch(x, gate_weight, logits_out, None, (ids, weights, flags, normalize))
-    return ids, weights
+    weights [T, top_k] in x's dtype). Dtypes float32, bfloat16, float16; E <= 1024. `logits_out` ([T, E]
+    contiguous, x's dtype; for tests) receives the logits the routing used."""
+    _check_routing(x.shape[0], gate_weight.shape[0], top_k, x.dtype, valid)
+    logits = gate_logits(x, gate_weight, logits_out)  # [T, E]
+    return _launch_route(logits, top_k, normalize, valid)
 
 
 def gate_logits(
     x: torch.Tensor, gate_weight: torch.Tensor, out: torch.Tensor | None = None, block_e: int | None = None
 ) -> torch.Tensor:
-    """`fused_route`'s GEMV alone (the same kernel): x [T, H] @ gate_weight [E, H].T with fp32 accumulation, rounded
-    to x's dtype: `F.linear(x, gate_weight)` up to the order of the sum. `out`: [T, E] contiguous in x's dtype, else a
-    new one. `block_e` (a power of two; for benchmarks and tests) overrides the experts per program."""
-    return _launch(x, gate_weight, out, block_e, None)
-
-
-def _launch(
-    x: torch.Tensor, gate_weight: torch.Tensor, out: torch.Tensor | None, block_e: int | None, routing: tuple | None
-) -> torch.Tensor:
-    """The GEMV into `out` (made if None) and, given `routing` = (ids, weights, valid as uint8 or None, normalize),
-    the routing by the last arriver -> out."""
+    """x [T, H] @ gate_weight [E, H].T with fp32 accumulation, rounded to x's dtype: `F.linear(x, gate_weight)` up to
+    the order of the sum. `out`: [T, E] contiguous in x's dtype, else a new one. `block_e` (a power of two; for
+    benchmarks and tests) overrides the experts per program."""
     (T, H), E = x.shape, gate_weight.shape[0]
     if x.dtype not in _DTYPES:
         raise ValueError(f"the router takes float32, bfloat16 or float16, got {x.dtype}")
@@ -211,27 +164,19 @@ def _launch(
         block_e = min(max(1, TILE // width), _floor_power_of_2(max(1, E // MIN_PROGRAMS)))
     block_h = min(width, max(1, TILE // block_e))
     warps = min(8, max(1, block_e * block_h // 256))  # >= 8 elements (16 bytes of bf16) a thread
-    ids, weights, flags, normalize = routing or (None, None, None, False)
-    top_k = ids.shape[1] if routing else 1
-    route_e = triton.next_power_of_2(E) if routing else 1  # the softmax's width
-    warp = min(route_e, 32)  # torch's lanes per row
-    _gate_route[(T, triton.cdiv(E, block_e))](
-        x, gate_weight, out, _arrivals(x.device) if routing else None, ids, weights, flags, T, H, E, x.stride(0),
-        gate_weight.stride(0), block_e, block_h, H % block_h == 0, routing is not None, top_k,
-        triton.next_power_of_2(top_k), normalize, flags is not None, route_e, warp, warp.bit_length() - 1,
+    _gate_gemv[(T, triton.cdiv(E, block_e))](
+        x, gate_weight, out, H, E, x.stride(0), gate_weight.stride(0), block_e, block_h, H % block_h == 0,
         _DTYPES[x.dtype], not x.is_cuda, num_warps=warps,
     )  # fmt: skip
     return out
 
 
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The device's counter, made on first use: outside any graph's memory pool, as it must outlive them all."""
-    counter = _ARRIVALS.get(device)
-    if counter is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused_route: run it once on this device before a CUDA-graph capture")
-        counter = _ARRIVALS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+def route_logits(
+    logits: torch.Tensor, top_k: int, normalize: bool, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing part of `fused_route` from logits [T, E] -> (ids, weights)."""
+    _check_routing(logits.shape[0], logits.shape[1], top_k, logits.dtype, valid)
+    return _launch_route(logits if logits.stride(1) == 1 else logits.contiguous(), top_k, normalize, valid)
 
 
 def _floor_power_of_2(n: int) -> int:
@@ -245,3 +190,22 @@ def _check_routing(T: int, E: int, top_k: int, dtype: torch.dtype, valid: torch.
         raise ValueError(f"top_k {top_k} of {E} experts: need 1 <= top_k <= experts <= {MAX_EXPERTS}")
     if valid is not None and (valid.shape != (T,) or valid.dtype != torch.bool):
         raise ValueError(f"valid must be [{T}] bool, got {valid.dtype} {list(valid.shape)}")
+
+
+def _launch_route(
+    logits: torch.Tensor, top_k: int, normalize: bool, valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, E = logits.shape
+    ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    if T == 0:
+        return ids, weights
+    block_e = triton.next_power_of_2(E)
+    warp = min(block_e, 32)  # torch's lanes per row
+    flags = valid.contiguous().view(torch.uint8) if valid is not None else None  # bool pointers: uint8, no copy
+    _route[(T,)](
+        logits, ids, weights, flags, E, logits.stride(0), top_k, triton.next_power_of_2(top_k), normalize,
+        valid is not None, block_e, warp, warp.bit_length() - 1, _DTYPES[logits.dtype], not logits.is_cuda,
+        num_warps=min(4, max(1, block_e // 256)),  # one warp up to 256 experts: reductions stay in shuffles
+    )  # fmt: skip
+    return ids, weights

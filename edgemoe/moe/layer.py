@@ -47,7 +47,7 @@ class SparseMoE(nn.Module):
         if x.is_cuda and not get_context().is_prefill:
             from edgemoe.kernels.router import fused_route  # CPU-only machines lack triton
 
-            # decode: gate GEMV and routing in one launch instead of ~6 (softmax, top-k, cast, padding rows...)
+            # decode: gate GEMV and routing, two launches instead of ~6 (softmax, top-k, cast, padding rows...)
             ids, weights = fused_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, get_context().valid)
             return self.experts(x, ids, weights)
         ids, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)

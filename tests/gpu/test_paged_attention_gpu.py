@@ -141,7 +141,7 @@ def test_cuda_graph_replays_new_lengths_and_tables(dtype, seqs: int) -> None:
     """Captured once at a 40K width with one-token contexts; each replay gets new q, cache contents, block tables
     and context lengths (one token to the full width) written into the static buffers. A split length frozen at
     capture (64 tokens) would miss tokens of the long contexts; partials left by a long round would spoil a short
-    one if the combine read past the splits this round wrote."""
+    one if reduce read past the splits this round wrote."""
     from edgemoe.kernels.paged_attention import paged_decode_attention
 
     heads, kv_heads, dim, bs, width = 32, 4, 128, 16, 40960

@@ -1,10 +1,8 @@
 """The fused router (`edgemoe.kernels.router`) compiled on CUDA against `edgemoe.moe.router.route` on torch's CUDA
-ops at real geometries in float32 and bf16; padding rows; no host synchronisation; launches back to back (the last
-arriver's counter); replayed from a CUDA graph with new inputs, the counter back at 0; `SparseMoE` dispatching to it
-in decode.
+ops at real geometries in float32 and bf16; padding rows; no host synchronisation; replayed from a CUDA graph with
+new inputs; `SparseMoE` dispatching to it in decode.
 
-The routing is held to `route` on the kernel's own logits (and, through `route_logits`'s identity gate, on chosen
-ones): ids equal to a stable descending sort of torch's
+The routing part is held to `route` on the kernel's own logits: ids equal to a stable descending sort of torch's
 probabilities (the kernel's ties go to the lower expert; torch.topk's tie order is unspecified), weights bitwise
 equal without renormalisation (the kernel follows torch's CUDA softmax: PersistentSoftmax.cuh's summation order,
 expf, IEEE division) and within top_k ulps with it (the k weights are summed in order, torch's reduction may pair them
@@ -20,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe.moe.router import route
-from tests.kernels.test_router import assert_logits_close, route_logits
+from tests.kernels.test_router import assert_logits_close
 
 # name -> (hidden, experts, top_k)
 GEOMETRIES = {
@@ -84,7 +82,7 @@ def check_routing(ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
 @pytest.mark.parametrize("tokens", [1, 7, 64])
 @pytest.mark.parametrize("name", [*GEOMETRIES, *LARGE])
 def test_matches_route(name: str, tokens: int, dtype: torch.dtype, normalize: bool) -> None:
-    from edgemoe.kernels.router import fused_route, gate_logits
+    from edgemoe.kernels.router import fused_route, gate_logits, route_logits
 
     hidden, experts, top_k = {**GEOMETRIES, **LARGE}[name]
     g = gen(tokens + 10 * normalize)
@@ -92,7 +90,7 @@ def test_matches_route(name: str, tokens: int, dtype: torch.dtype, normalize: bo
     logits = torch.empty(tokens, experts, dtype=dtype, device="cuda")
     ids, weights = fused_route(x, w, top_k, normalize, logits_out=logits)
     same = route_logits(logits, top_k, normalize)
-    assert torch.equal(ids, same[0]) and torch.equal(weights, same[1])  # the same logits as x, identity gate
+    assert torch.equal(ids, same[0]) and torch.equal(weights, same[1])  # one routing code path
     assert torch.equal(logits, gate_logits(x, w))
     assert_logits_close(logits, x, w)
     check_routing(ids, weights, logits, top_k, normalize)
@@ -129,7 +127,7 @@ def test_ids_match_route_of_linear_with_clear_margins(name: str, dtype: torch.dt
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_ties_take_the_lower_expert(dtype: torch.dtype) -> None:
-    from edgemoe.kernels.router import fused_route
+    from edgemoe.kernels.router import fused_route, route_logits
 
     logits = torch.randint(0, 3, (4, 128), generator=gen(4), device="cuda").to(dtype)
     logits[1] = 1.0
@@ -165,74 +163,48 @@ def test_padding_rows_take_row_zero_experts(mask: list[bool], dtype: torch.dtype
 
 
 def test_no_host_sync_once_compiled() -> None:
-    from edgemoe.kernels.router import fused_route, gate_logits
+    from edgemoe.kernels.router import fused_route, route_logits
 
     x, w = random_inputs(3, 2048, 128, torch.bfloat16, gen(7))
     valid = torch.tensor([True, True, False], device="cuda")
+    logits = F.linear(x, w)
     fused_route(x, w, 8, True, valid)  # compiles (may sync)
-    fused_route(x, w, 8, True)
-    gate_logits(x, w)
+    route_logits(logits, 8, True, valid)
     with torch.cuda.device(x.device):
         torch.cuda.set_sync_debug_mode("error")
         try:
             fused_route(x, w, 8, True, valid)
             fused_route(x, w, 8, True)
-            gate_logits(x, w)
+            route_logits(logits, 8, True, valid)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
 
-def test_launches_back_to_back_agree() -> None:
-    """Many launches of many programs each (64 tokens x 256 expert blocks), queued without a sync: every one routes
-    the logits of its own launch, all stored (a race would show as a row routed from unwritten logits)."""
-    from edgemoe.kernels import router
-
-    hidden, experts, top_k = LARGE["large-4096x512"]
-    x, w = random_inputs(64, hidden, experts, torch.bfloat16, gen(13))
-    logits = torch.empty(64, experts, dtype=torch.bfloat16, device="cuda")
-    first = router.fused_route(x, w, top_k, True, logits_out=logits)
-    check_routing(*first, logits, top_k, True)
-    runs = [router.fused_route(x, w, top_k, True) for _ in range(200)]
-    assert all(torch.equal(ids, first[0]) and torch.equal(weights, first[1]) for ids, weights in runs)
-    assert router._ARRIVALS[x.device].item() == 0
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
-    """Captured once over static x and valid, replayed with new hidden states and padding written into them: two
-    routes in the graph (as layers follow each other), of other grids; the counter at 0 after each replay, with no
-    memset in the graph."""
-    from edgemoe.kernels import router
+    """Captured once over static x and valid, replayed with new hidden states and padding written into them."""
+    from edgemoe.kernels.router import fused_route
 
     tokens, (hidden, experts, top_k) = 4, GEOMETRIES["qwen3-30b-a3b"]
     pool, w, _ = separated_inputs(16, hidden, experts, dtype, gen(8))  # 16 rows with clear margins under one w
     x = pool[:tokens].clone()
     valid = torch.ones(tokens, dtype=torch.bool, device="cuda")
-    router.fused_route(x, w, top_k, True, valid)  # compile outside the capture (and make the counter)
-    router.fused_route(x[:2], w, top_k, False)
-    counter = router._ARRIVALS[x.device]
+    fused_route(x, w, top_k, True, valid)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ids, weights = router.fused_route(x, w, top_k, True, valid)
-        ids2, weights2 = router.fused_route(x[:2], w, top_k, False)
+        ids, weights = fused_route(x, w, top_k, True, valid)
     for seed, n in [(9, 4), (10, 2), (11, 1)]:
         x.copy_(pool[torch.randperm(16, generator=gen(seed), device="cuda")[:tokens]])
         valid.copy_(torch.arange(tokens, device="cuda") < n)
-        for out in (ids, ids2):
-            out.fill_(-1)
-        for out in (weights, weights2):
-            out.fill_(float("nan"))
+        ids.fill_(-1)
+        weights.fill_(float("nan"))
         graph.replay()
-        assert counter.item() == 0
-        eager = router.fused_route(x, w, top_k, True, valid)
+        eager = fused_route(x, w, top_k, True, valid)
         assert torch.equal(ids, eager[0]) and torch.equal(weights, eager[1])  # every element rewritten
-        eager = router.fused_route(x[:2], w, top_k, False)
-        assert torch.equal(ids2, eager[0]) and torch.equal(weights2, eager[1])
         ref_ids, ref_weights = route(F.linear(x, w), top_k, True)
         assert torch.equal(ids, torch.where(valid[:, None], ref_ids, ref_ids[:1]))
         torch.testing.assert_close(weights, ref_weights, **WEIGHT_TOL[dtype])
-    assert router._ARRIVALS[x.device] is counter
 
 
 def test_sparse_moe_decode_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

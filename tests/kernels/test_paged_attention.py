@@ -1,6 +1,6 @@
 """Paged decode attention kernel (Triton's interpreter on CPU) against `PagedAttention._decode_torch` and a plain
 per-sequence softmax, on fresh random inputs: shuffled block tables padded with a pad block, context lengths on and
-off block and split boundaries, MHA / GQA / MQA, block sizes 1 and 16. Small tiles keep several splits (and the combine
+off block and split boundaries, MHA / GQA / MQA, block sizes 1 and 16. Small tiles keep several splits (and the reduce
 kernel) in play at interpreter-sized contexts; the split length follows each context length: lengths far apart in
 one batch, tables padded far past the contexts, more splits than tiles (empty splits, never read), one split.
 `choose_splits` against a table and a plain rule (CPU tensors: an H200's SM count)."""
@@ -109,7 +109,7 @@ def test_half_precision_matches_references(shape, dtype) -> None:
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_one_split_writes_the_output_directly(block_size) -> None:
-    # one split: no partials, no combine; whole contexts in one runtime-bounded loop
+    # one split: no partials, no reduce kernel; whole contexts in one runtime-bounded loop
     c = paged_case([1, 5, 17, 64, 100], 8, 2, 32, block_size, 128, torch.float32)
     check(c, kernel(c, block_size, splits=1), block_size)
 
@@ -167,8 +167,8 @@ def test_table_padded_far_past_the_contexts(splits: int) -> None:
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_more_splits_than_tiles(monkeypatch, block_size: int) -> None:
-    """16 splits over contexts of 1 to 3 tiles: the empty splits write nothing and the combine reads only the splits
-    that hold tokens (a workspace poisoned with NaN, which any read of an unwritten partial would spread)."""
+    """16 splits over contexts of 1 to 3 tiles: the empty splits write nothing and reduce reads only the splits that
+    hold tokens (a workspace poisoned with NaN, which any read of an unwritten partial would spread)."""
     empty, empty_like = torch.empty, torch.empty_like
 
     def poisoned(make):
@@ -186,8 +186,8 @@ def test_more_splits_than_tiles(monkeypatch, block_size: int) -> None:
     check(c, out, block_size)
 
 
-def test_combine_over_more_than_one_chunk() -> None:
-    """128 splits (two combine chunks of 64 at head_dim 16) chosen at a 2K width: one tile each at the full width."""
+def test_reduce_over_more_than_one_chunk() -> None:
+    """128 splits (two reduce chunks of 64) chosen at a 2K width: one tile each at the full width."""
     lens, width = [2000, 1, 2048], 2048
     assert choose_splits(len(lens), 1, width, STAND_IN_SMS, BLOCK_N) == 128
     c = paged_case(lens, 4, 1, 16, 16, width, torch.float32)
@@ -212,7 +212,7 @@ def plain_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int) -
         (1, 16, 32768, 32),
         (64, 4, 40960, 2),  # large batches: few splits
         (256, 4, 40960, 1),
-        (1, 4, 127, 1),  # fewer than two tiles: one split, no combine
+        (1, 4, 127, 1),  # fewer than two tiles: one split, no reduce
         (1, 4, 128, 2),
         (1, 1, 1 << 20, MAX_SPLITS),
     ],
@@ -226,14 +226,3 @@ def test_choose_splits_matches_the_plain_rule() -> None:
         (1, 2, 3, 8, 64, 512), (1, 2, 4, 8, 16), (1, 16, 64, 100, 512, 4096, 40960, 131072), (1, 78, 132), (16, 64)
     ):
         assert choose_splits(seqs, kv_heads, width, sms, block_n) == plain_splits(seqs, kv_heads, width, sms, block_n)
-
-
-def test_arrival_counters_return_to_zero() -> None:
-    """The last arriver of each (sequence, KV head) resets its counter: repeated launches (as graph replays) start
-    from zero and stay right, whichever program arrives last."""
-    from edgemoe.kernels.paged_attention import _arrival_counters
-
-    c = paged_case([20, 1, 97], 8, 2, 32, 16, 128, torch.float32)
-    for _ in range(3):
-        check(c, kernel(c, 16), 16)
-        assert not _arrival_counters(torch.device("cpu"), 6).any()

@@ -4,16 +4,14 @@
 - The gate GEMV (`gate_logits`) against the float64 product, within fp32 accumulation and one rounding to the
   output dtype (`logits_error_bound`), over several expert blocks (the last one partial), one and more tokens,
   hidden sizes that need one or more steps, masked or not; every output element written.
-- Routing on chosen logits (`route_logits`: the kernel with an identity gate, which reproduces them exactly), on
-  logits with distinct values: ids equal to `route`'s; weights bitwise equal to
+- Routing alone (`route_logits`), on logits with distinct values: ids equal to `route`'s; weights bitwise equal to
   `kernel_order_route` (the kernel's order of operations in numpy, i.e. torch's CUDA order with the interpreter's
   exp), and within 4 ulps (float32) / 1 ulp (bf16) of `route`'s, whose CPU softmax has another exp and multiplies
   by 1 / sum.
 - Ties (equal logits): the lower expert first, which torch.topk does not promise (its CPU order differs).
 - The fused path: bitwise equal to `route_logits` on the logits it reports, those bitwise `gate_logits`'s; ids
   equal to `route(F.linear(x, w))`'s on logits built with clear margins.
-- Padding rows: row 0's ids, their own weights and logits, bitwise.
-- Calls in a row, of other sizes and grids: each right, the last arriver's counter back to 0 after each."""
+- Padding rows: row 0's ids, their own weights and logits, bitwise."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from edgemoe.kernels import router  # noqa: E402
-from edgemoe.kernels.router import fused_route, gate_logits  # noqa: E402
+from edgemoe.kernels.router import fused_route, gate_logits, route_logits  # noqa: E402
 from edgemoe.moe.router import route  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -90,19 +87,6 @@ def kernel_order_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tup
             total = total + weights[:, i]
         weights = weights / total[:, None]
     return torch.from_numpy(ids).long(), torch.from_numpy(weights).to(logits.dtype)
-
-
-def route_logits(
-    logits: torch.Tensor, top_k: int, normalize: bool, valid: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's routing of chosen logits [T, E]: `fused_route` with them as x and the identity as the gate, whose
-    GEMV reproduces them exactly (one nonzero product per sum, already in x's dtype); checked."""
-    experts = logits.shape[1]
-    out = torch.empty_like(logits)
-    eye = torch.eye(experts, dtype=logits.dtype, device=logits.device)
-    ids, weights = fused_route(logits, eye, top_k, normalize, valid, logits_out=out)
-    assert torch.equal(out, logits)
-    return ids, weights
 
 
 def distinct_logits(tokens: int, experts: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -256,27 +240,3 @@ def test_rejects_bad_arguments() -> None:
         fused_route(x, w, 2, False, logits_out=torch.empty(8, 2))  # transposed
     ids, weights = fused_route(x[:0], w, 2, False)
     assert ids.shape == weights.shape == (0, 2)
-
-
-def test_calls_in_a_row_leave_the_counter_at_zero() -> None:
-    """The last arriver resets the launch's counter: each call, whatever its grid, starts from 0 and routes right."""
-    g = torch.Generator().manual_seed(13)
-    counter = None
-    # (tokens, hidden, experts, top_k, valid): grids of 1 to 3 x 60 programs, each call after another size
-    for tokens, hidden, experts, top_k, mask in [
-        (1, 64, 8, 2, None),
-        (3, 200, 60, 4, [True, False, True]),
-        (3, 200, 60, 4, [True, False, True]),  # the same call again
-        (2, 96, 128, 8, None),
-        (1, 64, 8, 2, [False]),
-    ]:
-        x, w, _ = separated_inputs(tokens, hidden, experts, torch.bfloat16, g)
-        valid = None if mask is None else torch.tensor(mask)
-        logits = torch.empty(tokens, experts, dtype=torch.bfloat16)
-        ids, weights = fused_route(x, w, top_k, True, valid, logits_out=logits)
-        counter = router._ARRIVALS[x.device]
-        assert counter.dtype == torch.int32 and counter.item() == 0
-        ref_ids, ref_weights = kernel_order_route(logits, top_k, True)
-        padded = ref_ids if valid is None else torch.where(valid[:, None], ref_ids, ref_ids[:1])
-        assert torch.equal(ids, padded) and torch.equal(weights, ref_weights)
-    assert router._ARRIVALS[torch.device("cpu")] is counter  # one counter per device, made once

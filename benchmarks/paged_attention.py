@@ -26,7 +26,13 @@ import torch
 
 from edgemoe.bench import bandwidths, capture, timed
 from edgemoe.engine.context import ForwardContext
-from edgemoe.kernels.paged_attention import BLOCK_N, PROGRAMS_PER_SM, choose_splits, paged_decode_attention
+from edgemoe.kernels.paged_attention import (
+    BLOCK_N,
+    PROGRAMS_PER_SM,
+    choose_splits,
+    min_split_tiles,
+    paged_decode_attention,
+)
 from edgemoe.layers.attention import PagedAttention
 
 DEV = torch.device("cuda")
@@ -64,7 +70,8 @@ class Problem:
         sms = torch.cuda.get_device_properties(DEV).multi_processor_count
         self.splits = choose_splits(batch, kv_heads, width, sms)  # what the kernel picks with splits=None
         # the kernel's split length at this context (on the device there), for the report
-        self.split_len = max(1, cdiv(cdiv(context, self.splits), BLOCK_N)) * BLOCK_N
+        min_tiles = min_split_tiles(batch, kv_heads, self.splits, sms)
+        self.split_len = max(min_tiles, cdiv(cdiv(context, self.splits), BLOCK_N)) * BLOCK_N
         self.programs = batch * kv_heads * self.splits  # the partial kernel's grid
         self.active = batch * kv_heads * cdiv(context, self.split_len)  # its programs that hold tokens
         self.attn = []

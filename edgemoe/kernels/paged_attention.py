@@ -5,9 +5,10 @@ block table and only up to the sequence's context length (split-KV, "flash decod
 - partial, program (seq, kv head, split): one split of the sequence's context, for all the `group` query heads that
   share the KV head (K/V read once per KV head), in tiles of `block_n` tokens with an online softmax in fp32. The
   number of splits S is fixed by the shapes (`choose_splits`); their length follows the context length read on the
-  device: L = cdiv(ctx_len, S) rounded up to whole tiles, split s covering [s * L, min((s + 1) * L, ctx_len)), so a
-  short context in a table padded far past it still spreads over many programs (4K tokens at S = 128: 64 one-tile
-  splits per KV head, where fixed 512-token splits made 8). Splits past the context exit at once.
+  device: L = cdiv(ctx_len, S) rounded up to whole tiles (at least `min_split_tiles`), split s covering
+  [s * L, min((s + 1) * L, ctx_len)), so a short context in a table padded far past it still spreads over many
+  programs (4K tokens at S = 128: 32 two-tile splits per KV head, where fixed 512-token splits made 8). Splits past
+  the context exit at once.
 - reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
   the output. With one split the partial kernel normalises and writes the output itself, and reduce does not run.
 
@@ -54,6 +55,14 @@ def choose_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int =
     return splits
 
 
+def min_split_tiles(seqs: int, kv_heads: int, splits: int, sms: int) -> int:
+    """Tiles a split holds at least: 2 where half the splits still give every SM a program, else 1. A short context
+    then spreads over fewer, two-tile, splits (measured on an H200, benchmarks/paged_attention.py, qwen3 batch 1 at
+    4K: 32 splits of 128 tokens 11.1 us against 64 of 64 tokens 12.0-12.7; at batch 4, 16.7 against 20.6; qwen1.5
+    21.1 against 23.6), while one KV head at batch 1 (MQA, 4K: 7.8 against 7.4) keeps one-tile splits."""
+    return 2 if seqs * kv_heads * splits >= 2 * sms else 1
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -62,10 +71,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 @triton.jit
-def _split_len(ctx_len, num_splits, BLOCK_N: tl.constexpr):
-    # tokens per split for this context: cdiv(ctx_len, num_splits) in whole tiles, at least one (for ctx_len 0 too)
+def _split_len(ctx_len, num_splits, min_tiles, BLOCK_N: tl.constexpr):
+    # tokens per split for this context: cdiv(ctx_len, num_splits) in whole tiles, at least min_tiles (>= 1, for
+    # ctx_len 0 too)
     tiles = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N)
-    return tl.maximum(tiles, 1) * BLOCK_N
+    return tl.maximum(tiles, min_tiles) * BLOCK_N
 
 
 @triton.jit
@@ -82,6 +92,7 @@ def _partial(
     qk_scale,
     width,
     num_splits,
+    min_tiles,
     heads,
     stride_qs,
     stride_qh,
@@ -103,7 +114,7 @@ def _partial(
 ):
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)  # the reference masks to the width too
-    span = _split_len(ctx_len, num_splits, BLOCK_N)
+    span = _split_len(ctx_len, num_splits, min_tiles, BLOCK_N)
     start = split * span  # a multiple of BLOCK_N: tiles stay aligned
     end = tl.minimum(start + span, ctx_len)  # past the context: no iterations
     g = tl.arange(0, G_PAD)
@@ -163,6 +174,7 @@ def _reduce(
     out,
     width,
     num_splits,
+    min_tiles,
     heads,
     stride_os,
     stride_oh,
@@ -173,7 +185,7 @@ def _reduce(
 ):
     seq, h = tl.program_id(0), tl.program_id(1)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)
-    used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))  # splits the partial kernel wrote
+    used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, min_tiles, BLOCK_N))  # splits the partial kernel wrote
     base = (seq.to(tl.int64) * heads + h) * num_splits
     s = tl.arange(0, SPLITS_PAD)
     m = tl.load(m_part + base + s, mask=s < used, other=float("-inf"))
@@ -224,10 +236,12 @@ def paged_decode_attention(
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     width = block_tables.shape[1] * block_size  # padded tokens: bounds the context lengths
+    sms = _sm_count(q.device)
     if splits is None:
-        splits = choose_splits(seqs, kv_heads, width, _sm_count(q.device), block_n)
+        splits = choose_splits(seqs, kv_heads, width, sms, block_n)
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
+    min_tiles = min_split_tiles(seqs, kv_heads, splits, sms)
     q = q if q.stride(2) == 1 else q.contiguous()
     group = heads // kv_heads
     g_pad = 1 if group == 1 else max(16, triton.next_power_of_2(group))
@@ -248,7 +262,7 @@ def paged_decode_attention(
     precision = "ieee" if dot_ty == tl.float32 else "tf32"  # (tf32: the default, ignored for 16-bit operands)
     _partial[(seqs, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, m_part, l_part, acc_part,
-        scale * math.log2(math.e), width, splits, heads,
+        scale * math.log2(math.e), width, splits, min_tiles, heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         group, g_pad, dim, block_size, block_n, single, dot_ty, precision, num_warps=num_warps,
@@ -256,7 +270,7 @@ def paged_decode_attention(
     if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers
         splits_pad = triton.next_power_of_2(splits)
         _reduce[(seqs, heads)](
-            m_part, l_part, acc_part, context_lens, out, width, splits, heads, out.stride(0), out.stride(1),
+            m_part, l_part, acc_part, context_lens, out, width, splits, min_tiles, heads, out.stride(0), out.stride(1),
             dim, block_n, splits_pad, min(64, splits_pad), num_warps=4,
         )  # fmt: skip
     return out

@@ -226,3 +226,14 @@ def test_choose_splits_matches_the_plain_rule() -> None:
         (1, 2, 3, 8, 64, 512), (1, 2, 4, 8, 16), (1, 16, 64, 100, 512, 4096, 40960, 131072), (1, 78, 132), (16, 64)
     ):
         assert choose_splits(seqs, kv_heads, width, sms, block_n) == plain_splits(seqs, kv_heads, width, sms, block_n)
+
+
+def test_min_split_tiles() -> None:
+    """Two-tile splits where half the splits still cover every SM (qwen3 at batch 1: 4 KV heads x 128 splits on 132
+    SMs), one-tile ones where they would not (one KV head at batch 1); the far-apart-contexts case above runs the
+    two-tile rule through the kernel (5 x 2 x 32 programs)."""
+    from edgemoe.kernels.paged_attention import min_split_tiles
+
+    assert min_split_tiles(1, 4, 128, 132) == 2
+    assert min_split_tiles(1, 1, 256, 132) == 1
+    assert min_split_tiles(5, 2, 32, STAND_IN_SMS) == 2

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from edgemoe.kernels.norm_rope import _round
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 
 MAX_TOKENS = 4  # every token's accumulator lives in registers: [T, BLOCK_N, BLOCK_K] fp32
 BLOCK_K, WARPS, STAGES = 256, 4, 4  # the best of the H200 sweep at the winning shapes: n4/n8_k256_w4_s4
@@ -32,7 +33,8 @@ def pick_block_n(n: int) -> int:
 @triton.jit
 def _gemv(x, w, bias, y, T, N, K, stride_x, stride_w, stride_y, T_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, Y_TY: tl.constexpr,
-          RNE_BY_HAND: tl.constexpr):  # fmt: skip
+          RNE_BY_HAND: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_for_inputs(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     t = tl.arange(0, T_PAD)
@@ -90,6 +92,6 @@ def gemv(
     _gemv[(triton.cdiv(N, block_n),)](
         x, weight, weight if bias is None else bias, y, T, N, K, x.stride(0), weight.stride(0), y.stride(0),
         triton.next_power_of_2(T), block_n, block_k, stages, bias is not None, _DTYPES[x.dtype], not x.is_cuda,
-        num_warps=warps,
+        num_warps=warps, **launch_args(x.device),
     )  # fmt: skip
     return y

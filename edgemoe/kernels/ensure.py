@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 from edgemoe.moe.expert_cache import KEY_MAX, LRU, Ensured, ExpertCache, Scored
 
 BLOCK_S = 1024  # slots per step of the key pass and the victim search
@@ -152,7 +153,8 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
             hit_mark, need_mark, n_ids, M, layer, expert_bytes, L: tl.constexpr, E: tl.constexpr, S: tl.constexpr,
             SCORED: tl.constexpr, STATS: tl.constexpr, FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr,
             REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr):  # fmt: skip
+            BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_for_inputs(PDL)
     now = tl.load(clock) + 1
     tl.debug_barrier()  # every thread has read the clock before it moves
     tl.store(clock, now)
@@ -228,7 +230,7 @@ def ensure_fused(cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int
         L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
-        BLOCKS_P2=triton.next_power_of_2(num_blocks),
+        BLOCKS_P2=triton.next_power_of_2(num_blocks), **launch_args(flat.device),
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,  # no FMA: torch rounds mul and add apart
     )
     # fmt: on

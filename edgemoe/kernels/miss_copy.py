@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+
 BLOCK = 4096  # elements per work item: 8 KiB of bf16
 # programs of the persistent grid per SM: P x BLOCK bytes in flight cover PCIe's latency with room to spare. On an
 # H200 (benchmarks/miss_copy.py) 1 to 8 per SM copy at the same rate (0.90 of memcpy at qwen3's experts, within
@@ -55,7 +57,9 @@ def _copy_rows(
     BLOCK: tl.constexpr,
     EVEN_A: tl.constexpr,
     EVEN_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     items = tl.load(count) * CHUNKS
     for i in range(tl.program_id(0), items, tl.num_programs(0)):
         r = i // CHUNKS
@@ -132,5 +136,5 @@ def _launch(
     grid = programs or default_programs(pools[0].device)
     _copy_rows[(grid,)](
         src, dst, count, banks[a], pools[a], banks[b], pools[b], rows[a], rows[b], chunks[a], sum(chunks), block,
-        rows[a] % block == 0, rows[b] % block == 0, num_warps=num_warps,
+        rows[a] % block == 0, rows[b] % block == 0, num_warps=num_warps, **launch_args(src.device),
     )  # fmt: skip

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+
 
 @triton.jit
 def _up(
@@ -39,7 +41,9 @@ def _up(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of gate; up's are inter rows further
     k = tl.arange(0, BLOCK_K)
@@ -84,7 +88,9 @@ def _down(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     p = tl.arange(0, BLOCK_P)  # the token's pairs (top_k padded to a power of two)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output rows
@@ -170,7 +176,7 @@ def up_proj(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, blocks: Block
         # pairs on the fastest axis: pairs of one expert (other tokens) read the same rows together, from L2
         _up[(T * K, triton.cdiv(inter, b.up_n))](
             x, ids, w13, h, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1),
-            b.up_n, b.up_k, H % b.up_k == 0, b.up_stages, num_warps=b.up_warps,
+            b.up_n, b.up_k, H % b.up_k == 0, b.up_stages, num_warps=b.up_warps, **launch_args(x.device),
         )  # fmt: skip
     return h
 
@@ -188,6 +194,6 @@ def down_proj(
         _down[(T, triton.cdiv(H, b.down_n))](  # likewise tokens first
             h, ids, weights, w2, out, H, inter, K, out.stride(0), w2.stride(0), w2.stride(1),
             triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0, b.down_stages,
-            num_warps=b.down_warps,
+            num_warps=b.down_warps, **launch_args(h.device),
         )  # fmt: skip
     return out

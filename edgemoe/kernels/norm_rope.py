@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -53,8 +55,10 @@ def _normalize(xf, wf, r, X_TY: tl.constexpr, OUT_TY: tl.constexpr, RNE_BY_HAND:
 
 @triton.jit
 def _rms_norm(
-    x, w, out, dim, stride_x, inv_dim, eps, X_TY: tl.constexpr, BLOCK: tl.constexpr, RNE_BY_HAND: tl.constexpr
-):
+    x, w, out, dim, stride_x, inv_dim, eps, X_TY: tl.constexpr, BLOCK: tl.constexpr, RNE_BY_HAND: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 on long prefills
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -88,7 +92,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     _rms_norm[(x2.shape[0],)](
         x2, weight, out, dim, x2.stride(0), 1.0 / dim, eps, _DTYPES[x.dtype], block, not x.is_cuda,
-        num_warps=_norm_warps(block), enable_fp_fusion=False,
+        num_warps=_norm_warps(block), enable_fp_fusion=False, **launch_args(x.device),
     )  # fmt: skip
     return out
 
@@ -96,8 +100,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _add_rms_norm(
     x, res, w, out, h_out, dim, stride_x, stride_r, inv_dim, eps, H_TY: tl.constexpr, BLOCK: tl.constexpr,
-    RNE_BY_HAND: tl.constexpr,
+    RNE_BY_HAND: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 on long prefills
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -136,7 +141,7 @@ def add_rms_norm(
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     _add_rms_norm[(x2.shape[0],)](
         x2, r2, weight, out, h, dim, x2.stride(0), r2.stride(0), 1.0 / dim, eps, _DTYPES[h.dtype], block, not x.is_cuda,
-        num_warps=_norm_warps(block), enable_fp_fusion=False,
+        num_warps=_norm_warps(block), enable_fp_fusion=False, **launch_args(x.device),
     )  # fmt: skip
     return out, h
 
@@ -237,7 +242,9 @@ def _attention_prologue(
     X_TY: tl.constexpr,
     BLOCK: tl.constexpr,
     RNE_BY_HAND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     # program (t, h): h < heads: q head -> q_out; then kv_heads k heads -> k_cache; then kv_heads v heads -> v_cache
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -313,6 +320,6 @@ def attention_prologue(
         q, k, v, q_out, k_cache, v_cache, *weights, cos_sin, positions, slot_mapping, heads, kv_heads, dim, 1.0 / dim,
         eps, *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
         cos_sin.stride(1), norm, _DTYPES[q.dtype], block, not q.is_cuda, num_warps=_norm_warps(block),
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **launch_args(q.device),
     )  # fmt: skip
     return q_out

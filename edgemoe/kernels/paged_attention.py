@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+
 PROGRAMS_PER_SM = 4  # the partial kernel's target: several resident programs per SM hide its load latency
 MAX_SPLITS = 256  # bounds the partials workspace and the reduce's serial work
 STAND_IN_SMS = 132  # an H200's count, for CPU tensors (the interpreter): deterministic tests
@@ -111,7 +113,9 @@ def _partial(
     SINGLE: tl.constexpr,
     DOT_TY: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)  # the reference masks to the width too
     span = _split_len(ctx_len, num_splits, min_tiles, BLOCK_N)
@@ -182,7 +186,9 @@ def _reduce(
     BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     seq, h = tl.program_id(0), tl.program_id(1)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)
     used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, min_tiles, BLOCK_N))  # splits the partial kernel wrote
@@ -265,12 +271,12 @@ def paged_decode_attention(
         scale * math.log2(math.e), width, splits, min_tiles, heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, num_warps=num_warps,
+        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, num_warps=num_warps, **launch_args(q.device),
     )  # fmt: skip
     if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers
         splits_pad = triton.next_power_of_2(splits)
         _reduce[(seqs, heads)](
             m_part, l_part, acc_part, context_lens, out, width, splits, min_tiles, heads, out.stride(0), out.stride(1),
-            dim, block_n, splits_pad, min(64, splits_pad), num_warps=4,
+            dim, block_n, splits_pad, min(64, splits_pad), num_warps=4, **launch_args(q.device),
         )  # fmt: skip
     return out

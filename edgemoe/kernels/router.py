@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from edgemoe.kernels.norm_rope import _round
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 TILE = 8192  # gate elements a GEMV program holds at once: 32 fp32 accumulators a thread at 8 warps
@@ -80,7 +81,8 @@ def _top_k(probs, e, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr
 
 @triton.jit
 def _gate_gemv(x, w, out, H, E, stride_x, stride_w, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-               EVEN_H: tl.constexpr, X_TY: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+               EVEN_H: tl.constexpr, X_TY: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     in_e = e < E
@@ -104,7 +106,8 @@ def _gate_gemv(x, w, out, H, E, stride_x, stride_w, BLOCK_E: tl.constexpr, BLOCK
 @triton.jit
 def _route(logits, ids_out, weights_out, valid, E, stride_l, K: tl.constexpr, K_PAD: tl.constexpr,
            NORMALIZE: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, WARP: tl.constexpr,
-           LOG_WARP: tl.constexpr, X_TY: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+           LOG_WARP: tl.constexpr, X_TY: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     in_e = e < E
@@ -166,7 +169,7 @@ def gate_logits(
     warps = min(8, max(1, block_e * block_h // 256))  # >= 8 elements (16 bytes of bf16) a thread
     _gate_gemv[(T, triton.cdiv(E, block_e))](
         x, gate_weight, out, H, E, x.stride(0), gate_weight.stride(0), block_e, block_h, H % block_h == 0,
-        _DTYPES[x.dtype], not x.is_cuda, num_warps=warps,
+        _DTYPES[x.dtype], not x.is_cuda, num_warps=warps, **launch_args(x.device),
     )  # fmt: skip
     return out
 
@@ -207,5 +210,6 @@ def _launch_route(
         logits, ids, weights, flags, E, logits.stride(0), top_k, triton.next_power_of_2(top_k), normalize,
         valid is not None, block_e, warp, warp.bit_length() - 1, _DTYPES[logits.dtype], not logits.is_cuda,
         num_warps=min(4, max(1, block_e // 256)),  # one warp up to 256 experts: reductions stay in shuffles
+        **launch_args(logits.device),
     )  # fmt: skip
     return ids, weights

@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (PDL; compute capability 9.0 and newer): a kernel launched with it may be scheduled
+while the kernel before it on the stream is still running. Each of our decode kernels starts with `wait_for_inputs`:
+it waits (`griddepcontrol.wait`: the previous kernel has finished and its writes are visible) before reading
+anything, then lets the next kernel be scheduled. Two kernels at most are resident at once (the next is scheduled
+only once every program of this one has passed its wait), and a kernel launched without PDL after ours, or ours
+after a torch or cuBLAS kernel, keeps the ordinary full dependency. CUDA-graph capture keeps these programmatic
+edges, so within a decode step the next kernel's launch and scheduling overlap the current one's work instead of
+following it. Under Triton's interpreter (CPU tests) and on older GPUs it is off: the same kernels, ordinary launches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()  # the previous kernel's writes are visible past this point
+        gdc_launch_dependents()  # after the wait: never more than two kernels in flight
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA devices of compute capability 9.0 or newer."""
+    if device.type != "cuda":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_args(device: torch.device) -> dict[str, bool]:
+    """The keyword arguments of a launch on `device` of a kernel that starts with `wait_for_inputs`."""
+    flag = use_pdl(device)
+    return {"PDL": flag, "launch_pdl": flag}

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from edgemoe.kernels.norm_rope import _round
-from edgemoe.kernels.pdl import launch_args, prefetch_rows, wait_for_inputs
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 
 MAX_TOKENS = 4  # every token's accumulator lives in registers: [T, BLOCK_N, BLOCK_K] fp32
 BLOCK_K, WARPS, STAGES = 256, 4, 4  # the best of the H200 sweep at the winning shapes: n4/n8_k256_w4_s4
@@ -33,14 +33,12 @@ def pick_block_n(n: int) -> int:
 @triton.jit
 def _gemv(x, w, bias, y, T, N, K, stride_x, stride_w, stride_y, T_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, Y_TY: tl.constexpr,
-          RNE_BY_HAND: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, LINES_PAD: tl.constexpr):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = n < N
-    if PDL:  # the weight is no earlier kernel's output: its rows stream into L2 during the wait
-        prefetch_rows(w, tl.where(rows, n, 0).to(tl.int64), stride_w, K, LINE, LINES_PAD)
+          RNE_BY_HAND: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     wait_for_inputs(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     t = tl.arange(0, T_PAD)
+    rows = n < N
     w_ptr = w + n[:, None].to(tl.int64) * stride_w + k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptr = x + t[:, None] * stride_x + k[None, :]  # [T_PAD, BLOCK_K]
     acc = tl.zeros([T_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced once after the loop
@@ -91,10 +89,9 @@ def gemv(
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return y
-    line = 128 // x.element_size()  # elements of a 128-byte L2 line, for the prefetch
     _gemv[(triton.cdiv(N, block_n),)](
         x, weight, weight if bias is None else bias, y, T, N, K, x.stride(0), weight.stride(0), y.stride(0),
         triton.next_power_of_2(T), block_n, block_k, stages, bias is not None, _DTYPES[x.dtype], not x.is_cuda,
-        num_warps=warps, **launch_args(x.device), LINE=line, LINES_PAD=triton.next_power_of_2(triton.cdiv(K, line)),
+        num_warps=warps, **launch_args(x.device),
     )  # fmt: skip
     return y

@@ -25,18 +25,6 @@ def wait_for_inputs(PDL: tl.constexpr):
         gdc_launch_dependents()  # after the wait: never more than two kernels in flight
 
 
-@triton.jit
-def prefetch_rows(base, rows, stride, cols, LINE: tl.constexpr, LINES_PAD: tl.constexpr):
-    """Ask L2 for the 128-byte lines of `rows` [R] (int64 row indices) x `cols` elements of a matrix at `base` (row
-    stride `stride`; LINE elements a line, LINES_PAD >= cdiv(cols, LINE)): before `wait_for_inputs`, a kernel whose
-    weights no earlier kernel writes starts streaming them while its predecessor still runs."""
-    j = tl.arange(0, LINES_PAD)
-    ptrs = base + rows[:, None] * stride + tl.minimum(j * LINE, cols - 1)[None, :]  # [R, LINES_PAD], past the end:
-    tl.inline_asm_elementwise(  # the last line again
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
 @functools.cache
 def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9

@@ -16,6 +16,7 @@ for dtype in bfloat16 float32; do
 done
 python3 benchmarks/miss_copy.py --json "$out/miss_copy.json" | tail -12 || rc=1
 python3 benchmarks/moe_gemv.py --json "$out/moe_gemv.json" | tail -16 || rc=1
+python3 benchmarks/dense_gemv.py --json "$out/dense_gemv.json" | tail -14 || rc=1
 python3 benchmarks/router.py --json "$out/router.json" | tail -12 || rc=1
 python3 benchmarks/ensure.py --json "$out/ensure.json" | tail -12 || rc=1
 python3 benchmarks/paged_attention.py --json "$out/paged_attention.json" | tail -12 || rc=1

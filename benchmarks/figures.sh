@@ -8,8 +8,9 @@
 #                                                #   the side stream help resident-like decode?
 #   bash benchmarks/figures.sh OUT_DIR qwen3-resident  # qwen3-30b-a3b with every expert resident on the device:
 #                                                #   eager and graph against the HBM roofline (issue #5)
-#   bash benchmarks/figures.sh OUT_DIR candidates  # kernels not yet in the engine against what it runs: dense
-#                                                #   projections (Triton GEMV vs cuBLAS), miss-copy loads (CUDA C++)
+#   bash benchmarks/figures.sh OUT_DIR candidates  # what is not yet in the engine against what it runs: dense
+#                                                #   projections, miss-copy loads (CUDA C++), copy-engine copies
+#                                                #   chosen on the device (switch nodes in a graph)
 # Run from the repo root on the GPU machine (torch with CUDA; nothing to install).
 set -euo pipefail
 out=${1:?OUT_DIR}
@@ -34,6 +35,7 @@ case "$part" in
       --prefill 512 --profile 4 --json "$out/bench_qwen3_resident.json" > /dev/null ;;
   candidates)
     python3 benchmarks/dense_gemv.py --json "$out/dense_gemv.json"
-    python3 benchmarks/miss_copy_cuda.py --json "$out/miss_copy_cuda.json" ;;
+    python3 benchmarks/miss_copy_cuda.py --json "$out/miss_copy_cuda.json"
+    python3 benchmarks/miss_copy_graph.py --json "$out/miss_copy_graph.json" ;;
   *) echo "unknown part $part: qwen3, qwen3-resident, qwen15, qwen15-cached or candidates" >&2; exit 2 ;;
 esac

@@ -149,6 +149,7 @@ class Decoder:
         self.ctx = ForwardContext(False, self.pos, self.pos + 1, torch.arange(kv.num_blocks, device=dev)[None])
         self.step_ix = torch.zeros(1, dtype=torch.long, device=dev)
         self.trace = None if trace is None else torch.from_numpy(trace.astype(np.int64)).to(dev)
+        self.step_ids = None if trace is None else torch.empty_like(self.trace[:1])  # [1, layers, top_k]
         self.hooks = []
         if self.trace is not None:
             experts = [m for m in model.modules() if isinstance(m, (Experts, OffloadedExperts))]  # MoE layer order
@@ -159,10 +160,12 @@ class Decoder:
         x, ids, weights = args
         if ids.shape[0] != 1:
             return args  # prefill: the router decides
-        return x, self.trace.index_select(0, self.step_ix)[0, layer].view(1, -1), weights
+        return x, self.step_ids[0, layer].view(1, -1), weights  # a view: no kernel in the layer
 
     def step(self) -> None:
         set_context(self.ctx)
+        if self.trace is not None:  # the step's row, once: a lookup per layer added a torch kernel to every layer
+            torch.index_select(self.trace, 0, self.step_ix, out=self.step_ids)
         hidden = self.model(self.ids, self.pos)
         self.ids.copy_(self.model.logits(hidden).argmax(-1))
         self.pos.add_(1)

@@ -111,3 +111,34 @@ def test_resident_and_offloaded_bench_models_decode_the_same_tokens() -> None:
         dec.close()
         tokens[resident] = steps
     assert tokens[True] == tokens[False] and len(set(tokens[True])) > 1
+
+
+def test_trace_drives_every_layer_with_its_step_row() -> None:
+    """Under a routing trace each MoE layer receives, at decode step s, row s of the trace for that layer (the row
+    is looked up once a step, then read by every layer), wrapping around at the trace's end."""
+    import torch
+
+    from edgemoe.bench import Decoder, build_model, routing
+    from edgemoe.engine.kv_cache import KVCache
+    from edgemoe.moe.experts import Experts
+
+    dev, dtype = torch.device("cpu"), torch.float32
+    model = build_model("tiny", None, dev, dtype, 64, True)
+    cfg = model.config
+    kv = KVCache(cfg, 4, 16, dtype, dev)
+    kv.bind([layer.self_attn.attn for layer in model.model.layers])
+    trace = routing("synthetic", 3, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k)
+    dec = Decoder(model, kv, 24, trace)
+    seen: list[list[list[int]]] = []
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    for layer, m in enumerate(experts):  # registered after the Decoder's hooks: sees the ids they substituted
+        m.register_forward_pre_hook(lambda _m, args, layer=layer: seen[-1].append((layer, args[1].tolist())))
+    with torch.inference_mode():
+        for _ in range(5):
+            seen.append([])
+            dec.step()
+    dec.close()
+    for step, calls in enumerate(seen):
+        assert [layer for layer, _ in calls] == list(range(len(experts)))
+        for layer, ids in calls:
+            assert ids == [trace[step % 3, layer].tolist()]

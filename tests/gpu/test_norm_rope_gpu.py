@@ -18,6 +18,7 @@ from edgemoe.engine.context import ForwardContext, set_context
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.models.decoder import SelfAttention
+from tests.kernels.test_norm_rope import fused_prologue, unfused_prologue
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 MAX_POSITIONS = 40960  # Qwen3's table
@@ -168,32 +169,6 @@ def prologue_case(
     slots = torch.randperm(SLOTS, generator=g, device="cuda")[:tokens]
     weights = (make_norm(HEAD_DIM, dtype, g).weight, make_norm(HEAD_DIM, dtype, g).weight) if norm else (None, None)
     return q, k, v, positions(tokens, g), make_rotary().cos_sin, k_cache, v_cache, slots, *weights
-
-
-def unfused_prologue(*case: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """SelfAttention's sequence before the fusion: [the rms_norm kernel per head], torch's rotary, index_copy_ into
-    copies of the caches -> (q_out, k_cache, v_cache)."""
-    from edgemoe.kernels.norm_rope import rms_norm
-
-    q, k, v, pos, cos_sin, k_cache, v_cache, slots, q_w, k_w = case
-    if q_w is not None:
-        q, k = rms_norm(q, q_w, EPS), rms_norm(k, k_w, EPS)
-    rotary = RotaryEmbedding(q.shape[2], cos_sin.shape[1], 1.0)
-    rotary.cos_sin = cos_sin
-    q, k = rotary(pos, q, k)
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
-    return q, k_cache, v_cache
-
-
-def fused_prologue(*case: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The kernel on copies of the caches -> (q_out, k_cache, v_cache)."""
-    from edgemoe.kernels.norm_rope import attention_prologue
-
-    q, k, v, pos, cos_sin, k_cache, v_cache, slots, q_w, k_w = case
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    return attention_prologue(q, k, v, pos, cos_sin, k_cache, v_cache, slots, q_w, k_w, EPS), k_cache, v_cache
 
 
 def assert_bitwise(outs: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...], what: str = "") -> None:

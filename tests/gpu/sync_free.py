@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
+
+
+@contextlib.contextmanager
+def host_sync_forbidden() -> Iterator[None]:
+    """Inside: torch raises on any host synchronisation (`torch.cuda.set_sync_debug_mode("error")`)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def decode_without_sync(engine, sample: Callable[[object, list[int], torch.Tensor], torch.Tensor]) -> int:
@@ -16,12 +27,9 @@ def decode_without_sync(engine, sample: Callable[[object, list[int], torch.Tenso
         batch = engine.scheduler.schedule()
         assert not batch.is_prefill
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with host_sync_forbidden():
             due, logits = engine.runner.compute_logits(batch)
             tokens = sample(batch, due, logits)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         for seq, n, tok in zip(batch.seqs, batch.num_new, tokens.tolist()):
             seq.num_computed += n
             engine._append(seq, tok)

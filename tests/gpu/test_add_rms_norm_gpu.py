@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from edgemoe.layers.norm import RMSNorm
+from tests.gpu.sync_free import host_sync_forbidden
 from tests.gpu.test_norm_rope_gpu import assert_close_to_reference, gen, make_norm, randn
 from tests.kernels.test_add_rms_norm import check_decoder_against_textbook
 
@@ -70,12 +71,8 @@ def test_no_host_sync_once_compiled() -> None:
     g = gen(0)
     x, r, w = (randn(*s, g=g, dtype=torch.bfloat16) for s in ((1, 2048), (1, 2048), (2048,)))
     add_rms_norm(x, r, w, EPS)  # compiles (may sync)
-    with torch.cuda.device(x.device):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            add_rms_norm(x, r, w, EPS)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with torch.cuda.device(x.device), host_sync_forbidden():
+        add_rms_norm(x, r, w, EPS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

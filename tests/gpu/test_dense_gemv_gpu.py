@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe.layers.linear import DecodeLinear
+from tests.gpu.sync_free import host_sync_forbidden
 from tests.kernels.test_dense_gemv import assert_within_bound, error_bound, inputs
 
 # name -> (out, in, bias): benchmarks/dense_gemv.py's shapes (qwen1.5's qkv has a bias)
@@ -64,12 +65,8 @@ def test_no_host_sync_once_compiled() -> None:
 
     x, w, b = inputs(1, 2048, 4096, torch.bfloat16, True, seed=3, device="cuda")
     gemv(x, w, b)  # compiles (may sync)
-    with torch.cuda.device(x.device):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            gemv(x, w, b)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with torch.cuda.device(x.device), host_sync_forbidden():
+        gemv(x, w, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

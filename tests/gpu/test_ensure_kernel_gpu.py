@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from edgemoe.moe.expert_cache import POLICIES, Ensured, ExpertCache
+from tests.gpu.sync_free import host_sync_forbidden
 from tests.moe.test_expert_cache import check_invariants, random_trace
 
 
@@ -50,13 +51,10 @@ def test_fused_ensure_does_not_synchronise() -> None:
     trace = random_trace(3, 2, 16, 2, 4, skew=1.0, seed=1).cuda()
     gpu.ensure(0, trace[0, 0])  # compiles the kernel
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with host_sync_forbidden():
         for step in trace:
             for layer, ids in enumerate(step):
                 gpu.ensure(layer, ids)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

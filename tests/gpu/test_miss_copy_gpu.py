@@ -11,6 +11,7 @@ import torch
 from edgemoe.moe.banks import allocate_bank
 from edgemoe.moe.expert_cache import ExpertCache, copy_rows_reference
 from edgemoe.profiler import MISS_COPY, record
+from tests.gpu.sync_free import host_sync_forbidden
 
 S, M = 7, 5
 
@@ -88,11 +89,8 @@ def test_copy_missing_is_one_launch_without_sync() -> None:
     ops = record(lambda: cache.copy_missing(got, *banks), steps=1)
     assert len(ops) == 1 and ops[0].kernel and MISS_COPY in ops[0].name, ops  # the profiler still finds it
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with host_sync_forbidden():
         cache.copy_missing(got, *banks)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for pool, bank in zip((cache.w13, cache.w2), banks):
         assert torch.equal(pool[cache.slot_table()[0, [2, 4, 9]]].cpu(), bank[[2, 4, 9]])
 

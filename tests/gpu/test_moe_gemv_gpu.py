@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe.moe.experts import gathered_experts
+from tests.gpu.sync_free import host_sync_forbidden
 
 # name -> (hidden, inter, top_k, experts)
 GEOMETRIES = {
@@ -62,13 +63,9 @@ def test_bfloat16_close_to_float32(name: str, tokens: int) -> None:
     from edgemoe.kernels.moe_gemv import fused_experts
 
     x, ids, weights, w13, w2 = inputs(*GEOMETRIES[name], tokens, torch.bfloat16, seed=10 + tokens)
-    with torch.cuda.device(x.device):
-        torch.cuda.set_sync_debug_mode("error")  # no host synchronisation once compiled
-        try:
-            fused_experts(x, ids, weights, w13, w2)  # compiles (may sync)
-            out = fused_experts(x, ids, weights, w13, w2)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with torch.cuda.device(x.device), host_sync_forbidden():  # no host synchronisation once compiled
+        fused_experts(x, ids, weights, w13, w2)  # compiles (may sync)
+        out = fused_experts(x, ids, weights, w13, w2)
     ref = float32_reference(x, ids, weights, w13, w2)
     gathered = gathered_experts(x, ids, weights, w13, w2)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()

@@ -18,6 +18,7 @@ from edgemoe.engine.context import ForwardContext, set_context
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.models.decoder import SelfAttention
+from tests.gpu.sync_free import host_sync_forbidden
 from tests.kernels.test_norm_rope import fused_prologue, unfused_prologue
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
@@ -100,12 +101,8 @@ def test_no_host_sync_once_compiled() -> None:
     g = gen(0)
     x, w = randn(1, 2048, g=g, dtype=torch.bfloat16), randn(2048, g=g, dtype=torch.bfloat16)
     rms_norm(x, w, EPS)  # compiles (may sync)
-    with torch.cuda.device(x.device):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            rms_norm(x, w, EPS)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with torch.cuda.device(x.device), host_sync_forbidden():
+        rms_norm(x, w, EPS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -246,12 +243,8 @@ def test_prologue_no_host_sync_once_compiled() -> None:
 
     case = prologue_case(1, HEADS, KV_HEADS, torch.bfloat16, gen(12))
     attention_prologue(*case, EPS)  # compiles (may sync)
-    with torch.cuda.device(case[0].device):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            attention_prologue(*case, EPS)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with torch.cuda.device(case[0].device), host_sync_forbidden():
+        attention_prologue(*case, EPS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -364,10 +357,7 @@ def test_self_attention_fused_prologue_equals_unfused(
             assert torch.equal(out, ref)
             assert torch.equal(fused[0], caches[0]) and torch.equal(fused[1], caches[1])
             if not prefill:  # compiled and warm now
-                torch.cuda.set_sync_debug_mode("error")
-                try:
+                with host_sync_forbidden():
                     layer(x, pos)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
     finally:
         set_context(None)

@@ -11,6 +11,7 @@ import torch
 
 from edgemoe.engine.context import ForwardContext
 from edgemoe.layers.attention import PagedAttention
+from tests.gpu.sync_free import host_sync_forbidden
 
 SHAPES = [(16, 16, 128), (32, 4, 128), (4, 1, 64)]  # (heads, kv_heads, head_dim): MHA, GQA 8, MQA
 LENS = [1, 15, 511, 512, 513, 4096, 20000, 32768]  # on and off block and tile boundaries
@@ -109,11 +110,8 @@ def test_does_not_synchronise() -> None:
 
     q, k, v, tables, lens = paged_case([3000, 40], 32, 4, 128, 16, 8192, torch.bfloat16, seed=1)
     paged_decode_attention(q, k, v, tables, lens, 128**-0.5, 16)  # compiles (may sync)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with host_sync_forbidden():
         paged_decode_attention(q, k, v, tables, lens, 128**-0.5, 16)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_offsets_past_int32() -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe.moe.router import route
+from tests.gpu.sync_free import host_sync_forbidden
 from tests.kernels.test_router import assert_logits_close
 
 # name -> (hidden, experts, top_k)
@@ -170,14 +171,10 @@ def test_no_host_sync_once_compiled() -> None:
     logits = F.linear(x, w)
     fused_route(x, w, 8, True, valid)  # compiles (may sync)
     route_logits(logits, 8, True, valid)
-    with torch.cuda.device(x.device):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            fused_route(x, w, 8, True, valid)
-            fused_route(x, w, 8, True)
-            route_logits(logits, 8, True, valid)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with torch.cuda.device(x.device), host_sync_forbidden():
+        fused_route(x, w, 8, True, valid)
+        fused_route(x, w, 8, True)
+        route_logits(logits, 8, True, valid)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -113,6 +113,8 @@ def add_switch_copies(setter, bank: torch.Tensor, staging: torch.Tensor, ids: to
     check(driver.cuLaunchKernel(setter, 1, 1, 1, 32, 1, 1, 0, stream, (args, types), 0), "cuLaunchKernel")
     _, _, graph, deps, _, n = check(runtime.cudaStreamGetCaptureInfo(stream), "cudaStreamGetCaptureInfo")
     deps = list(deps)[:n]  # the setter's node
+    if DOT:
+        print(f"capture dependencies after the setter: {n} {[int(d) for d in deps]}")
     nodes = []
     h2d = runtime.cudaMemcpyKind.cudaMemcpyHostToDevice
     for j, handle in enumerate(handles):
@@ -136,6 +138,9 @@ def add_switch_copies(setter, bank: torch.Tensor, staging: torch.Tensor, ids: to
                 src, dst = bank[e].data_ptr(), staging[j].data_ptr()
                 check(runtime.cudaGraphAddMemcpyNode1D(body, None, 0, dst, src, row_bytes, h2d), "memcpy node")
         nodes.append(node)
+        if DOT and j == 0:
+            got = runtime.cudaGraphNodeGetDependencies(node)
+            print(f"switch 0: cudaGraphNodeGetDependencies -> {got}")
     flag = runtime.cudaStreamUpdateCaptureDependenciesFlags.cudaStreamSetCaptureDependencies
     check(runtime.cudaStreamUpdateCaptureDependencies(stream, nodes, None, len(nodes), flag), "update dependencies")
     if DOT:

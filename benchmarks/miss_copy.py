@@ -117,7 +117,7 @@ def measure(banks: tuple[torch.Tensor, ...], rows: int, sweep: bool, slots: int 
     configs = [(p, b, w) for p in (1, 2, 4, 8) for b in (2048, 4096, 8192) for w in (4, 8)] if sweep else []
     for per_sm, block, warps in configs + [(PROGRAMS_PER_SM, BLOCK, 4)]:
         key = f"programs{per_sm}xSM_block{block}_warps{warps}"
-        fn = lambda p=per_sm * sms, b=block, w=warps: copy_rows_pair(pools, banks, src_d, dst_d, count, b, w, p)  # noqa: E731
+        fn = lambda p=per_sm * sms, b=block, w=warps: copy_rows_pair(pools, banks, src_d, dst_d, count, None, b, w, p)  # noqa: E731
         out["kernel"][key] = nbytes / seconds(fn)
     default = out["kernel"][f"programs{PROGRAMS_PER_SM}xSM_block{BLOCK}_warps4"]
     out["kernel_default_over_memcpy"] = default / out["memcpy"]

@@ -150,8 +150,8 @@ def _update_scored(freq, last, reuse, layer, needed, e, E: tl.constexpr, FREQ: t
 
 @triton.jit(do_not_specialize=["n_ids", "M", "layer", "expert_bytes"])
 def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_use, freq, last, reuse, keys,
-            hit_mark, need_mark, n_ids, M, layer, expert_bytes, L: tl.constexpr, E: tl.constexpr, S: tl.constexpr,
-            SCORED: tl.constexpr, STATS: tl.constexpr, FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr,
+            hit_mark, need_mark, arrived, n_ids, M, layer, expert_bytes, L: tl.constexpr, E: tl.constexpr,
+            S: tl.constexpr, SCORED: tl.constexpr, STATS: tl.constexpr, FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr,
             REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     wait_for_inputs(PDL)
@@ -174,6 +174,7 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
     tl.store(src + e, 0, mask=pad)
     tl.store(dst + e, S, mask=pad)
     tl.store(count_out, count)
+    tl.store(arrived + e, 0, mask=e < M)  # the miss copy's arrival counters (edgemoe.kernels.miss_copy.Arrivals)
     if count > 0:
         _choose_victims(keys, hit_mark, dst, count, row, hit, owner, last_use, freq, last, reuse, now, layer, L, E, S,
                         SCORED, BLOCK_S, NUM_BLOCKS, BLOCKS_P2)  # fmt: skip
@@ -208,8 +209,8 @@ def ensure_fused(cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int
     M = min(flat.numel(), E)  # the most misses this call can have
     assert M <= S, "more distinct experts than slots: split them into waves"
     if cache.ensure_scratch is None:  # CPU caches (the interpreter's tests); CUDA caches allocate it up front
-        cache.ensure_scratch = torch.zeros(2 * S + E, dtype=torch.long, device=cache.device)
-    keys, hit_mark, need_mark = cache.ensure_scratch.split([S, S, E])
+        cache.ensure_scratch = torch.zeros(2 * S + 2 * E, dtype=torch.long, device=cache.device)
+    keys, hit_mark, need_mark, arrived = cache.ensure_scratch.split([S, S, E, E])
     policy = cache.policy
     if isinstance(policy, Scored):
         last_use, freq, last, reuse = cache.owner, policy.freq, policy.last, policy.reuse  # last_use: unused
@@ -226,7 +227,7 @@ def ensure_fused(cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int
     # fmt: off
     _ensure[(1,)](
         flat, slots, src, dst, count, cache.slot_of, cache.owner, cache.clock, cache.stats, last_use, freq, last,
-        reuse, keys, hit_mark, need_mark, flat.numel(), M, layer, cache.expert_bytes,
+        reuse, keys, hit_mark, need_mark, arrived, flat.numel(), M, layer, cache.expert_bytes,
         L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,

@@ -10,11 +10,18 @@ where a grid of chunks x capacity ran thousands. No host synchronisation. Its or
 `expert_cache.copy_rows_reference`; `benchmarks/miss_copy.py` measures it against a plain pinned `copy_` and sweeps
 P, the block and the warps. Imported only on CUDA devices and by the interpreter tests (CPU-only machines without
 triton never import it).
+
+Arrivals: given a counter per list entry (zeroed by `ensure`), every work item adds one to its entry's counter once
+its chunk is stored (a program barrier, then a release at GPU scope), so an entry has arrived when its counter
+reaches `chunks_per_entry`. The expert GEMV (`edgemoe.kernels.moe_gemv`) waits on those counters, pair by pair,
+instead of on the whole copy: the experts that hit, and each missed expert as soon as its rows are in, run while
+the rest are still crossing PCIe.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -29,6 +36,15 @@ BLOCK = 4096  # elements per work item: 8 KiB of bf16
 # mostly outside the copy (0.32 of its time during it, qwen1.5 32K scored) and with 8 beside it (0.90)
 PROGRAMS_PER_SM = 8
 INTERPRETED_PROGRAMS = 3  # the grid under Triton's interpreter (CPU tests): several programs, several items each
+
+
+class Arrivals(NamedTuple):
+    """What a consumer of the pool needs to wait for a copy list's entries one by one."""
+
+    dst: torch.Tensor  # [M] the list's slots (the scratch slot past `count`)
+    count: torch.Tensor  # [] valid entries
+    counters: torch.Tensor  # [>= M] int64: work items stored so far, per entry
+    chunks: int  # work items per entry (`chunks_per_entry`)
 
 
 @triton.jit
@@ -46,6 +62,7 @@ def _copy_rows(
     src_ids,
     dst_ids,
     count,
+    arrived,
     bank_a,
     pool_a,
     bank_b,
@@ -57,6 +74,7 @@ def _copy_rows(
     BLOCK: tl.constexpr,
     EVEN_A: tl.constexpr,
     EVEN_B: tl.constexpr,
+    ARRIVALS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -70,6 +88,9 @@ def _copy_rows(
             _copy_chunk(bank_a, pool_a, src, dst, c, row_a, BLOCK, EVEN_A)
         else:
             _copy_chunk(bank_b, pool_b, src, dst, c - CHUNKS_A, row_b, BLOCK, EVEN_B)
+        if ARRIVALS:
+            tl.debug_barrier()  # every thread's stores of the chunk, then one release for the program
+            tl.atomic_add(arrived + r, 1, sem="release", scope="gpu")
 
 
 @functools.cache
@@ -84,21 +105,30 @@ def default_programs(device: torch.device) -> int:
     return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def chunks_per_entry(pools: tuple[torch.Tensor, ...], block: int = BLOCK) -> int:
+    """Work items per copy-list entry: each pool's row in chunks of `block` elements (at most the longest row)."""
+    rows = [pool[0].numel() for pool in pools]
+    block = min(block, triton.next_power_of_2(max(rows)))
+    return sum(triton.cdiv(row, block) for row in rows)
+
+
 def copy_rows_pair(
     pools: tuple[torch.Tensor, torch.Tensor],
     banks: tuple[torch.Tensor, torch.Tensor],
     src: torch.Tensor,
     dst: torch.Tensor,
     count: torch.Tensor,
+    arrived: torch.Tensor | None = None,
     block: int = BLOCK,
     num_warps: int = 4,
     programs: int | None = None,
 ) -> None:
     """pools[k][dst[i]] = banks[k][src[i]] for both k and i < count, in one launch. pools: [S + 1, ...] on the GPU;
     banks: [E, ...] contiguous pinned host memory (or device memory), each of its pool's dtype and row shape; src,
-    dst: [M] int64, count: [] int64 (device). `block`, `num_warps` and `programs` (default: `default_programs`)
-    are for benchmarks/miss_copy.py's sweep."""
-    _launch(pools, banks, src, dst, count, block, num_warps, programs)
+    dst: [M] int64, count: [] int64 (device). `arrived`: [>= M] int64 zeros, counting each entry's stored work
+    items (see Arrivals). `block`, `num_warps` and `programs` (default: `default_programs`) are for
+    benchmarks/miss_copy.py's sweep."""
+    _launch(pools, banks, src, dst, count, arrived, block, num_warps, programs)
 
 
 def copy_rows(
@@ -112,7 +142,7 @@ def copy_rows(
     programs: int | None = None,
 ) -> None:
     """`copy_rows_pair` of one bank: pool[dst[i]] = bank[src[i]] for i < count."""
-    _launch((pool,), (bank,), src, dst, count, block, num_warps, programs)
+    _launch((pool,), (bank,), src, dst, count, None, block, num_warps, programs)
 
 
 def _launch(
@@ -121,6 +151,7 @@ def _launch(
     src: torch.Tensor,
     dst: torch.Tensor,
     count: torch.Tensor,
+    arrived: torch.Tensor | None,
     block: int,
     num_warps: int,
     programs: int | None,
@@ -135,6 +166,7 @@ def _launch(
     a, b = 0, len(pools) - 1  # one bank: the second pair is the first again, given no chunks
     grid = programs or default_programs(pools[0].device)
     _copy_rows[(grid,)](
-        src, dst, count, banks[a], pools[a], banks[b], pools[b], rows[a], rows[b], chunks[a], sum(chunks), block,
-        rows[a] % block == 0, rows[b] % block == 0, num_warps=num_warps, **launch_args(src.device),
+        src, dst, count, count if arrived is None else arrived, banks[a], pools[a], banks[b], pools[b], rows[a],
+        rows[b], chunks[a], sum(chunks), block, rows[a] % block == 0, rows[b] % block == 0, arrived is not None,
+        num_warps=num_warps, **launch_args(src.device),
     )  # fmt: skip

@@ -9,6 +9,15 @@ fp32 accumulation:
 - down, program (token, row block): BLOCK_N rows of w2 of all the token's top_k experts (a [top_k, BLOCK_N,
   BLOCK_K] tile per step) over all of I, then the weighted sum over k in registers: deterministic, no atomics.
 
+Offloaded experts (given the miss copy's `Arrivals`): up does not wait for the copy kernel before it. Each program
+finds its pair's slot in the copy list and, only if the slot is being filled, waits until that entry's counter says
+all its rows arrived (an acquire, so the weight loads that follow see them). Hits, and each miss as soon as its rows
+are in, compute while the rest of the list still crosses PCIe. Launched behind the copy with PDL, up's programs
+share the SMs with the copy's (both grids resident: a dependent grid starts only once every program of the copy
+has started, so the waits cannot block the copy). Without the predecessor's wait nothing promises that an SM's L1
+is clean, so up reads its inputs and weights at L2 (`.cg`), and so does down for w2 (the copy wrote it; down's wait
+is for up). Every entry has a pair waiting on it, so by the time up has finished the whole list has arrived.
+
 Grids and blocks follow from shapes alone (no autotuning), and nothing syncs with the host: CUDA-graph capturable
 once compiled. `benchmarks/moe_gemv.py` times it against `gathered_experts` and sweeps the block sizes.
 """
@@ -21,8 +30,24 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
+from edgemoe.kernels.miss_copy import Arrivals
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+
+
+@triton.jit
+def _await_rows(slot, dst, count, arrived, M, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """If `slot` is in the copy list (dst[:count]), wait until its entry's CHUNKS work items are stored."""
+    r = tl.arange(0, BLOCK_M)
+    listed = tl.load(dst + r, mask=r < M, other=-1, cache_modifier=".cg")
+    n = tl.load(count, cache_modifier=".cg")
+    entry = tl.min(tl.where((listed == slot) & (r < n), r, BLOCK_M), 0)
+    if entry < BLOCK_M:
+        # one thread's acquire (an acquire load: the add of 0 writes nothing), handed to the others through the
+        # program's barrier: every thread's weight loads come after the rows' stores
+        while tl.atomic_add(arrived + entry, 0, sem="acquire", scope="gpu") < CHUNKS:
+            pass
 
 
 @triton.jit
@@ -31,24 +56,38 @@ def _up(
     ids,
     w13,
     h,
+    dst,
+    count,
+    arrived,
     H,
     inter,
     top_k,
     stride_x,
     stride_e,
     stride_r,
+    M,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
+    STREAMED: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CACHE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     pair = tl.program_id(0)
+    if STREAMED:  # no wait for the copy kernel: only for this pair's rows, if they are in its list
+        if PDL:
+            gdc_launch_dependents()
+        expert = tl.load(ids + pair, cache_modifier=".cg").to(tl.int64)
+        _await_rows(expert, dst, count, arrived, M, CHUNKS, BLOCK_M)
+    else:
+        wait_for_inputs(PDL)
+        expert = tl.load(ids + pair).to(tl.int64)  # int64: slot * stride overflows int32 for real pools
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of gate; up's are inter rows further
     k = tl.arange(0, BLOCK_K)
     rows = n < inter
-    expert = tl.load(ids + pair).to(tl.int64)  # int64: slot * stride overflows int32 for real pools
     gate_ptr = w13 + expert * stride_e + n[:, None] * stride_r + k[None, :]  # [BLOCK_N, BLOCK_K]
     up_ptr = gate_ptr + inter * stride_r
     x_ptr = x + (pair // top_k).to(tl.int64) * stride_x + k
@@ -56,15 +95,15 @@ def _up(
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):  # STAGES > 1: the next steps' loads in flight
         if EVEN_K:
-            xk = tl.load(x_ptr + k0)
+            xk = tl.load(x_ptr + k0, cache_modifier=CACHE)
             mask = rows[:, None]
         else:
             cols = k0 + k < H
-            xk = tl.load(x_ptr + k0, mask=cols, other=0.0)
+            xk = tl.load(x_ptr + k0, mask=cols, other=0.0, cache_modifier=CACHE)
             mask = rows[:, None] & cols[None, :]
         xk = xk.to(tl.float32)[None, :]
-        acc_gate += tl.load(gate_ptr + k0, mask=mask, other=0.0).to(tl.float32) * xk
-        acc_up += tl.load(up_ptr + k0, mask=mask, other=0.0).to(tl.float32) * xk
+        acc_gate += tl.load(gate_ptr + k0, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32) * xk
+        acc_up += tl.load(up_ptr + k0, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32) * xk
     gate = tl.sum(acc_gate, axis=1)
     up = tl.sum(acc_up, axis=1)
     tl.store(h + pair * inter + n, (gate * tl.sigmoid(gate) * up).to(h.dtype.element_ty), mask=rows)
@@ -88,6 +127,7 @@ def _down(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
+    CACHE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -110,7 +150,7 @@ def _down(
             cols = k0 + k < inter
             hk = tl.load(h_ptr + k0, mask=pairs[:, None] & cols[None, :], other=0.0)
             mask = rows & cols[None, None, :]
-        w = tl.load(w_ptr + k0, mask=mask, other=0.0)
+        w = tl.load(w_ptr + k0, mask=mask, other=0.0, cache_modifier=CACHE)
         acc += w.to(tl.float32) * hk.to(tl.float32)[:, None, :]
     wk = tl.load(weights + pair, mask=pairs, other=0.0).to(tl.float32)  # [BLOCK_P]
     y = tl.sum(tl.sum(acc, axis=2) * wk[:, None], axis=0)  # [BLOCK_N]
@@ -158,14 +198,23 @@ def fused_experts(
     w13: torch.Tensor,
     w2: torch.Tensor,
     blocks: Blocks | None = None,
+    arrivals: Arrivals | None = None,
 ) -> torch.Tensor:
     """x: [T, H]; ids: [T, K] rows of w13/w2 (expert ids, or slots of an offload pool); weights: [T, K] (float32 or
     x's dtype); w13: [N, 2I, H] (gate rows, then up rows); w2: [N, H, I] -> [T, H] in x's dtype. The weight banks
-    may be any [N, ...] views contiguous in their last dim. `blocks` is for benchmarks/moe_gemv.py's sweep."""
-    return down_proj(up_proj(x, ids, w13, blocks), ids, weights, w2, blocks)
+    may be any [N, ...] views contiguous in their last dim. `blocks` is for benchmarks/moe_gemv.py's sweep.
+    `arrivals`: the miss copy launched just before is filling some of ids' slots; wait for those rows only."""
+    h = up_proj(x, ids, w13, blocks, arrivals)
+    return down_proj(h, ids, weights, w2, blocks, streamed=arrivals is not None)
 
 
-def up_proj(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, blocks: Blocks | None = None) -> torch.Tensor:
+def up_proj(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    blocks: Blocks | None = None,
+    arrivals: Arrivals | None = None,
+) -> torch.Tensor:
     """x: [T, H], ids: [T, K], w13: [N, 2I, H] -> h = silu(gate) * up [T * K, I] in x's dtype."""
     (T, H), K, inter = x.shape, ids.shape[1], w13.shape[1] // 2
     assert w13.shape[2] == H and w13.stride(2) == 1
@@ -173,18 +222,33 @@ def up_proj(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, blocks: Block
     h = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)  # [pairs, I]
     if T * K:
         b = blocks or pick_blocks(H, inter)
+        a = arrivals or Arrivals(ids, ids, ids, 1)  # unread unless streamed
+        M = a.dst.numel()
         # pairs on the fastest axis: pairs of one expert (other tokens) read the same rows together, from L2
         _up[(T * K, triton.cdiv(inter, b.up_n))](
-            x, ids, w13, h, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1),
-            b.up_n, b.up_k, H % b.up_k == 0, b.up_stages, num_warps=b.up_warps, **launch_args(x.device),
+            x, ids, w13, h, a.dst, a.count, a.counters, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1), M,
+            b.up_n, b.up_k, H % b.up_k == 0, b.up_stages, arrivals is not None, a.chunks,
+            triton.next_power_of_2(max(M, 1)), _cache(arrivals is not None), num_warps=b.up_warps,
+            **launch_args(x.device),
         )  # fmt: skip
     return h
 
 
+def _cache(streamed: bool) -> str:
+    """The cache modifier of the weight (and up's input) loads: L2 only when streamed (see the module docstring)."""
+    return ".cg" if streamed else ""
+
+
 def down_proj(
-    h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w2: torch.Tensor, blocks: Blocks | None = None
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w2: torch.Tensor,
+    blocks: Blocks | None = None,
+    streamed: bool = False,
 ) -> torch.Tensor:
-    """h: [T * K, I] from `up_proj`, ids and weights: [T, K], w2: [N, H, I] -> [T, H] in h's dtype."""
+    """h: [T * K, I] from `up_proj`, ids and weights: [T, K], w2: [N, H, I] -> [T, H] in h's dtype. `streamed`:
+    up waited for the miss copy's rows, not for the copy kernel (read w2 at L2)."""
     (T, K), H, inter = ids.shape, w2.shape[1], w2.shape[2]
     assert h.shape == (T * K, inter) and h.is_contiguous() and w2.stride(2) == 1
     ids, weights = ids.contiguous(), weights.contiguous()
@@ -193,7 +257,7 @@ def down_proj(
         b = blocks or pick_blocks(H, inter)
         _down[(T, triton.cdiv(H, b.down_n))](  # likewise tokens first
             h, ids, weights, w2, out, H, inter, K, out.stride(0), w2.stride(0), w2.stride(1),
-            triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0, b.down_stages,
+            triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0, b.down_stages, _cache(streamed),
             num_warps=b.down_warps, **launch_args(h.device),
         )  # fmt: skip
     return out

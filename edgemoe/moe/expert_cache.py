@@ -127,9 +127,10 @@ class ExpertCache:
         self.policy = POLICIES[policy](L, E, S, device)
         self.policy_name = policy
         self._experts = torch.arange(E, device=device)
-        # the fused CUDA `ensure`'s scratch: keys [S], clock marks [S + E]; here, so graph capture never allocates
+        # the fused CUDA `ensure`'s scratch: keys [S], clock marks [S + E], the miss copy's arrival counters [E];
+        # here, so graph capture never allocates
         self.ensure_scratch = (
-            torch.zeros(2 * S + E, dtype=torch.long, device=device) if self.device.type == "cuda" else None
+            torch.zeros(2 * S + 2 * E, dtype=torch.long, device=device) if self.device.type == "cuda" else None
         )
         self.w13: torch.Tensor | None = None  # [S + 1, 2 * inter, hidden]
         self.w2: torch.Tensor | None = None  # [S + 1, hidden, inter]
@@ -206,13 +207,31 @@ class ExpertCache:
             self.stats[layer] += counts
         return Ensured(row[flat].view(ids.shape), src, dst, count)
 
+    @property
+    def arrival_counters(self) -> torch.Tensor | None:
+        """[E] the miss copy's per-entry counters (`edgemoe.kernels.miss_copy.Arrivals`), zeroed by the fused
+        `ensure` (part of its scratch); None before a CPU cache's first fused `ensure`."""
+        if self.ensure_scratch is None:
+            return None
+        return self.ensure_scratch[2 * self.num_slots + self.num_experts :]
+
+    def arrivals(self, copy: Ensured):
+        """CUDA: what the expert GEMV needs to wait for `copy`'s entries one by one instead of the whole copy
+        (`edgemoe.kernels.miss_copy.Arrivals`); None elsewhere, where the copy is done when `copy_missing` returns."""
+        if not self.w13.is_cuda:
+            return None
+        from edgemoe.kernels.miss_copy import Arrivals, chunks_per_entry
+
+        return Arrivals(copy.dst, copy.count, self.arrival_counters, chunks_per_entry((self.w13, self.w2)))
+
     def copy_missing(self, copy: Ensured, w13_bank: torch.Tensor, w2_bank: torch.Tensor) -> None:
         """Copy the listed experts' rows, bank -> pool. CUDA: one Triton launch for both banks (sync-free,
-        graph-capturable; the banks must be pinned); CPU: `copy_rows_reference`."""
+        graph-capturable; the banks must be pinned), counting each entry's arrival; CPU: `copy_rows_reference`."""
         if self.w13.is_cuda:
             from edgemoe.kernels.miss_copy import copy_rows_pair
 
-            copy_rows_pair((self.w13, self.w2), (w13_bank, w2_bank), copy.src, copy.dst, copy.count)
+            counters = self.arrival_counters
+            copy_rows_pair((self.w13, self.w2), (w13_bank, w2_bank), copy.src, copy.dst, copy.count, counters)
         else:
             copy_rows_reference(self.w13, w13_bank, copy.src, copy.dst)
             copy_rows_reference(self.w2, w2_bank, copy.src, copy.dst)

@@ -29,14 +29,15 @@ class Experts(nn.Module):
 
 
 def decode_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, arrivals=None
 ) -> torch.Tensor:
     """Decode's routed experts: on CUDA the fused GEMVs (`edgemoe.kernels.moe_gemv`), which read the chosen experts
-    in place; elsewhere `gathered_experts`. Fixed shapes, no host synchronisation (CUDA graphs)."""
+    in place (offloaded: `arrivals`, waiting for the miss copy's rows expert by expert); elsewhere
+    `gathered_experts`. Fixed shapes, no host synchronisation (CUDA graphs)."""
     if x.is_cuda:
         from edgemoe.kernels.moe_gemv import fused_experts  # triton is imported on CUDA machines only
 
-        return fused_experts(x, ids, weights, w13, w2)
+        return fused_experts(x, ids, weights, w13, w2, arrivals=arrivals)
     return gathered_experts(x, ids, weights, w13, w2)
 
 

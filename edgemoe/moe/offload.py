@@ -2,10 +2,11 @@
 their weights coming from host banks (`edgemoe.moe.banks`) on a miss. Also sizes the cache.
 
 Decode (at most S distinct experts in a layer's step, which the minimum cache size guarantees) is one `ensure`,
-one miss copy and the same expert kernel as resident experts, all fixed-shape and sync-free. Prefill may need
-more experts than there are slots: they are made resident in waves of at most S, in expert order, and each
-pair is computed exactly as the resident path would (same functions, same order), so outputs are bitwise
-equal to resident experts.
+one miss copy and the same expert kernel as resident experts, all fixed-shape and sync-free; on CUDA the expert
+kernel waits for each missed expert's rows, not for the whole copy (`edgemoe.kernels.miss_copy.Arrivals`).
+Prefill may need more experts than there are slots: they are made resident in waves of at most S, in expert
+order, and each pair is computed exactly as the resident path would (same functions, same order), so outputs
+are bitwise equal to resident experts.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class OffloadedExperts(nn.Module):
         gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
         if gathered and (pairs <= S or E <= S):
             got = self.load(ids)
-            experts = gathered_experts if get_context().is_prefill else decode_experts  # prefill: bitwise as resident
-            return experts(x, got.slots, weights, self.cache.w13, self.cache.w2)
+            cache = self.cache
+            if get_context().is_prefill:  # bitwise as resident
+                return gathered_experts(x, got.slots, weights, cache.w13, cache.w2)
+            return decode_experts(x, got.slots, weights, cache.w13, cache.w2, cache.arrivals(got))
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
         return self._grouped_waves(x, ids, weights)

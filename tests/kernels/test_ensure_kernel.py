@@ -1,6 +1,6 @@
 """The Triton kernels against their plain-torch oracles, on the CPU under Triton's interpreter (see conftest.py):
-the fused `ensure` against `ExpertCache._ensure_torch` (every returned and every state tensor, after every call),
-and the miss copy against `copy_rows_reference`."""
+the fused `ensure` against `ExpertCache._ensure_torch` (every returned and every state tensor, after every call;
+it also zeroes the miss copy's arrival counters), and the miss copy against `copy_rows_reference`."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ def compare(want: ExpertCache, got: ExpertCache, trace: torch.Tensor, block_s: i
     misses = 0
     for step in trace:
         for layer, ids in enumerate(step):
+            if got.arrival_counters is not None:
+                got.arrival_counters.fill_(-3)  # what the last miss copy left
             a, b = want._ensure_torch(layer, ids), ensure_fused(got, layer, ids, block_s=block_s)
+            assert (got.arrival_counters[: b.src.numel()] == 0).all()  # zeroed for the copy that follows
             for field, x, y in zip(a._fields, a, b):
                 assert x.dtype == y.dtype and torch.equal(x, y), (field, x, y)
             for name, x in state(want).items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgemoe.kernels.miss_copy import copy_rows_pair
+from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
 from edgemoe.moe.expert_cache import copy_rows_reference
 
 E, S, M = 9, 7, 5
@@ -87,3 +87,23 @@ def test_mismatched_bank_and_pool() -> None:
     src, dst, n = random_list(2, torch.Generator().manual_seed(0))
     with pytest.raises(AssertionError):
         copy_rows_pair(pools, banks, src, dst, n)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_arrival_counters_count_every_item(programs: int) -> None:
+    """With counters (zeroed, as `ensure` leaves them), each valid entry ends at `chunks_per_entry` stored items and
+    the padding entries stay at zero; the copy itself is unchanged."""
+    gen = torch.Generator().manual_seed(10 + programs)
+    banks = torch.randn(E, 6, 4, generator=gen), torch.randn(E, 5, 3, generator=gen)  # 3 + 2 chunks of 8
+    for count in (0, 2, M):
+        pools = tuple(torch.randn(S + 1, *b.shape[1:], generator=gen) for b in banks)
+        want = tuple(p.clone() for p in pools)
+        src, dst, n = random_list(count, gen)
+        for pool, bank in zip(want, banks):
+            copy_rows_reference(pool, bank, src, dst)
+        arrived = torch.zeros(E, dtype=torch.long)
+        copy_rows_pair(pools, banks, src, dst, n, arrived, block=8, programs=programs)
+        assert chunks_per_entry(pools, block=8) == 5
+        assert arrived.tolist() == [5] * count + [0] * (E - count)
+        for pool, w in zip(pools, want):
+            assert torch.equal(pool[:S], w[:S])

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from edgemoe.kernels.miss_copy import Arrivals, copy_rows_pair  # noqa: E402
 from edgemoe.kernels.moe_gemv import Blocks, fused_experts, pick_blocks  # noqa: E402
 from edgemoe.moe.experts import gathered_experts  # noqa: E402
 
@@ -96,3 +97,32 @@ def test_block_heuristic() -> None:
             assert v & (v - 1) == 0
         assert b.up_k < 2 * hidden and b.down_k < 2 * inter and b.up_n < 2 * inter
         assert b.up_n * b.up_k <= 4096 and 8 * b.down_n * b.down_k <= 8192
+
+
+@pytest.mark.parametrize("misses", [0, 2, 5])
+def test_streamed_behind_the_miss_copy_is_bitwise_the_plain_kernel(misses: int) -> None:
+    """Offloaded decode: the experts' slots partly filled by the miss copy just before, the GEMV given the copy's
+    arrival counters (it waits per pair for listed slots) gives bitwise what the plain GEMV gives once the copy is
+    done. The list's padding (scratch slot, as `ensure` writes it) and slots used by two pairs are included."""
+    x, ids, weights, w13, w2 = inputs(3, 2, hidden=24, inter=10, dtype=torch.float32, seed=40 + misses, pool=9)
+    g = torch.Generator().manual_seed(misses)
+    banks = (
+        torch.randn(6, *w13.shape[1:], generator=g).to(DEVICE),
+        torch.randn(6, *w2.shape[1:], generator=g).to(DEVICE),
+    )
+    used = torch.unique(ids.flatten())
+    M = used.numel()
+    dst = torch.full((M,), w13.shape[0] - 1, device=DEVICE)  # the scratch slot past `count`
+    dst[:misses] = used[torch.randperm(M, generator=g)[:misses]]
+    src = torch.randint(0, 6, (M,), generator=g).to(DEVICE)
+    count = torch.tensor(misses, device=DEVICE)
+    arrived = torch.zeros(M, dtype=torch.long, device=DEVICE)
+    pools = (w13.clone(), w2.clone())
+    copy_rows_pair(pools, banks, src, dst, count, arrived, block=16)
+    want = fused_experts(x, ids, weights, *pools, SMALL)
+    arrivals = Arrivals(dst, count, arrived, int(arrived[0]) if misses else 1)
+    got = fused_experts(x, ids, weights, *pools, SMALL, arrivals=arrivals)
+    assert torch.equal(got, want)
+    if misses:  # the copied rows were read, not the old ones
+        stale = fused_experts(x, ids, weights, w13, w2, SMALL)
+        assert not torch.equal(got, stale)

@@ -2,7 +2,7 @@
 addressing (a pinned host tensor's pointer is valid on the device). `copy_rows_pair` copies both banks of the
 experts (gate_up and down) in one launch, one fewer per MoE layer and decode step; `copy_rows` copies one bank.
 
-A persistent grid: P programs (8 per SM, fixed, so capturable in a CUDA graph) walk the work items of the
+A persistent grid: P programs (PROGRAMS_PER_SM per SM, fixed, so capturable in a CUDA graph) walk the work items of the
 device-side copy list in strides of P. Item i is chunk i % C of entry i // C (C chunks per entry: the first bank's
 row, then the second's), so at any moment the P programs read P consecutive chunks of host memory. The grid no
 longer scales with the list's capacity: an empty list (every hit) costs P programs that read `count` and exit,
@@ -32,9 +32,10 @@ from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 BLOCK = 4096  # elements per work item: 8 KiB of bf16
 # programs of the persistent grid per SM: P x BLOCK bytes in flight cover PCIe's latency with room to spare. On an
 # H200 (benchmarks/miss_copy.py) 1 to 8 per SM copy at the same rate (0.90 of memcpy at qwen3's experts, within
-# noise at qwen1.5's) and decode at the same speed, but with one per SM the shared expert on its side stream ran
-# mostly outside the copy (0.32 of its time during it, qwen1.5 32K scored) and with 8 beside it (0.90)
-PROGRAMS_PER_SM = 8
+# noise at qwen1.5's). Since the expert GEMV runs beside the copy (Arrivals), 2 per SM decode at least as fast as 8
+# in every configuration measured (qwen3 25/50 %, lru/scored: +0.2-0.6 %; qwen1.5 32K with and without the shared
+# expert's side stream: +0.2-0.3 %; qwen3 all cached: +1 %, the empty list's grid is smaller; benchmarks/RESULTS.md)
+PROGRAMS_PER_SM = 2
 INTERPRETED_PROGRAMS = 3  # the grid under Triton's interpreter (CPU tests): several programs, several items each
 
 

@@ -99,7 +99,7 @@ def test_block_heuristic() -> None:
         assert b.up_n * b.up_k <= 4096 and 8 * b.down_n * b.down_k <= 8192
 
 
-@pytest.mark.parametrize("misses", [0, 2, 5])
+@pytest.mark.parametrize("misses", [0, 2, 4])
 def test_streamed_behind_the_miss_copy_is_bitwise_the_plain_kernel(misses: int) -> None:
     """Offloaded decode: the experts' slots partly filled by the miss copy just before, the GEMV given the copy's
     arrival counters (it waits per pair for listed slots) gives bitwise what the plain GEMV gives once the copy is
@@ -112,6 +112,7 @@ def test_streamed_behind_the_miss_copy_is_bitwise_the_plain_kernel(misses: int) 
     )
     used = torch.unique(ids.flatten())
     M = used.numel()
+    assert misses <= M  # these seeds route to enough distinct slots (a list longer than M would read past it)
     dst = torch.full((M,), w13.shape[0] - 1, device=DEVICE)  # the scratch slot past `count`
     dst[:misses] = used[torch.randperm(M, generator=g)[:misses]]
     src = torch.randint(0, 6, (M,), generator=g).to(DEVICE)

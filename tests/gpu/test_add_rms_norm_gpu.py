@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.layers.norm import RMSNorm
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.gpu.test_norm_rope_gpu import assert_close_to_reference, gen, make_norm, randn
@@ -97,11 +98,7 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
             h = h + block(norm(h))
         return norms[-1](h), h
 
-    stream()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = stream()
+    graph, outs = capture_graph(stream)
     for seed in range(2, 5):
         x.copy_(randn(tokens, hidden, g=gen(seed), dtype=dtype))
         for o in outs:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.layers.linear import DecodeLinear
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.kernels.test_dense_gemv import assert_within_bound, error_bound, inputs
@@ -75,11 +76,7 @@ def test_cuda_graph_replays_new_inputs(tokens: int, dtype: torch.dtype) -> None:
     from edgemoe.kernels.dense_gemv import gemv
 
     x, w, b = inputs(tokens, 6144, 2048, dtype, True, seed=4, device="cuda")
-    gemv(x, w, b)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = gemv(x, w, b)
+    graph, y = capture_graph(lambda: gemv(x, w, b))
     for seed in range(5, 8):
         x.copy_(inputs(tokens, 6144, 2048, dtype, False, seed=seed, device="cuda")[0])
         y.fill_(float("nan"))

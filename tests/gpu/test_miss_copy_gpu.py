@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.moe.banks import allocate_bank
 from edgemoe.moe.expert_cache import ExpertCache, copy_rows_reference
 from edgemoe.profiler import MISS_COPY, record
@@ -104,11 +105,7 @@ def test_cuda_graph_replays_new_copy_lists() -> None:
     pools = tuple(torch.zeros(S + 1, *b.shape[1:], dtype=b.dtype, device="cuda") for b in banks)
     gen = torch.Generator().manual_seed(10)
     src, dst, n = random_list(E, M, gen)  # static buffers of the graph
-    copy_rows_pair(pools, banks, src, dst, n)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        copy_rows_pair(pools, banks, src, dst, n)
+    graph, _ = capture_graph(lambda: copy_rows_pair(pools, banks, src, dst, n))
     for count in (3, 0, M, 1):
         for pool in pools:
             pool.normal_(generator=torch.Generator(device="cuda").manual_seed(count))

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.moe.experts import gathered_experts
 from tests.gpu.sync_free import host_sync_forbidden
 
@@ -84,11 +85,7 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype, name: str) -> None:
     x, ids, weights, w13, w2 = inputs(hidden, inter, top_k, experts, tokens, dtype, seed=0)
     pool13, pool2 = w13[: experts // 2 + 1], w2[: experts // 2 + 1]  # [S + 1, ...] slot pool views
     ids = ids % (experts // 2)
-    fused_experts(x, ids, weights, pool13, pool2)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_experts(x, ids, weights, pool13, pool2)
+    graph, out = capture_graph(lambda: fused_experts(x, ids, weights, pool13, pool2))
     for seed in range(1, 4):
         new_x, new_ids, new_w, _, _ = inputs(hidden, inter, top_k, experts, tokens, dtype, seed=seed)
         x.copy_(new_x)

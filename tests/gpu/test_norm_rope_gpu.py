@@ -15,6 +15,7 @@ import torch
 
 from edgemoe.config import ModelConfig
 from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.models.decoder import SelfAttention
@@ -127,11 +128,7 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
         q_out, k_out = rotary(pos, q_norm(q), k_norm(k))
         return input_norm(x), q_out, k_out
 
-    prologue()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = prologue()
+    graph, outs = capture_graph(prologue)
     for seed in range(2, 5):
         g = gen(seed)
         x.copy_(randn(tokens, hidden, g=g, dtype=dtype))
@@ -265,11 +262,7 @@ def test_prologue_cuda_graph_replays_new_inputs_and_slots(dtype: torch.dtype) ->
     def step() -> torch.Tensor:
         return attention_prologue(q, k, v, pos, cos_sin, k_cache, v_cache, slots, q_w, k_w, EPS)
 
-    step()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q_out = step()
+    graph, q_out = capture_graph(step)
     for seed in range(14, 18):
         g = gen(seed)
         qkv.copy_(randn(*qkv.shape, g=g, dtype=dtype, scale=2.0))

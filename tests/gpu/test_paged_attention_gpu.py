@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from edgemoe.engine.context import ForwardContext
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.layers.attention import PagedAttention
 from tests.gpu.sync_free import host_sync_forbidden
 
@@ -154,14 +155,7 @@ def test_cuda_graph_replays_new_lengths_and_tables(dtype, seqs: int) -> None:
     def step() -> torch.Tensor:
         return paged_decode_attention(q, k, v, tables, lens, attn.scale, bs)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     gen = torch.Generator().manual_seed(0)
     rounds = (
         [1, 1, 1, 1],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.kernels import pdl
 
 
@@ -46,14 +47,7 @@ def test_dependent_chain_equals_ordinary_launches(monkeypatch) -> None:
     for x, want in zip(inputs, expected, strict=True):  # eager, with PDL
         assert torch.equal(chain(x, weights, norm_w), want)
     static = inputs[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(static, weights, norm_w)  # compiled outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(static, weights, norm_w)
+    graph, out = capture_graph(lambda: chain(static, weights, norm_w))
     for _ in range(20):  # replays, new inputs each time
         for x, want in zip(inputs, expected, strict=True):
             static.copy_(x)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.moe.router import route
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.kernels.test_router import assert_logits_close
@@ -186,11 +187,7 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
     pool, w, _ = separated_inputs(16, hidden, experts, dtype, gen(8))  # 16 rows with clear margins under one w
     x = pool[:tokens].clone()
     valid = torch.ones(tokens, dtype=torch.bool, device="cuda")
-    fused_route(x, w, top_k, True, valid)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ids, weights = fused_route(x, w, top_k, True, valid)
+    graph, (ids, weights) = capture_graph(lambda: fused_route(x, w, top_k, True, valid))
     for seed, n in [(9, 4), (10, 2), (11, 1)]:
         x.copy_(pool[torch.randperm(16, generator=gen(seed), device="cuda")[:tokens]])
         valid.copy_(torch.arange(tokens, device="cuda") < n)

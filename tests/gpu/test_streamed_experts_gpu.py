@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edgemoe.engine.cuda_graphs import capture_graph
 from tests.gpu.test_miss_copy_gpu import pinned_bank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -76,11 +77,7 @@ def test_streamed_equals_plain_in_a_graph() -> None:
         copy_rows_pair(pools, banks, src, dst, count, counters)
         return fused_experts(x, slots, weights, *pools, arrivals=Arrivals(dst, count, counters, chunks))
 
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for misses in (8, 2, 0, 8, 6):
         fresh = new_round(pools, gen, misses, 1)
         assert fresh[1].numel() == dst.numel() == TOP_K  # one token: its top_k distinct slots, the list's capacity

@@ -3,7 +3,7 @@
 width (CUDA-graph decode's, qwen3's max_model_len) and in tables as wide as the context, against HBM bandwidth (a
 device-to-device copy) in the same run.
 
-    python benchmarks/paged_attention.py [--dtype bfloat16] [--width 40960] [--sweep] [--json OUT]
+    python benchmarks/paged_attention.py [--dtype bfloat16] [--width 40960] [--shapes qwen3] [--sweep] [--json OUT]
 
 KV bytes per call = the K and V bytes the contexts hold (what attention must read); "of copy" is their rate over the
 copy's (read + write) rate. Calls cycle over `layers` KV caches sharing one block table (as decode's layers do),
@@ -138,6 +138,11 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=40960, help="padded block-table width in tokens (default: 40960)")
     ap.add_argument("--contexts", default="4096,32768", help="context lengths (default: 4096,32768)")
     ap.add_argument("--batches", default="1,4", help="decode batch sizes (default: 1,4)")
+    ap.add_argument(
+        "--shapes",
+        default="",
+        help="only the shapes whose name contains one of these, comma-separated (e.g. qwen3; default: all)",
+    )
     ap.add_argument("--sweep", action="store_true", help="also time tiles / warps at the chosen splits")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
@@ -156,7 +161,11 @@ def main() -> None:
     print(f"{results['device']}, {a.dtype}: HBM copy {hbm / 1e9:.0f} GB/s (read + write)")
     print("shape, batch, context, width: kernel / torch us (graph) -> speedup | eager -> speedup | KV GB/s, of copy")
     batches, contexts = map(int, a.batches.split(",")), map(int, a.contexts.split(","))
-    for (name, shape), batch, context in itertools.product(SHAPES.items(), list(batches), list(contexts)):
+    wanted = [w for w in a.shapes.split(",") if w]
+    shapes = {k: v for k, v in SHAPES.items() if not wanted or any(w in k for w in wanted)}
+    if not shapes:
+        ap.error(f"--shapes {a.shapes!r} matches none of {', '.join(SHAPES)}")
+    for (name, shape), batch, context in itertools.product(shapes.items(), list(batches), list(contexts)):
         for width in sorted({a.width, context}, reverse=True):  # padded as in a CUDA graph, then tight
             if context > width:
                 continue

@@ -10,11 +10,16 @@ block table and only up to the sequence's context length (split-KV, "flash decod
   programs (4K tokens at S = 128: 32 two-tile splits per KV head, where fixed 512-token splits made 8). Splits past
   the context exit at once.
 - reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
-  the output. With one split the partial kernel normalises and writes the output itself, and reduce does not run.
+  the output: up to 64 of them in one round trip to memory (every split's max, sum and accumulator loaded at once),
+  more in chunks of 64 after a pass over the maxima. With one split the partial kernel normalises and writes the
+  output itself, and reduce does not run.
 
-The grid follows from the shapes, never from the context lengths, and nothing syncs with the host: CUDA-graph
-capturable once compiled (the partials workspace comes from torch's allocator, so from the graph pool), and a replay
-with new context lengths re-splits them. `benchmarks/paged_attention.py` times it against the reference.
+Both kernels are latency-bound at decode's short splits, so each reads the context length, a step input written
+before the step's first kernel, before waiting on the previous kernel (`wait_for_inputs`): that round trip overlaps
+the previous kernel instead of following it. The grid follows from the shapes, never from the context lengths, and
+nothing syncs with the host: CUDA-graph capturable once compiled (the partials workspace comes from torch's
+allocator, so from the graph pool), and a replay with new context lengths re-splits them.
+`benchmarks/paged_attention.py` times it against the reference.
 """
 
 from __future__ import annotations
@@ -115,12 +120,14 @@ def _partial(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the context length is a step input, written before the step's first kernel: read before the wait, so that
+    # its round trip overlaps the previous kernel (the prologue that writes q and this token's K and V)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)  # the reference masks to the width too
     span = _split_len(ctx_len, num_splits, min_tiles, BLOCK_N)
     start = split * span  # a multiple of BLOCK_N: tiles stay aligned
     end = tl.minimum(start + span, ctx_len)  # past the context: no iterations
+    wait_for_inputs(PDL)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     n = tl.arange(0, BLOCK_N)
@@ -188,24 +195,34 @@ def _reduce(
     BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     seq, h = tl.program_id(0), tl.program_id(1)
-    ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)
+    ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)  # a step input: read before the wait
     used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, min_tiles, BLOCK_N))  # splits the partial kernel wrote
     base = (seq.to(tl.int64) * heads + h) * num_splits
-    s = tl.arange(0, SPLITS_PAD)
-    m = tl.load(m_part + base + s, mask=s < used, other=float("-inf"))
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: keeps exp2 below NaN-free
-    l_sum = tl.sum(tl.exp2(m - m_max) * tl.load(l_part + base + s, mask=s < used, other=0.0), axis=0)
     d = tl.arange(0, D)
-    sb = tl.arange(0, BLOCK_S)
-    acc = tl.zeros([D], tl.float32)
-    for s0 in range(0, used, BLOCK_S):  # chunks keep the [splits, D] tile small at long contexts
-        i = s0 + sb
-        w = tl.exp2(tl.load(m_part + base + i, mask=i < used, other=float("-inf")) - m_max)  # [BLOCK_S]
-        a = tl.load(acc_part + (base + i)[:, None] * D + d[None, :], mask=(i < used)[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * a, axis=0)
+    wait_for_inputs(PDL)
+    if used <= BLOCK_S:  # every split's max, sum and accumulator loaded at once: one round trip to memory
+        i = tl.arange(0, BLOCK_S)
+        m_i = tl.load(m_part + base + i, mask=i < used, other=float("-inf"))
+        l_i = tl.load(l_part + base + i, mask=i < used, other=0.0)
+        a_i = tl.load(acc_part + (base + i)[:, None] * D + d[None, :], mask=(i < used)[:, None], other=0.0)
+        top = tl.max(m_i, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # empty context: keeps exp2 below NaN-free
+        w_i = tl.exp2(m_i - top)  # 0 at the splits past the context
+        l_sum = tl.sum(w_i * l_i, axis=0)
+        acc = tl.sum(w_i[:, None] * a_i, axis=0)
+    else:  # long contexts: the maxima first, then the accumulators in chunks that keep the [splits, D] tile small
+        s = tl.arange(0, SPLITS_PAD)
+        m = tl.load(m_part + base + s, mask=s < used, other=float("-inf"))
+        m_max = tl.max(m, axis=0)
+        l_sum = tl.sum(tl.exp2(m - m_max) * tl.load(l_part + base + s, mask=s < used, other=0.0), axis=0)
+        sb = tl.arange(0, BLOCK_S)
+        acc = tl.zeros([D], tl.float32)
+        for s0 in range(0, used, BLOCK_S):
+            i = s0 + sb
+            w = tl.exp2(tl.load(m_part + base + i, mask=i < used, other=float("-inf")) - m_max)  # [BLOCK_S]
+            a = tl.load(acc_part + (base + i)[:, None] * D + d[None, :], mask=(i < used)[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * a, axis=0)
     o = acc / tl.where(l_sum > 0, l_sum, 1.0)
     tl.store(out + seq.to(tl.int64) * stride_os + h * stride_oh + d, o.to(out.dtype.element_ty))
 

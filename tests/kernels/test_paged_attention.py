@@ -187,9 +187,10 @@ def test_more_splits_than_tiles(monkeypatch, block_size: int) -> None:
 
 
 def test_reduce_over_more_than_one_chunk() -> None:
-    """128 splits (two reduce chunks of 64) chosen at a 2K width: one tile each at the full width."""
-    lens, width = [2000, 1, 2048], 2048
-    assert choose_splits(len(lens), 1, width, STAND_IN_SMS, BLOCK_N) == 128
+    """256 splits chosen at a 4K width, of two 16-token tiles: 125 and 128 of them hold tokens (reduce's chunks of 64,
+    after a pass over the maxima), one for the one-token context (reduce's one-round-trip path)."""
+    lens, width = [4000, 1, 4096], 4096
+    assert choose_splits(len(lens), 1, width, STAND_IN_SMS, BLOCK_N) == 256
     c = paged_case(lens, 4, 1, 16, 16, width, torch.float32)
     check(c, kernel(c, 16, splits=None), 16)
 

@@ -244,14 +244,16 @@ def _attention_prologue(
     RNE_BY_HAND: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     # program (t, h): h < heads: q head -> q_out; then kv_heads k heads -> k_cache; then kv_heads v heads -> v_cache
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
+    # Slots and positions are step inputs and cos_sin a table, none written by the step's kernels: read before
+    # waiting on the previous kernel (the qkv projection), so that the position -> cos/sin round trips overlap it.
     slot = tl.load(slots + t).to(tl.int64)  # slot * stride passes int32 in a long-context cache
     if h < heads + kv_heads:
         c, s = _cos_sin(cos_sin, positions, t, stride_cs, stride_cp, offs, mask, X_TY, RNE_BY_HAND)
+        wait_for_inputs(PDL)
         half = dim // 2
         if h < heads:
             o = _norm_rotate_row(
@@ -267,6 +269,7 @@ def _attention_prologue(
             )  # fmt: skip
             _store_rounded(k_cache + slot * stride_kcs + kh * stride_kch + offs * stride_kcd, o, mask, RNE_BY_HAND)
     else:
+        wait_for_inputs(PDL)
         vh = h - heads - kv_heads
         x = tl.load(v + t * stride_vt + vh * stride_vh + offs * stride_vd, mask=mask, other=0.0).to(tl.float32)
         _store_rounded(v_cache + slot * stride_vcs + vh * stride_vch + offs * stride_vcd, x, mask, RNE_BY_HAND)

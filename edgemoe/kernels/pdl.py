@@ -1,11 +1,14 @@
 """Programmatic dependent launch (PDL; compute capability 9.0 and newer): a kernel launched with it may be scheduled
-while the kernel before it on the stream is still running. Each of our decode kernels starts with `wait_for_inputs`:
-it waits (`griddepcontrol.wait`: the previous kernel has finished and its writes are visible) before reading
-anything, then lets the next kernel be scheduled. Two kernels at most are resident at once (the next is scheduled
-only once every program of this one has passed its wait), and a kernel launched without PDL after ours, or ours
-after a torch or cuBLAS kernel, keeps the ordinary full dependency. CUDA-graph capture keeps these programmatic
-edges, so within a decode step the next kernel's launch and scheduling overlap the current one's work instead of
-following it. Under Triton's interpreter (CPU tests) and on older GPUs it is off: the same kernels, ordinary launches.
+while the kernel before it on the stream is still running. Each of our decode kernels calls `wait_for_inputs` before it
+reads anything a kernel of the step writes: it waits (`griddepcontrol.wait`: the previous kernel has finished and its
+writes are visible), then lets the next kernel be scheduled. What no kernel of the step writes (the step's inputs,
+copied in before its first kernel, such as positions, KV slots and context lengths, and fixed tables) may be read before
+the wait, so that those round trips overlap the previous kernel (paged attention, the attention prologue). Two kernels
+at most are resident at once (the next is scheduled only once every program of this one has passed its wait), and a
+kernel launched without PDL after ours, or ours after a torch or cuBLAS kernel, keeps the ordinary full dependency.
+CUDA-graph capture keeps these programmatic edges, so within a decode step the next kernel's launch and scheduling
+overlap the current one's work instead of following it. Under Triton's interpreter (CPU tests) and on older GPUs it is
+off: the same kernels, ordinary launches.
 """
 
 from __future__ import annotations

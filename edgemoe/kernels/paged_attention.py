@@ -10,9 +10,9 @@ block table and only up to the sequence's context length (split-KV, "flash decod
   programs (4K tokens at S = 128: 32 two-tile splits per KV head, where fixed 512-token splits made 8). Splits past
   the context exit at once.
 - reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
-  the output: up to 64 of them in one round trip to memory (every split's max, sum and accumulator loaded at once),
-  more in chunks of 64 after a pass over the maxima. With one split the partial kernel normalises and writes the
-  output itself, and reduce does not run.
+  the output: with at most 64 splits in one round trip to memory (every split's max, sum and accumulator loaded at
+  once), with more in chunks of 64 after a pass over the maxima. With one split the partial kernel normalises and
+  writes the output itself, and reduce does not run.
 
 Both kernels are latency-bound at decode's short splits, so each reads the context length, a step input written
 before the step's first kernel, before waiting on the previous kernel (`wait_for_inputs`): that round trip overlaps
@@ -201,8 +201,8 @@ def _reduce(
     base = (seq.to(tl.int64) * heads + h) * num_splits
     d = tl.arange(0, D)
     wait_for_inputs(PDL)
-    if used <= BLOCK_S:  # every split's max, sum and accumulator loaded at once: one round trip to memory
-        i = tl.arange(0, BLOCK_S)
+    if SPLITS_PAD <= BLOCK_S:  # every split's max, sum and accumulator loaded at once: one round trip to memory
+        i = tl.arange(0, SPLITS_PAD)
         m_i = tl.load(m_part + base + i, mask=i < used, other=float("-inf"))
         l_i = tl.load(l_part + base + i, mask=i < used, other=0.0)
         a_i = tl.load(acc_part + (base + i)[:, None] * D + d[None, :], mask=(i < used)[:, None], other=0.0)
@@ -211,10 +211,11 @@ def _reduce(
         w_i = tl.exp2(m_i - top)  # 0 at the splits past the context
         l_sum = tl.sum(w_i * l_i, axis=0)
         acc = tl.sum(w_i[:, None] * a_i, axis=0)
-    else:  # long contexts: the maxima first, then the accumulators in chunks that keep the [splits, D] tile small
+    else:  # more splits: the maxima first, then the accumulators in chunks that keep the [splits, D] tile small
         s = tl.arange(0, SPLITS_PAD)
         m = tl.load(m_part + base + s, mask=s < used, other=float("-inf"))
         m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: keeps exp2 below NaN-free
         l_sum = tl.sum(tl.exp2(m - m_max) * tl.load(l_part + base + s, mask=s < used, other=0.0), axis=0)
         sb = tl.arange(0, BLOCK_S)
         acc = tl.zeros([D], tl.float32)

@@ -187,8 +187,8 @@ def test_more_splits_than_tiles(monkeypatch, block_size: int) -> None:
 
 
 def test_reduce_over_more_than_one_chunk() -> None:
-    """256 splits chosen at a 4K width, of two 16-token tiles: 125 and 128 of them hold tokens (reduce's chunks of 64,
-    after a pass over the maxima), one for the one-token context (reduce's one-round-trip path)."""
+    """256 splits chosen at a 4K width, of two 16-token tiles: 125 and 128 of them hold tokens (two of reduce's chunks
+    of 64, after a pass over the maxima), one for the one-token context."""
     lens, width = [4000, 1, 4096], 4096
     assert choose_splits(len(lens), 1, width, STAND_IN_SMS, BLOCK_N) == 256
     c = paged_case(lens, 4, 1, 16, 16, width, torch.float32)

@@ -17,8 +17,10 @@ top-k, renormalisation, cast, padding-row substitution). Its reference is `edgem
   - optional renormalisation: the k weights summed in order from 0, IEEE division; cast to x's dtype.
   - a padding row routes row 0's logits for its ids (the same logits row 0 routes: the same ids).
 
-`fused_route` is the two in turn. No host sync and only torch.empty outputs: CUDA-graph capturable once compiled.
-Under Triton's interpreter (CPU tests) exp is numpy's and bf16 casts are rounded by hand.
+`fused_route` is the two in turn. `norm_route` also takes the block's residual add and RMSNorm into the gate GEMV
+(decode's MoE layers: one launch fewer a layer; each gate program normalises its token's row). No host sync and
+only torch.empty outputs: CUDA-graph capturable once compiled. Under Triton's interpreter (CPU tests) exp is numpy's
+and bf16 casts are rounded by hand.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from edgemoe.kernels.norm_rope import _round
+from edgemoe.kernels.norm_rope import _inv_rms, _norm_warps, _normalize, _round
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 TILE = 8192  # gate elements a GEMV program holds at once: 32 fp32 accumulators a thread at 8 warps
 MIN_PROGRAMS = 64  # GEMV programs per token wanted, where the experts allow: the gate's reading spread over SMs
 MAX_EXPERTS = 1024  # torch's warp softmax, whose summation order the routing follows, covers E <= 1024
+MAX_NORM_HIDDEN = TILE  # norm_route normalises a row in one tile
 
 
 @triton.jit
@@ -80,25 +83,40 @@ def _top_k(probs, e, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr
 
 
 @triton.jit
-def _gate_gemv(x, w, out, H, E, stride_x, stride_w, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-               EVEN_H: tl.constexpr, X_TY: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    wait_for_inputs(PDL)
+def _gate_gemv(x, w, out, res, norm_w, xn_out, h_out, H, E, stride_x, stride_w, stride_r, inv_dim, eps,
+               BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr, NORM: tl.constexpr,
+               X_TY: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     in_e = e < E
     h = tl.arange(0, BLOCK_H)
     w_ptr = w + e[:, None].to(tl.int64) * stride_w + h[None, :]  # [BLOCK_E, BLOCK_H]
     x_ptr = x + t * stride_x + h
-    acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)  # reduced once after the loop
-    for h0 in range(0, H, BLOCK_H):  # one step where H <= BLOCK_H: all of a program's loads in flight at once
-        if EVEN_H:
-            wk = tl.load(w_ptr + h0, mask=in_e[:, None], other=0.0)
-            xk = tl.load(x_ptr + h0)
-        else:
-            cols = h0 + h < H
-            wk = tl.load(w_ptr + h0, mask=in_e[:, None] & cols[None, :], other=0.0)
-            xk = tl.load(x_ptr + h0, mask=cols, other=0.0)
-        acc += wk.to(tl.float32) * xk.to(tl.float32)[None, :]
+    if NORM:  # x + res, RMSNorm-ed as add_rms_norm computes it, then the GEMV on it: the whole row in one step
+        cols = h < H
+        wk = tl.load(w_ptr, mask=in_e[:, None] & cols[None, :], other=0.0)  # a fixed weight: before the wait
+        wait_for_inputs(PDL)
+        xf = tl.load(x_ptr, mask=cols, other=0.0).to(tl.float32)
+        rf = tl.load(res + t * stride_r + h, mask=cols, other=0.0).to(tl.float32)
+        hs = _round(xf + rf, X_TY, INTERPRETED)  # torch's x + residual; padding adds 0 to the sum of squares
+        nw = tl.load(norm_w + h, mask=cols, other=0.0).to(tl.float32)
+        xn = _normalize(hs, nw, _inv_rms(hs, inv_dim, eps), X_TY, X_TY, INTERPRETED)
+        if tl.program_id(1) == 0:  # one program a token stores them, into new tensors: no program's input
+            tl.store(h_out + t * H + h, hs.to(X_TY), mask=cols)
+            tl.store(xn_out + t * H + h, xn.to(X_TY), mask=cols)
+        acc = wk.to(tl.float32) * xn[None, :]
+    else:
+        wait_for_inputs(PDL)
+        acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)  # reduced once after the loop
+        for h0 in range(0, H, BLOCK_H):  # one step where H <= BLOCK_H: all of a program's loads in flight at once
+            if EVEN_H:
+                wk = tl.load(w_ptr + h0, mask=in_e[:, None], other=0.0)
+                xk = tl.load(x_ptr + h0)
+            else:
+                cols = h0 + h < H
+                wk = tl.load(w_ptr + h0, mask=in_e[:, None] & cols[None, :], other=0.0)
+                xk = tl.load(x_ptr + h0, mask=cols, other=0.0)
+            acc += wk.to(tl.float32) * xk.to(tl.float32)[None, :]
     logits = _round(tl.sum(acc, 1), X_TY, INTERPRETED)  # self.gate(x) returns x's dtype
     tl.store(out + t * E + e, logits.to(X_TY), mask=in_e)
 
@@ -154,12 +172,61 @@ def gate_logits(
         raise ValueError(f"the router takes float32, bfloat16 or float16, got {x.dtype}")
     if gate_weight.shape != (E, H) or gate_weight.dtype != x.dtype:
         raise ValueError(f"gate weight {gate_weight.dtype} {list(gate_weight.shape)} does not fit x {x.dtype} {[T, H]}")
-    if out is None:
-        out = torch.empty(T, E, dtype=x.dtype, device=x.device)
-    elif out.shape != (T, E) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"logits out: need contiguous [{T}, {E}] {x.dtype}, got {out.dtype} {list(out.shape)}")
+    out = _logits_out(T, E, x, out)
     if T == 0 or E == 0:
         return out
+    _launch_gate(x, gate_weight, out, block_e)
+    return out
+
+
+def norm_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    valid: torch.Tensor | None = None,
+    *,
+    logits_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pre-norm block's residual add and RMSNorm fused into `fused_route`'s gate GEMV: x (the attention
+    output) and residual [T, H], norm_weight [H], all of gate_weight's dtype, H <= MAX_NORM_HIDDEN -> (xn, h, ids,
+    weights) with (xn, h) = `add_rms_norm(x, residual, norm_weight, eps)` (same arithmetic; new tensors, the inputs
+    only read) and (ids, weights) = `fused_route(xn, ...)`. One launch fewer a MoE layer in decode: every gate
+    program normalises the row it multiplies (a few KiB from L2) instead of waiting for a norm kernel, and loads its
+    gate rows before its PDL wait (a fixed weight). `logits_out` as in `fused_route`."""
+    (T, H), E = x.shape, gate_weight.shape[0]
+    _check_routing(T, E, top_k, x.dtype, valid)
+    if residual.shape != x.shape or norm_weight.shape != (H,) or gate_weight.shape != (E, H):
+        shapes = [list(t.shape) for t in (x, residual, norm_weight, gate_weight)]
+        raise ValueError(f"norm_route: x, residual [T, H], norm weight [H], gate [E, H] do not fit: {shapes}")
+    if len({t.dtype for t in (x, residual, norm_weight, gate_weight)}) != 1:
+        raise ValueError("norm_route takes x, residual, norm weight and gate weight of one dtype")
+    if H > MAX_NORM_HIDDEN:
+        raise ValueError(f"norm_route holds a row in one tile: hidden size {H} > {MAX_NORM_HIDDEN}")
+    logits = _logits_out(T, E, x, logits_out)
+    xn, h = torch.empty(T, H, dtype=x.dtype, device=x.device), torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T and E:
+        _launch_gate(x, gate_weight, logits, None, (residual, norm_weight, eps, xn, h))
+    return (xn, h, *_launch_route(logits, top_k, normalize, valid))
+
+
+def _logits_out(T: int, E: int, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(T, E, dtype=x.dtype, device=x.device)
+    if out.shape != (T, E) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"logits out: need contiguous [{T}, {E}] {x.dtype}, got {out.dtype} {list(out.shape)}")
+    return out
+
+
+def _launch_gate(
+    x: torch.Tensor, gate_weight: torch.Tensor, out: torch.Tensor, block_e: int | None, norm: tuple | None = None
+) -> None:
+    """The gate GEMV into out [T, E]; with norm = (residual, norm weight, eps, xn out, h out), on the row
+    add_rms_norm'd first (one tile a row, at add_rms_norm's warps: its order of the sum of squares)."""
+    (T, H), E = x.shape, gate_weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     gate_weight = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
     width = triton.next_power_of_2(H)
@@ -167,11 +234,19 @@ def gate_logits(
         block_e = min(max(1, TILE // width), _floor_power_of_2(max(1, E // MIN_PROGRAMS)))
     block_h = min(width, max(1, TILE // block_e))
     warps = min(8, max(1, block_e * block_h // 256))  # >= 8 elements (16 bytes of bf16) a thread
+    if norm is None:
+        res = norm_w = xn = h = x  # unused
+        stride_r, eps = 0, 0.0
+    else:
+        res, norm_w, eps, xn, h = norm
+        res = res if res.stride(1) == 1 else res.contiguous()
+        norm_w = norm_w if norm_w.stride(0) == 1 else norm_w.contiguous()
+        stride_r, block_h, warps = res.stride(0), width, _norm_warps(width)
     _gate_gemv[(T, triton.cdiv(E, block_e))](
-        x, gate_weight, out, H, E, x.stride(0), gate_weight.stride(0), block_e, block_h, H % block_h == 0,
-        _DTYPES[x.dtype], not x.is_cuda, num_warps=warps, **launch_args(x.device),
+        x, gate_weight, out, res, norm_w, xn, h, H, E, x.stride(0), gate_weight.stride(0), stride_r, 1.0 / H, eps,
+        block_e, block_h, H % block_h == 0, norm is not None, _DTYPES[x.dtype], not x.is_cuda, num_warps=warps,
+        enable_fp_fusion=norm is None, **launch_args(x.device),  # the norm as add_rms_norm: no FMA in its sums
     )  # fmt: skip
-    return out
 
 
 def route_logits(

@@ -83,12 +83,15 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block carrying the residual: `x` is the previous block's output and `residual` the hidden state
         it adds to (None at the first layer, whose x is the embedding). Each add happens in the next norm (one
-        launch on CUDA), so this returns (mlp output, hidden state before it): their sum is the layer's output."""
+        launch on CUDA; in decode the MoE router's gate GEMV runs the second), so this returns (mlp output, hidden
+        state before it): their sum is the layer's output."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions)
+        if self.is_moe and self.mlp.fuses_norm(x, self.post_attention_layernorm):  # decode on CUDA
+            return self.mlp.add_norm_forward(x, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

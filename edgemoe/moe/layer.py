@@ -6,6 +6,7 @@ from torch import nn
 from edgemoe.config import ModelConfig
 from edgemoe.engine.context import get_context
 from edgemoe.layers.mlp import GatedMLP
+from edgemoe.layers.norm import RMSNorm
 from edgemoe.moe.experts import Experts
 from edgemoe.moe.router import route
 
@@ -29,21 +30,43 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.side_stream: torch.cuda.Stream | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, hidden]
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [tokens, hidden]; routing: (ids, weights) already chosen (`add_norm_forward`), else the router runs."""
         if self.shared_expert is None:
-            return self._routed(x)
+            return self._routed(x, routing)
         if self.side_stream is None:
-            return self._routed(x) + self._shared(x)
+            return self._routed(x, routing) + self._shared(x)
         main = torch.cuda.current_stream()
         self.side_stream.wait_stream(main)  # fork: x is ready
         with torch.cuda.stream(self.side_stream):
             shared = self._shared(x)
-        routed = self._routed(x)
+        routed = self._routed(x, routing)
         main.wait_stream(self.side_stream)  # join
         return routed + shared
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+    def fuses_norm(self, x: torch.Tensor, norm: RMSNorm) -> bool:
+        """Whether `add_norm_forward` can run `norm` inside the router: decode on CUDA, a row in one gate tile, one
+        dtype for x and both weights."""
+        if not x.is_cuda or get_context().is_prefill or len({x.dtype, self.gate.weight.dtype, norm.weight.dtype}) > 1:
+            return False
+        from edgemoe.kernels.router import MAX_NORM_HIDDEN  # CPU-only machines lack triton
+
+        return x.shape[-1] <= MAX_NORM_HIDDEN
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, ...]:
+        """`self(norm(x, residual))` with the residual add and the norm inside the router's gate GEMV (where
+        `fuses_norm`): one launch fewer -> (this block's output, x + residual)."""
+        from edgemoe.kernels.router import norm_route
+
+        valid = get_context().valid
+        xn, h, ids, weights = norm_route(
+            x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.norm_topk_prob, valid
+        )
+        return self(xn, (ids, weights)), h
+
+    def _routed(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if routing is not None:
+            return self.experts(x, *routing)
         if x.is_cuda and not get_context().is_prefill:
             from edgemoe.kernels.router import fused_route  # CPU-only machines lack triton
 

@@ -1,4 +1,5 @@
-"""Routed-expert compute paths against the plain per-token reference, on fresh random inputs."""
+"""Routed-expert compute paths against the plain per-token reference, on fresh random inputs; `SparseMoE` with routing
+handed to it."""
 
 from __future__ import annotations
 
@@ -32,3 +33,36 @@ def test_router_normalisation() -> None:
     ids2, w2 = route(logits, 3, False)
     assert torch.equal(ids, ids2) and (w2.sum(-1) < 1).all()
     assert torch.equal(ids, logits.topk(3).indices)
+
+
+def test_sparse_moe_takes_given_routing() -> None:
+    """`SparseMoE(x, routing)` (decode's fused norm + router hands its ids and weights over) runs the experts on those
+    ids, not the router's: here the router's least likely experts, so that ignoring them would show; the shared
+    expert is added either way. On the CPU the norm is never fused."""
+    from edgemoe.config import ModelConfig
+    from edgemoe.engine.context import ForwardContext, set_context
+    from edgemoe.moe.layer import SparseMoE
+
+    cfg = ModelConfig(
+        model_type="qwen2_moe", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4,
+        head_dim=8, intermediate_size=64, num_experts=8, top_k=2, moe_intermediate_size=16, moe_layers=(True,),
+        norm_topk_prob=False, shared_expert_intermediate_size=24,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    moe = SparseMoE(cfg).requires_grad_(False)
+    for p in moe.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    x = torch.randn(3, 32, generator=g)
+    probs = torch.softmax(moe.gate(x), dim=-1)
+    weights, ids = probs.topk(2, dim=-1, largest=False)
+    shared = moe._shared(x)
+    empty = torch.empty(0, dtype=torch.long)
+    set_context(ForwardContext(False, empty, empty, empty.view(0, 0)))  # decode, no padding rows
+    try:
+        assert torch.equal(moe(x, (ids, weights)), moe.experts(x, ids, weights) + shared)
+        routed_ids, routed_weights = route(moe.gate(x), 2, False)
+        assert torch.equal(moe(x), moe.experts(x, routed_ids, routed_weights) + shared)
+        assert not torch.allclose(moe(x, (ids, weights)), moe(x))
+        assert not moe.fuses_norm(x, torch.nn.Module())  # CPU: never fused (the norm is not even looked at)
+    finally:
+        set_context(None)

@@ -43,8 +43,10 @@ class SelfAttention(nn.Module):
         self.rotary = [rotary]  # shared, and kept out of this module's parameters
         self.attn = PagedAttention(nq, nkv, d, block_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # [tokens, heads * head_dim], row-strided views
+    def forward(self, x: torch.Tensor | None, positions: torch.Tensor, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [tokens, hidden] (normed); `qkv`: x's projection, already made (`add_norm_forward`; x is then None)."""
+        qkv = self.qkv_proj(x) if qkv is None else qkv
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # [tokens, heads * head_dim], row-strided views
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
@@ -56,6 +58,26 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
         return self.o_proj(self.attn(q, k, v))
+
+    def fuses_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> bool:
+        """Whether `add_norm_forward` can run `norm` inside the qkv GEMV: one token on CUDA (where `DecodeLinear`
+        runs the GEMV), one dtype throughout, a row that `norm_gemv` holds."""
+        tensors = (x, residual, norm.weight, self.qkv_proj.weight)
+        if not x.is_cuda or x.dim() != 2 or x.shape[0] != 1 or len({t.dtype for t in tensors}) > 1:
+            return False
+        from edgemoe.kernels.dense_gemv import MAX_NORM_HIDDEN  # CPU-only machines lack triton
+
+        return x.shape[1] <= MAX_NORM_HIDDEN
+
+    def add_norm_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`self(norm(x, residual), positions)` with the residual add and the norm inside the qkv GEMV (where
+        `fuses_norm`): one launch fewer -> (attention output, x + residual)."""
+        from edgemoe.kernels.dense_gemv import norm_gemv
+
+        qkv, h = norm_gemv(x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias)
+        return self(None, positions, qkv), h
 
     def _prologue(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The CPU path's per-head q/k norm, rotary and KV-cache write as one launch instead of up to five (the
@@ -83,13 +105,16 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block carrying the residual: `x` is the previous block's output and `residual` the hidden state
         it adds to (None at the first layer, whose x is the embedding). Each add happens in the next norm (one
-        launch on CUDA; in decode the MoE router's gate GEMV runs the second), so this returns (mlp output, hidden
-        state before it): their sum is the layer's output."""
+        launch on CUDA; in decode the qkv GEMV runs the first and the MoE router's gate GEMV the second), so this
+        returns (mlp output, hidden state before it): their sum is the layer's output."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
+            x = self.self_attn(x, positions)
+        elif self.self_attn.fuses_norm(x, residual, self.input_layernorm):  # decode on CUDA
+            x, residual = self.self_attn.add_norm_forward(x, residual, self.input_layernorm, positions)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions)
+            x = self.self_attn(x, positions)
         if self.is_moe and self.mlp.fuses_norm(x, self.post_attention_layernorm):  # decode on CUDA
             return self.mlp.add_norm_forward(x, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm(x, residual)

@@ -9,8 +9,9 @@ launches a split-K reduce), and qwen1.5-moe-a2.7b's qkv (9.0 vs 9.7), o (4.9 vs 
 Hence `edgemoe.layers.linear.DecodeLinear` runs it for exactly those winners at one row.
 
 `norm_gemv` also takes the pre-norm block's residual add and RMSNorm before it (decode's qkv projection: every
-program normalises the row it multiplies, so the norm's own launch goes). FMA contraction is off so that the norm
-rounds as `add_rms_norm` does; the GEMV's multiply-adds are written as FMAs, as the compiler contracted them before.
+program normalises the row it multiplies, so the norm's own launch goes; the engine runs it only on GPUs without
+PDL, where it measured faster: `SelfAttention.fuses_norm`). FMA contraction is off so that the norm rounds as
+`add_rms_norm` does; the GEMV's multiply-adds are written as FMAs, as the compiler contracted them before.
 
 No host sync and only a torch.empty output: CUDA-graph capturable once compiled.
 """

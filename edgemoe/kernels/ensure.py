@@ -250,9 +250,12 @@ def ensure_fused(
 ) -> Ensured:
     """`ExpertCache.ensure` in one launch (see the module docstring); `block_s` is for tests of several blocks.
     `early_state`: the kernel before this one on the stream waits for its own predecessor before it lets this one
-    start (decode's route kernel does), so every earlier `ensure` has finished: with PDL, the cache state and every
-    slot's key are then read before the wait, overlapping that kernel (the interpreter runs that order too, for the
-    CPU tests). Not after another `ensure`, which lets its successor start before it updates the state."""
+    start (decode's route kernel does), so every earlier `ensure` has finished: with PDL and the `lru` policy, the
+    cache state and every slot's key are then read before the wait, overlapping that kernel (the interpreter runs
+    that order too, for the CPU tests). Not after another `ensure`, which lets its successor start before it updates
+    the state. Only `lru`: on an H200 (qwen3-30b-a3b, 4K, graphs, three runs each) lru at 50 % cached went 67.2 ->
+    67.8 tok/s, but `scored`, whose keys take longer than the route kernel and are then computed in every call,
+    not only in calls that miss, went 73.9 -> 73.3 (benchmarks/RESULTS.md)."""
     L, E, S = cache.num_layers, cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     M = min(flat.numel(), E)  # the most misses this call can have
@@ -273,6 +276,7 @@ def ensure_fused(
     count = torch.empty((), dtype=torch.long, device=flat.device)
     block_s = min(block_s or BLOCK_S, triton.next_power_of_2(S))
     num_blocks = triton.cdiv(S, block_s)
+    early = early_state and isinstance(policy, LRU) and (use_pdl(flat.device) or not flat.is_cuda)
     # fmt: off
     _ensure[(1,)](
         flat, slots, src, dst, count, cache.slot_of, cache.owner, cache.clock, cache.stats, last_use, freq, last,
@@ -280,8 +284,7 @@ def ensure_fused(
         L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
-        BLOCKS_P2=triton.next_power_of_2(num_blocks), EARLY=early_state and (use_pdl(flat.device) or not flat.is_cuda),
-        **launch_args(flat.device),
+        BLOCKS_P2=triton.next_power_of_2(num_blocks), EARLY=early, **launch_args(flat.device),
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,  # no FMA: torch rounds mul and add apart
     )
     # fmt: on

@@ -60,14 +60,20 @@ class SelfAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
     def fuses_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> bool:
-        """Whether `add_norm_forward` can run `norm` inside the qkv GEMV: one token on CUDA (where `DecodeLinear`
-        runs the GEMV), one dtype throughout, a row that `norm_gemv` holds."""
+        """Whether `add_norm_forward` runs `norm` inside the qkv GEMV: one token on a CUDA device without PDL (where
+        `DecodeLinear` runs the GEMV), one dtype throughout, a row that `norm_gemv` holds.
+
+        Only without PDL (GPUs before Hopper, such as the Ada and Ampere cards our users own): measured on an H200
+        (qwen3-30b-a3b resident, 4K, graphs), the fusion gains 1.6 % with PDL off (337.8 -> 343.1 tok/s) but loses
+        with it: 384 -> 357 tok/s when the fused GEMV's 640 programs are scheduled during the MoE down kernel
+        (a one-program norm kernel sat there before), 383 with an ordinary launch (benchmarks/RESULTS.md)."""
         tensors = (x, residual, norm.weight, self.qkv_proj.weight)
         if not x.is_cuda or x.dim() != 2 or x.shape[0] != 1 or len({t.dtype for t in tensors}) > 1:
             return False
         from edgemoe.kernels.dense_gemv import MAX_NORM_HIDDEN  # CPU-only machines lack triton
+        from edgemoe.kernels.pdl import use_pdl
 
-        return x.shape[1] <= MAX_NORM_HIDDEN
+        return x.shape[1] <= MAX_NORM_HIDDEN and not use_pdl(x.device)
 
     def add_norm_forward(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, positions: torch.Tensor

@@ -1,8 +1,8 @@
 """The residual add and RMSNorm fused into decode's qkv GEMV (`edgemoe.kernels.dense_gemv.norm_gemv`) compiled on
 CUDA, at real geometries in bf16 and float32, against the two launches it replaces: h bitwise `add_rms_norm`'s, y
 bitwise `gemv` of `add_rms_norm`'s normalised row at the same warps. No host synchronisation once compiled; CUDA-graph
-replays with new inputs equal eager runs bitwise; in the engine, decode runs it in every layer after the first, with
-greedy tokens equal to the separate norm's (float32)."""
+replays with new inputs equal eager runs bitwise; in the engine, decode without PDL runs it in every layer after the
+first, with greedy tokens equal to the separate norm's (float32), and decode with PDL does not."""
 
 from __future__ import annotations
 
@@ -66,12 +66,19 @@ def test_no_host_sync_and_graph_replays() -> None:
         assert all(torch.equal(a, b) for a, b in zip(outs, eager))
 
 
-def test_decode_runs_it_with_the_separate_norms_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The demo model in float32, graphs off so that every decode step runs the layers: one `norm_gemv` per layer
-    after the first, and greedy tokens equal to those of the separate norm (the fusion switched off)."""
+@pytest.mark.parametrize("pdl", [False, True], ids=["pdl-off", "pdl-on"])
+def test_decode_runs_it_without_pdl_with_the_separate_norms_tokens(monkeypatch: pytest.MonkeyPatch, pdl: bool) -> None:
+    """The demo model in float32, graphs off so that every decode step runs the layers. Without PDL (forced off
+    here): one `norm_gemv` per layer after the first, and greedy tokens equal to those of the separate norm (the
+    fusion switched off). With PDL (Hopper), where it measured slower, decode keeps the separate norm."""
     import edgemoe.kernels.dense_gemv as dense_gemv
+    import edgemoe.kernels.pdl as pdl_module
     from edgemoe.models.decoder import SelfAttention
 
+    if pdl and not pdl_module.use_pdl(torch.device("cuda")):
+        pytest.skip("this GPU has no PDL")
+    if not pdl:
+        monkeypatch.setattr(pdl_module, "use_pdl", lambda device: False)
     calls = []
     fused = dense_gemv.norm_gemv
     monkeypatch.setattr(dense_gemv, "norm_gemv", lambda *a, **k: (calls.append(1), fused(*a, **k))[1])
@@ -79,7 +86,7 @@ def test_decode_runs_it_with_the_separate_norms_tokens(monkeypatch: pytest.Monke
     llm = LLM(device="cuda", dtype="float32", progress=False, cuda_graphs=False)
     layers = llm.engine.runner.model.config.num_layers
     got = llm.generate(["ROMEO.\n"], greedy)[0].token_ids
-    assert len(calls) == (layers - 1) * 23  # 23 decode steps after the prefill's token, one token each
+    assert len(calls) == (0 if pdl else (layers - 1) * 23)  # 23 decode steps after the prefill's token
     monkeypatch.setattr(SelfAttention, "fuses_norm", lambda *a: False)
     calls.clear()
     assert llm.generate(["ROMEO.\n"], greedy)[0].token_ids == got and not calls

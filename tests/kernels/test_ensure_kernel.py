@@ -25,7 +25,7 @@ def state(cache: ExpertCache) -> dict[str, torch.Tensor]:
 
 def compare(want: ExpertCache, got: ExpertCache, trace: torch.Tensor, block_s: int, early: bool = False) -> int:
     """Feed `trace` [steps, layers, tokens, top_k] to both caches; -> the number of misses. `early`: the fused
-    kernel reads the state and the keys before its PDL wait (`early_state`)."""
+    kernel reads the state and the keys before its PDL wait (`early_state`: lru only, scored ignores it)."""
     misses = 0
     for step in trace:
         for layer, ids in enumerate(step):

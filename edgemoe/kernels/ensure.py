@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from edgemoe.kernels.pdl import launch_args, use_pdl, wait_for_inputs
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 from edgemoe.moe.expert_cache import KEY_MAX, LRU, Ensured, ExpertCache, Scored
 
 BLOCK_S = 1024  # slots per step of the key pass and the victim search
@@ -42,33 +42,25 @@ def _ordered(k):
 
 
 @triton.jit
-def _slot_keys(owner, last_use, freq, last, reuse, offs, now, layer, L: tl.constexpr, E: tl.constexpr,
+def _slot_keys(owner, hit_mark, last_use, freq, last, reuse, offs, now, layer, L: tl.constexpr, E: tl.constexpr,
                S: tl.constexpr, SCORED: tl.constexpr):  # fmt: skip
     """Ordered eviction keys of slots `offs` [BLOCK_S] (_TAKEN past S): the policy's `keys`, clamped, free slots
-    first. This call's hits, which rank last, are the caller's (`_without_hits`). The state is read at L2 (`.cg`):
-    before the PDL wait, nothing promises that this SM's L1 holds no older copy."""
+    first, this layer's hits last."""
     inside = offs < S
-    own = tl.load(owner + offs, mask=inside, other=-1, cache_modifier=".cg")  # [BLOCK_S]
+    own = tl.load(owner + offs, mask=inside, other=-1)  # [BLOCK_S]
     if SCORED:
         o = tl.maximum(own, 0)  # free slots: any value, ranked first below
         o_layer = o // E
-        rho = tl.load(reuse + o_layer, mask=inside, other=0.0, cache_modifier=".cg")
-        p_last = tl.load(last + o, mask=inside, other=0.0, cache_modifier=".cg")
-        p = rho * p_last + (1.0 - rho) * tl.load(freq + o, mask=inside, other=0.0, cache_modifier=".cg")
+        rho = tl.load(reuse + o_layer, mask=inside, other=0.0)
+        p = rho * tl.load(last + o, mask=inside, other=0.0) + (1.0 - rho) * tl.load(freq + o, mask=inside, other=0.0)
         k = L * (1.0 / p - 1.0) + ((o_layer - layer - 1 + L) % L + 1).to(tl.float64)  # + L: no negative modulo
     else:
-        k = (now - tl.load(last_use + offs, mask=inside, other=0, cache_modifier=".cg")).to(tl.float64)
+        k = (now - tl.load(last_use + offs, mask=inside, other=0)).to(tl.float64)
     key_max = tl.full([], _KEY_MAX, tl.float64)
     k = tl.where(k > key_max, key_max, k)  # torch's clamp: NaN stays NaN
     k = tl.where(own < 0, float("inf"), k)
+    k = tl.where(tl.load(hit_mark + offs, mask=inside, other=0) == now, float("-inf"), k)
     return tl.where(inside, _ordered(k), _TAKEN)
-
-
-@triton.jit
-def _without_hits(x, hit_mark, offs, now, S: tl.constexpr):
-    """Keys `x` of slots `offs` with this call's hits (marked `now`) ranked last, as -inf keys."""
-    hit = tl.load(hit_mark + offs, mask=offs < S, other=0) == now
-    return tl.where(hit, _ordered(tl.full([], float("-inf"), tl.float64)), x)
 
 
 @triton.jit
@@ -80,21 +72,10 @@ def _fold(x, offs, b, blocks, best, best_at):
 
 
 @triton.jit
-def _store_keys(keys, owner, last_use, freq, last, reuse, now, layer, L: tl.constexpr, E: tl.constexpr,
-                S: tl.constexpr, SCORED: tl.constexpr, BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr):  # fmt: skip
-    """keys[:S] = every slot's key without this call's hits (before the PDL wait: see `_ensure`)."""
-    for b in range(NUM_BLOCKS):
-        offs = b * BLOCK_S + tl.arange(0, BLOCK_S)
-        x = _slot_keys(owner, last_use, freq, last, reuse, offs, now, layer, L, E, S, SCORED)
-        tl.store(keys + offs, x, mask=offs < S)
-
-
-@triton.jit
 def _choose_victims(keys, hit_mark, dst, count, row, hit, owner, last_use, freq, last, reuse, now, layer,
                     L: tl.constexpr, E: tl.constexpr, S: tl.constexpr, SCORED: tl.constexpr, BLOCK_S: tl.constexpr,
-                    NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
-    """dst[:count] = the `count` slots of largest key, in decreasing order (torch's stable descending sort).
-    EARLY: `_store_keys` ran before the wait; only this call's hits are left to apply."""
+                    NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr):  # fmt: skip
+    """dst[:count] = the `count` slots of largest key, in decreasing order (torch's stable descending sort)."""
     tl.store(hit_mark + row, now, mask=hit)
     tl.debug_barrier()
     blocks = tl.arange(0, BLOCKS_P2)
@@ -102,11 +83,7 @@ def _choose_victims(keys, hit_mark, dst, count, row, hit, owner, last_use, freq,
     best_at = tl.zeros([BLOCKS_P2], tl.int32)  # its slot
     for b in range(NUM_BLOCKS):
         offs = b * BLOCK_S + tl.arange(0, BLOCK_S)
-        if EARLY:
-            x = tl.load(keys + offs, mask=offs < S, other=_TAKEN)
-        else:
-            x = _slot_keys(owner, last_use, freq, last, reuse, offs, now, layer, L, E, S, SCORED)
-        x = _without_hits(x, hit_mark, offs, now, S)
+        x = _slot_keys(owner, hit_mark, last_use, freq, last, reuse, offs, now, layer, L, E, S, SCORED)
         tl.store(keys + offs, x, mask=offs < S)
         best, best_at = _fold(x, offs, b, blocks, best, best_at)
     for i in range(count):
@@ -141,28 +118,12 @@ def _evict_and_map(slot_of, owner, src, dst, e, count, M, layer, L: tl.constexpr
 
 
 @triton.jit
-def _layer_state(slot_of, last, freq, reuse, layer, e, E: tl.constexpr, SCORED: tl.constexpr):
-    """What this call reads of the layer's state before it writes any: its experts' slots, and the scored policy's
-    last use, frequency and reuse (at L2, as `_slot_keys`)."""
-    inside = e < E
-    row = tl.load(slot_of + layer * E + e, mask=inside, other=-1, cache_modifier=".cg")  # [BLOCK_E]
-    if SCORED:
-        lst = tl.load(last + layer * E + e, mask=inside, other=0.0, cache_modifier=".cg")  # [BLOCK_E] 0 or 1
-        frq = tl.load(freq + layer * E + e, mask=inside, other=0.0, cache_modifier=".cg")
-        r = tl.load(reuse + layer, cache_modifier=".cg")
-    else:
-        lst = tl.zeros([e.shape[0]], tl.float64)  # unused
-        frq = lst
-        r = tl.zeros([], tl.float64)
-    return row, lst, frq, r
-
-
-@triton.jit
-def _update_scored(freq, last, reuse, layer, needed, e, lst, frq, r, E: tl.constexpr, FREQ: tl.constexpr,
+def _update_scored(freq, last, reuse, layer, needed, e, E: tl.constexpr, FREQ: tl.constexpr,
                    KEEP_FREQ: tl.constexpr, REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr):  # fmt: skip
-    """`Scored.update`, one float64 rounding per torch op, in torch's order; lst, frq, r: the layer's state as this
-    call found it (`_layer_state`)."""
+    """`Scored.update`, one float64 rounding per torch op, in torch's order."""
     inside = e < E
+    lst = tl.load(last + layer * E + e, mask=inside, other=0.0)  # [BLOCK_E] 0 or 1
+    frq = tl.load(freq + layer * E + e, mask=inside, other=0.0)
     used = needed.to(tl.float64)
     one = tl.full([], 1.0, tl.float64)
     seen = tl.sum(lst, 0)  # counts: exact in any order
@@ -179,6 +140,8 @@ def _update_scored(freq, last, reuse, layer, needed, e, lst, frq, r, E: tl.const
     spread = one - chance
     rho = (reused - chance) / tl.where(spread < floor, floor, spread)
     rho = tl.where(rho < 0.0, 0.0, rho)
+    r = tl.load(reuse + layer)
+    tl.debug_barrier()  # every read of the layer's state before the writes below
     tl.store(reuse + layer, r * tl.full([], KEEP_REUSE, tl.float64) + rho * tl.full([], REUSE, tl.float64))
     new_freq = frq * tl.full([], KEEP_FREQ, tl.float64) + used * tl.full([], FREQ, tl.float64)
     tl.store(freq + layer * E + e, new_freq, mask=inside)
@@ -190,26 +153,20 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
             hit_mark, need_mark, arrived, n_ids, M, layer, expert_bytes, L: tl.constexpr, E: tl.constexpr,
             S: tl.constexpr, SCORED: tl.constexpr, STATS: tl.constexpr, FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr,
             REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, EARLY: tl.constexpr,
-            PDL: tl.constexpr):  # fmt: skip
-    e = tl.arange(0, BLOCK_E)  # experts, and positions in the copy list (M <= E)
-    if EARLY:  # the state and every slot's key (the work that does not need ids) overlap the kernel before
-        now = tl.load(clock, cache_modifier=".cg") + 1
-        row, lst, frq, r = _layer_state(slot_of, last, freq, reuse, layer, e, E, SCORED)
-        _store_keys(keys, owner, last_use, freq, last, reuse, now, layer, L, E, S, SCORED, BLOCK_S, NUM_BLOCKS)
+            BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     wait_for_inputs(PDL)
-    if not EARLY:
-        now = tl.load(clock, cache_modifier=".cg") + 1
-        row, lst, frq, r = _layer_state(slot_of, last, freq, reuse, layer, e, E, SCORED)
-    tl.debug_barrier()  # every thread has read the clock and the state before they change
+    now = tl.load(clock) + 1
+    tl.debug_barrier()  # every thread has read the clock before it moves
     tl.store(clock, now)
     for n0 in range(0, n_ids, BLOCK_N):  # scatter, not compare: any number of ids costs O(ids + E)
         n = n0 + tl.arange(0, BLOCK_N)
         tl.store(need_mark + tl.load(ids + n, mask=n < n_ids, other=0), now, mask=n < n_ids)
     tl.debug_barrier()
+    e = tl.arange(0, BLOCK_E)  # experts, and positions in the copy list (M <= E)
     in_e = e < E
     needed = tl.load(need_mark + e, mask=in_e, other=0) == now  # [BLOCK_E]
-    hit = needed & (row >= 0)  # row: the layer's slots before this call's updates
+    row = tl.load(slot_of + layer * E + e, mask=in_e, other=-1)  # [BLOCK_E] before this call's updates
+    hit = needed & (row >= 0)
     miss = needed & (row < 0)
     count = tl.sum(miss.to(tl.int32), 0)
     tl.store(src + tl.cumsum(miss.to(tl.int32), 0) - 1, e, mask=miss)  # misses in expert order
@@ -220,7 +177,7 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
     tl.store(arrived + e, 0, mask=e < M)  # the miss copy's arrival counters (edgemoe.kernels.miss_copy.Arrivals)
     if count > 0:
         _choose_victims(keys, hit_mark, dst, count, row, hit, owner, last_use, freq, last, reuse, now, layer, L, E, S,
-                        SCORED, BLOCK_S, NUM_BLOCKS, BLOCKS_P2, EARLY)  # fmt: skip
+                        SCORED, BLOCK_S, NUM_BLOCKS, BLOCKS_P2)  # fmt: skip
     tl.debug_barrier()
     evictions = _evict_and_map(slot_of, owner, src, dst, e, count, M, layer, L, E, S)
     tl.debug_barrier()
@@ -230,7 +187,7 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
         expert = tl.load(ids + n, mask=n < n_ids, other=0)
         tl.store(slots + n, tl.load(slot_of + layer * E + expert, mask=n < n_ids, other=-1), mask=n < n_ids)
     if SCORED:
-        _update_scored(freq, last, reuse, layer, needed, e, lst, frq, r, E, FREQ, KEEP_FREQ, REUSE, KEEP_REUSE)
+        _update_scored(freq, last, reuse, layer, needed, e, E, FREQ, KEEP_FREQ, REUSE, KEEP_REUSE)
     else:
         tl.store(last_use + tl.where(needed, row, S), now, mask=in_e)
     if STATS:
@@ -245,17 +202,8 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
         tl.store(at, add, mask=j < 5)
 
 
-def ensure_fused(
-    cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int | None = None, early_state: bool = False
-) -> Ensured:
-    """`ExpertCache.ensure` in one launch (see the module docstring); `block_s` is for tests of several blocks.
-    `early_state`: the kernel before this one on the stream waits for its own predecessor before it lets this one
-    start (decode's route kernel does), so every earlier `ensure` has finished: with PDL and the `lru` policy, the
-    cache state and every slot's key are then read before the wait, overlapping that kernel (the interpreter runs
-    that order too, for the CPU tests). Not after another `ensure`, which lets its successor start before it updates
-    the state. Only `lru`: on an H200 (qwen3-30b-a3b, 4K, graphs, three runs each) lru at 50 % cached went 67.2 ->
-    67.8 tok/s, but `scored`, whose keys take longer than the route kernel and are then computed in every call,
-    not only in calls that miss, went 73.9 -> 73.3 (benchmarks/RESULTS.md)."""
+def ensure_fused(cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int | None = None) -> Ensured:
+    """`ExpertCache.ensure` in one launch (see the module docstring); `block_s` is for tests of several blocks."""
     L, E, S = cache.num_layers, cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     M = min(flat.numel(), E)  # the most misses this call can have
@@ -276,7 +224,6 @@ def ensure_fused(
     count = torch.empty((), dtype=torch.long, device=flat.device)
     block_s = min(block_s or BLOCK_S, triton.next_power_of_2(S))
     num_blocks = triton.cdiv(S, block_s)
-    early = early_state and isinstance(policy, LRU) and (use_pdl(flat.device) or not flat.is_cuda)
     # fmt: off
     _ensure[(1,)](
         flat, slots, src, dst, count, cache.slot_of, cache.owner, cache.clock, cache.stats, last_use, freq, last,
@@ -284,7 +231,7 @@ def ensure_fused(
         L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
-        BLOCKS_P2=triton.next_power_of_2(num_blocks), EARLY=early, **launch_args(flat.device),
+        BLOCKS_P2=triton.next_power_of_2(num_blocks), **launch_args(flat.device),
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,  # no FMA: torch rounds mul and add apart
     )
     # fmt: on

@@ -156,17 +156,16 @@ class ExpertCache:
         """[L, E] view: slot of each (layer, expert), -1 where absent."""
         return self.slot_of[:-1].view(self.num_layers, self.num_experts)
 
-    def ensure(self, layer: int, ids: torch.Tensor, early_state: bool = False) -> Ensured:
+    def ensure(self, layer: int, ids: torch.Tensor) -> Ensured:
         """Make every expert in `ids` (any shape, of MoE layer `layer`) resident, choosing victims by the policy.
 
         At most S distinct experts (callers split larger sets into waves). Updates mapping, policy state and
         stats; the copy list it returns must be applied (`copy_missing`) before the slots are read. CUDA: the fused
-        Triton kernel (one launch; `early_state` as `ensure_fused`'s: decode, right after the router); CPU:
-        `_ensure_torch`."""
+        Triton kernel (one launch); CPU: `_ensure_torch`."""
         if self.slot_of.is_cuda:
             from edgemoe.kernels.ensure import ensure_fused
 
-            return ensure_fused(self, layer, ids, early_state=early_state)
+            return ensure_fused(self, layer, ids)
         return self._ensure_torch(layer, ids)
 
     def _ensure_torch(self, layer: int, ids: torch.Tensor) -> Ensured:

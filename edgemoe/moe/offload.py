@@ -41,18 +41,17 @@ class OffloadedExperts(nn.Module):
         pairs, E, S = ids.numel(), self.num_experts, self.cache.num_slots
         gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
         if gathered and (pairs <= S or E <= S):
-            cache, prefill = self.cache, get_context().is_prefill
-            got = self.load(ids, early_state=not prefill)  # decode: the router's kernel runs just before
-            if prefill:  # bitwise as resident
+            got = self.load(ids)
+            cache = self.cache
+            if get_context().is_prefill:  # bitwise as resident
                 return gathered_experts(x, got.slots, weights, cache.w13, cache.w2)
             return decode_experts(x, got.slots, weights, cache.w13, cache.w2, cache.arrivals(got))
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
         return self._grouped_waves(x, ids, weights)
 
-    def load(self, ids: torch.Tensor, early_state: bool = False) -> Ensured:
-        """`ensure` + miss copy of `ids`' experts; `early_state` as `ExpertCache.ensure`'s."""
-        got = self.cache.ensure(self.layer, ids, early_state)
+    def load(self, ids: torch.Tensor) -> Ensured:
+        got = self.cache.ensure(self.layer, ids)
         self.cache.copy_missing(got, self.gate_up_proj, self.down_proj)
         return got
 

@@ -29,20 +29,17 @@ def assert_same(want: Ensured, got: Ensured, cpu: ExpertCache, gpu: ExpertCache)
 CASES = [(3, 8, 4, 2, 2, 1.0), (4, 60, 13, 3, 4, 0.0), (4, 128, 200, 8, 8, 1.0), (6, 512, 1500, 8, 8, 1.2)]
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["state-after-wait", "early-state"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "L{}-E{}-S{}-t{}-k{}-skew{}".format(*c))
 @pytest.mark.parametrize("collect_stats", [True, False])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_fused_ensure_matches_cpu(policy: str, collect_stats: bool, case: tuple, early: bool) -> None:
-    """`early`: the state and keys read before the PDL wait, which is safe here because each call's ids are copied
-    to the device (a copy, not a PDL kernel) just before it."""
+def test_fused_ensure_matches_cpu(policy: str, collect_stats: bool, case: tuple) -> None:
     L, E, S, tokens, top_k, skew = case
     cpu = ExpertCache(L, E, S, policy, "cpu", 4096, collect_stats)
     gpu = ExpertCache(L, E, S, policy, "cuda", 4096, collect_stats)
     misses = 0
     for step in random_trace(20, L, E, tokens, top_k, skew, seed=E):
         for layer, ids in enumerate(step):
-            want, got = cpu._ensure_torch(layer, ids), gpu.ensure(layer, ids.cuda(), early_state=early)
+            want, got = cpu._ensure_torch(layer, ids), gpu.ensure(layer, ids.cuda())
             assert_same(want, got, cpu, gpu)
             misses += int(want.count)
     check_invariants(gpu)

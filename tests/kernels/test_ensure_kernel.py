@@ -23,15 +23,14 @@ def state(cache: ExpertCache) -> dict[str, torch.Tensor]:
     return {"slot_of": cache.slot_of, "owner": cache.owner, "clock": cache.clock, "stats": cache.stats, **tensors}
 
 
-def compare(want: ExpertCache, got: ExpertCache, trace: torch.Tensor, block_s: int, early: bool = False) -> int:
-    """Feed `trace` [steps, layers, tokens, top_k] to both caches; -> the number of misses. `early`: the fused
-    kernel reads the state and the keys before its PDL wait (`early_state`: lru only, scored ignores it)."""
+def compare(want: ExpertCache, got: ExpertCache, trace: torch.Tensor, block_s: int) -> int:
+    """Feed `trace` [steps, layers, tokens, top_k] to both caches; -> the number of misses."""
     misses = 0
     for step in trace:
         for layer, ids in enumerate(step):
             if got.arrival_counters is not None:
                 got.arrival_counters.fill_(-3)  # what the last miss copy left
-            a, b = want._ensure_torch(layer, ids), ensure_fused(got, layer, ids, block_s=block_s, early_state=early)
+            a, b = want._ensure_torch(layer, ids), ensure_fused(got, layer, ids, block_s=block_s)
             assert (got.arrival_counters[: b.src.numel()] == 0).all()  # zeroed for the copy that follows
             for field, x, y in zip(a._fields, a, b):
                 assert x.dtype == y.dtype and torch.equal(x, y), (field, x, y)
@@ -54,29 +53,27 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["state-after-wait", "early-state"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "L{}-E{}-S{}-t{}-k{}-skew{}-b{}".format(*c))
 @pytest.mark.parametrize("collect_stats", [True, False])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_fused_ensure_matches_torch(policy: str, collect_stats: bool, case: tuple, early: bool) -> None:
+def test_fused_ensure_matches_torch(policy: str, collect_stats: bool, case: tuple) -> None:
     L, E, S, tokens, top_k, skew, block_s = case
     trace = random_trace(8, L, E, tokens, top_k, skew, seed=S + int(collect_stats))
     want, got = (ExpertCache(L, E, S, policy, expert_bytes=1000, collect_stats=collect_stats) for _ in range(2))
-    misses = compare(want, got, trace, block_s, early)
+    misses = compare(want, got, trace, block_s)
     if S < L * E:
         assert misses > S, "small caches must evict"
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["state-after-wait", "early-state"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_fused_ensure_many_ids_and_reset(policy: str, early: bool) -> None:
+def test_fused_ensure_many_ids_and_reset(policy: str) -> None:
     """More ids than one block of them (prefill-like, every expert fits), then both caches reset and go on."""
     L, E, S = 2, 16, 16
     want, got = (ExpertCache(L, E, S, policy, expert_bytes=3) for _ in range(2))
-    compare(want, got, random_trace(3, L, E, 40, 8, skew=1.0, seed=7), block_s=8, early=early)  # 320 ids a call
+    compare(want, got, random_trace(3, L, E, 40, 8, skew=1.0, seed=7), block_s=8)  # 320 ids a call
     for cache in (want, got):
         cache.reset()
-    compare(want, got, random_trace(4, L, E, 2, 3, skew=0.5, seed=8), block_s=8, early=early)
+    compare(want, got, random_trace(4, L, E, 2, 3, skew=0.5, seed=8), block_s=8)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -3,22 +3,48 @@
 
     python benchmarks/decode_variants.py --gemv plain --copy-programs-per-sm 8 -- --geometry qwen3-30b-a3b ...
 
-`--gemv plain`: the expert GEMV waits for the whole miss copy (the engine before per-pair arrivals,
-`edgemoe.kernels.miss_copy.Arrivals`); `streamed` (default): the engine's. `--copy-programs-per-sm`: the miss copy's
-persistent grid (default: the engine's `PROGRAMS_PER_SM`). `--no-pdl`: ordinary launches everywhere, so that
-`--profile`'s per-kernel table shows each kernel's own time (under PDL a kernel's time includes its wait for the one
-before). Everything after `--` goes to `edgemoe bench`.
+- `--gemv plain`: the expert GEMV waits for the whole miss copy (the engine before per-pair arrivals,
+  `edgemoe.kernels.miss_copy.Arrivals`); `streamed` (default): the engine's.
+- `--copy-programs-per-sm`: the miss copy's persistent grid (default: the engine's `PROGRAMS_PER_SM`).
+- `--no-pdl`: ordinary launches everywhere, so that `--profile`'s per-kernel table shows each kernel's own time
+  (under PDL a kernel's time includes its wait for the one before); also what GPUs before Hopper run.
+- `--norm-gemv`: the pre-attention add + RMSNorm inside the qkv GEMV (`edgemoe.kernels.dense_gemv.norm_gemv`):
+  `auto` the engine's choice (only without PDL), `off` never, `on` always (launched with PDL where there is
+  PDL), `ordinary` always, launched with an ordinary dependency on the kernel before.
+- `--down-rows N`: output rows a program of the MoE down GEMV (the engine's `pick_blocks`: 1);
+  `--down-ordinary-launch`: the down GEMV launched with an ordinary dependency instead of PDL.
+
+Everything after `--` goes to `edgemoe bench`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from collections.abc import Callable
 
+import edgemoe.kernels.dense_gemv as dense_gemv
 import edgemoe.kernels.miss_copy as miss_copy
+import edgemoe.kernels.moe_gemv as moe_gemv
 import edgemoe.kernels.pdl as pdl
 from edgemoe.cli import main as edgemoe_main
+from edgemoe.models.decoder import SelfAttention
 from edgemoe.moe.expert_cache import ExpertCache
+
+
+def ordinary_launches(module, fn: Callable) -> Callable:
+    """`fn`, whose kernels take `module.launch_args`, launched without PDL (their wait instruction stays, a no-op)."""
+    args = module.launch_args
+
+    def run(*a, **k):
+        module.launch_args = lambda device: {**args(device), "launch_pdl": False}
+        try:
+            return fn(*a, **k)
+        finally:
+            module.launch_args = args
+
+    return run
 
 
 def main() -> int:
@@ -26,15 +52,40 @@ def main() -> int:
     ap.add_argument("--gemv", choices=["streamed", "plain"], default="streamed")
     ap.add_argument("--copy-programs-per-sm", type=int, default=miss_copy.PROGRAMS_PER_SM)
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--norm-gemv", choices=["auto", "off", "on", "ordinary"], default="auto")
+    ap.add_argument("--down-rows", type=int, default=0, help="0: the engine's")
+    ap.add_argument("--down-ordinary-launch", action="store_true")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
     if a.copy_programs_per_sm < 1:
         raise SystemExit("--copy-programs-per-sm must be >= 1")
+    if a.down_rows < 0 or a.down_rows & (a.down_rows - 1):
+        raise SystemExit("--down-rows must be a power of two (0: the engine's)")
     if a.gemv == "plain":
         ExpertCache.arrivals = lambda self, copy: None  # decode_experts then waits for the copy kernel as a whole
     miss_copy.PROGRAMS_PER_SM = a.copy_programs_per_sm
     if a.no_pdl:
         pdl.use_pdl = lambda device: False  # launch_args looks it up at each launch
+    if a.norm_gemv == "off":
+        SelfAttention.fuses_norm = lambda *args: False
+    elif a.norm_gemv in ("on", "ordinary"):
+        fuses_norm, use_pdl = SelfAttention.fuses_norm, pdl.use_pdl
+
+        def forced(self, x, residual, norm):  # the engine's conditions, as on a GPU without PDL
+            pdl.use_pdl = lambda device: False
+            try:
+                return fuses_norm(self, x, residual, norm)
+            finally:
+                pdl.use_pdl = use_pdl
+
+        SelfAttention.fuses_norm = forced
+        if a.norm_gemv == "ordinary":
+            dense_gemv.norm_gemv = ordinary_launches(dense_gemv, dense_gemv.norm_gemv)
+    if a.down_rows:
+        pick = moe_gemv.pick_blocks
+        moe_gemv.pick_blocks = lambda h, i: dataclasses.replace(pick(h, i), down_n=a.down_rows)
+    if a.down_ordinary_launch:
+        moe_gemv.down_proj = ordinary_launches(moe_gemv, moe_gemv.down_proj)
     args = a.bench_args[1:] if a.bench_args[:1] == ["--"] else a.bench_args
     return edgemoe_main(["bench", *args])
 

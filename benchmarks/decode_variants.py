@@ -10,7 +10,8 @@
   (under PDL a kernel's time includes its wait for the one before); also what GPUs before Hopper run.
 - `--norm-gemv`: the pre-attention add + RMSNorm inside the qkv GEMV (`edgemoe.kernels.dense_gemv.norm_gemv`):
   `auto` the engine's choice (only without PDL), `off` never, `on` always (launched with PDL where there is
-  PDL), `ordinary` always, launched with an ordinary dependency on the kernel before.
+  PDL), `ordinary` always, launched with an ordinary dependency on the kernel before. `--norm-gemv-stages N`:
+  its loop steps in flight (the engine's: `dense_gemv.STAGES`; fewer stages, less shared memory a program).
 - `--down-rows N`: output rows a program of the MoE down GEMV (the engine's `pick_blocks`: 1);
   `--down-ordinary-launch`: the down GEMV launched with an ordinary dependency instead of PDL.
 
@@ -53,12 +54,15 @@ def main() -> int:
     ap.add_argument("--copy-programs-per-sm", type=int, default=miss_copy.PROGRAMS_PER_SM)
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--norm-gemv", choices=["auto", "off", "on", "ordinary"], default="auto")
+    ap.add_argument("--norm-gemv-stages", type=int, default=dense_gemv.STAGES)
     ap.add_argument("--down-rows", type=int, default=0, help="0: the engine's")
     ap.add_argument("--down-ordinary-launch", action="store_true")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
     if a.copy_programs_per_sm < 1:
         raise SystemExit("--copy-programs-per-sm must be >= 1")
+    if a.norm_gemv_stages < 1:
+        raise SystemExit("--norm-gemv-stages must be >= 1")
     if a.down_rows < 0 or a.down_rows & (a.down_rows - 1):
         raise SystemExit("--down-rows must be a power of two (0: the engine's)")
     if a.gemv == "plain":
@@ -81,6 +85,7 @@ def main() -> int:
         SelfAttention.fuses_norm = forced
         if a.norm_gemv == "ordinary":
             dense_gemv.norm_gemv = ordinary_launches(dense_gemv, dense_gemv.norm_gemv)
+    dense_gemv.STAGES = a.norm_gemv_stages  # norm_gemv reads it at each call; gemv's default was bound at import
     if a.down_rows:
         pick = moe_gemv.pick_blocks
         moe_gemv.pick_blocks = lambda h, i: dataclasses.replace(pick(h, i), down_n=a.down_rows)

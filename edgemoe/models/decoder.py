@@ -111,12 +111,12 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block carrying the residual: `x` is the previous block's output and `residual` the hidden state
         it adds to (None at the first layer, whose x is the embedding). Each add happens in the next norm (one
-        launch on CUDA; in decode the qkv GEMV runs the first and the MoE router's gate GEMV the second), so this
-        returns (mlp output, hidden state before it): their sum is the layer's output."""
+        launch on CUDA; in decode the MoE router's gate GEMV runs the second, and on GPUs without PDL the qkv GEMV
+        the first), so this returns (mlp output, hidden state before it): their sum is the layer's output."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
             x = self.self_attn(x, positions)
-        elif self.self_attn.fuses_norm(x, residual, self.input_layernorm):  # decode on CUDA
+        elif self.self_attn.fuses_norm(x, residual, self.input_layernorm):  # decode on CUDA without PDL
             x, residual = self.self_attn.add_norm_forward(x, residual, self.input_layernorm, positions)
         else:
             x, residual = self.input_layernorm(x, residual)

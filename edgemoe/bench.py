@@ -185,7 +185,7 @@ def prewarm(model: MoEForCausalLM, rows: torch.Tensor) -> None:
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
     for row in rows:
         for m in layers:
-            m.load(row[m.layer].view(1, -1))
+            m.cache.await_copy(m.load(row[m.layer].view(1, -1)))  # nothing else waits for these copies
 
 
 def prefill(model: MoEForCausalLM, kv: KVCache, tokens: int) -> float:

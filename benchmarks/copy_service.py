@@ -1,6 +1,7 @@
 """Probe: the miss copy by the copy engine, its rows chosen on the device and serviced by a host thread.
 
     python benchmarks/copy_service.py [--layers 48] [--rows 0,1,2,3] [--json OUT]
+    python benchmarks/copy_service.py --rows 2 --contend tolist|launches   (one process each: a hang exits 1)
 
 A decode graph cannot hold copy-engine copies whose addresses it decides itself (switch nodes cost ~7-10 us each:
 benchmarks/miss_copy_graph.py), and SM reads of pinned memory stop near 0.90 of a pinned memcpy. Here each MoE
@@ -13,12 +14,17 @@ run time with the system's C compiler (Triton needs one too), and a Python threa
 Each variant copies the same rows (qwen3-30b-a3b experts: 6 + 3 MiB, `--rows` per layer, `--layers` layers) in one
 CUDA graph replay, against a pinned memcpy of the same bytes in one block, per-row `cudaMemcpyAsync` captured from a
 host-known list, and the engine's Triton copy. Copied rows are checked bitwise. Not an edgemoe dependency.
+
+`--contend`: after the timed replays, one more replay while the main thread blocks inside the driver (a pageable
+`.tolist()`, or a launch flood). The engine integration (branch wip/copy-service) hung in exactly such places, with
+a list posted and its service thread stuck inside a driver call; this checks that explanation in isolation.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import json
 import os
 import subprocess
@@ -192,7 +198,9 @@ def serve(k, host: str, graph: torch.cuda.CUDAGraph, reps: int) -> tuple[float, 
         t.start()
     try:
         seconds = timed(graph.replay, k.dev, reps)
-        torch.cuda.synchronize()  # before any blocking read: see edgemoe's settle() on the wip branch
+        torch.cuda.synchronize()  # the stream settled: reads below do not block in the driver
+        if k.contend != "none" and host == "c":
+            contend(k, graph)
     finally:
         if host == "c":
             k.lib.service_stop(ctypes.byref(svc))
@@ -202,6 +210,22 @@ def serve(k, host: str, graph: torch.cuda.CUDAGraph, reps: int) -> tuple[float, 
             t.join()
             err = state.get("error", 0)
     return seconds, err
+
+
+def contend(k, graph: torch.cuda.CUDAGraph) -> None:
+    """While the GPU waits on the service, the main thread blocks inside the driver: `tolist`, a pageable
+    device-to-host copy; `launches`, more kernel launches than the launch queue holds. Does the service's thread
+    still get through? A hang is turned into a traceback and exit code 1 by faulthandler (--contend-timeout)."""
+    start = time.perf_counter()
+    graph.replay()
+    if k.contend == "tolist":
+        k.arrived.tolist()
+    else:
+        x = torch.zeros(1, device=k.dev)
+        for _ in range(20000):
+            x.add_(1)
+    torch.cuda.synchronize()
+    print(f"contention {k.contend}: served, {time.perf_counter() - start:.3f} s")
 
 
 def run_rows(k, n: int, gen: torch.Generator, reps: int) -> dict:
@@ -257,10 +281,14 @@ def main() -> None:
     p.add_argument("--rows", default="0,1,2,3")
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--contend", choices=["none", "tolist", "launches"], default="none")
+    p.add_argument("--contend-timeout", type=float, default=60.0)
     p.add_argument("--json")
     args = p.parse_args()
+    if args.contend != "none":
+        faulthandler.dump_traceback_later(args.contend_timeout, exit=True)
     rows = [int(x) for x in args.rows.split(",")]
-    k = SimpleNamespace(dev=torch.device("cuda"), L=args.layers, E=args.experts, M=8, ROWS=64)
+    k = SimpleNamespace(dev=torch.device("cuda"), L=args.layers, E=args.experts, M=8, ROWS=64, contend=args.contend)
     torch.cuda.init()
     H, inter, gen = 2048, 768, torch.Generator().manual_seed(0)
     k.S, k.WIDTH = max(64, k.L * max(rows)), 2 + 2 * k.M  # slots: every row of a replay its own

@@ -11,7 +11,6 @@ from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.sampler import Sampler
 from edgemoe.engine.scheduler import Batch
 from edgemoe.models.decoder import MoEForCausalLM
-from edgemoe.moe.copy_service import host_list
 
 
 class ModelRunner:
@@ -85,16 +84,14 @@ class ModelRunner:
             return out
         seqs = [batch.seqs[i] for i in due]
         params = [s.params for s in seqs]
-        tokens = host_list(  # the step's one host synchronisation
-            self.sampler(
-                logits,
-                self._tensor([p.temperature for p in params], torch.float32),
-                self._tensor([p.top_k for p in params]),
-                self._tensor([p.top_p for p in params], torch.float32),
-                self._tensor([p.min_p for p in params], torch.float32),
-                [None if p.greedy else s.generator for p, s in zip(params, seqs)],
-            )
-        )
+        tokens = self.sampler(
+            logits,
+            self._tensor([p.temperature for p in params], torch.float32),
+            self._tensor([p.top_k for p in params]),
+            self._tensor([p.top_p for p in params], torch.float32),
+            self._tensor([p.min_p for p in params], torch.float32),
+            [None if p.greedy else s.generator for p, s in zip(params, seqs)],
+        ).tolist()  # the step's one host synchronisation
         for i, t in zip(due, tokens):
             out[i] = t
         return out

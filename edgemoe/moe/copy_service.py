@@ -1,52 +1,35 @@
-"""The miss copy by the copy engine: the GPU posts each copy list to a mailbox in pinned host memory, a host thread
-(`copy_service.c`, compiled at first use with the system's C compiler, which Triton needs too) issues the listed
-rows' `cuMemcpyHtoDAsync` on its own stream and marks each entry arrived in the expert cache's arrival counters.
+"""The miss copy by the copy engine, for replayed decode graphs: the graph posts each copy list to a mailbox in
+pinned host memory, and the thread that replayed it serves the lists until the step is done (`serve`: a loop in
+`copy_service.c`, compiled at first use with the system's C compiler, which Triton needs too), issuing the listed
+rows' `cuMemcpyHtoDAsync` on the service's stream and marking each entry arrived in the expert cache's arrival
+counters, on which the expert GEMV waits.
 
-Why: rows read by SMs from pinned memory reach ~0.89 of a pinned memcpy, the copy engine ~0.97-1.0 (the probe in
-benchmarks/copy_service.py; benchmarks/RESULTS.md), and the SMs stay free for the experts that hit. The decode
-step stays sync-free and graph-capturable: posting is a kernel, waiting is the expert GEMV's per-entry wait. The
-host thread never waits for the Python thread, so graph launches need no upload (`--graph-upload auto` = none).
+Why: rows read by SMs from pinned memory reach ~0.89 of a pinned memcpy, copy-engine copies served this way
+0.92-0.94 (benchmarks/copy_service.py; benchmarks/RESULTS.md), and the SMs stay free for the experts that hit.
+Only captured steps post (`ExpertCache.copy_missing`); eager steps keep the SM copy, since their thread runs
+ahead of the GPU launching kernels and cannot also serve it. Replays go through
+`edgemoe.engine.cuda_graphs.replay`, which serves the services a graph posted to during its capture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import subprocess
 import tempfile
-import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from edgemoe.errors import EdgeMoEError
 
-log = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("copy_service.c")
 RING = 2  # mailbox rows: the GPU waits for each list it posts before it posts the next
-SPIN_NS = 50_000_000  # busy-poll 50 ms after the last post (a decode step's lists come every few 100 us) ...
-NAP_NS = 100_000  # ... then poll every 0.1 ms, so an idle engine does not hold a core
-
-
-def settle(t: torch.Tensor) -> None:
-    """Wait for `t`'s stream before a host read of `t` (or a torch op that reads device values on the host).
-
-    A read that copies to pageable memory (`.tolist()`, `.item()`, `torch.unique`) blocks inside the CUDA driver
-    until the stream reaches it, and while blocked there it keeps the copy service's thread out of the driver
-    (measured: decode hung with a list posted and unserved). A stream synchronisation waits without doing so, and the
-    copy that follows returns at once."""
-    if t.is_cuda:
-        torch.cuda.current_stream(t.device).synchronize()
-
-
-def host_list(t: torch.Tensor) -> list:
-    """`t.tolist()`, after `settle(t)`."""
-    settle(t)
-    return t.tolist()
+_RECORDERS: list[list[CopyService]] = []  # open `recording_posts` blocks
 
 
 class _Service(ctypes.Structure):
@@ -54,10 +37,8 @@ class _Service(ctypes.Structure):
         ("mailbox", ctypes.c_void_p), ("ring", ctypes.c_int64), ("width", ctypes.c_int64),
         ("max_entries", ctypes.c_int64), ("pool_a", ctypes.c_uint64), ("pool_b", ctypes.c_uint64),
         ("row_a", ctypes.c_int64), ("row_b", ctypes.c_int64), ("counters", ctypes.c_uint64),
-        ("chunks", ctypes.c_uint64), ("stream", ctypes.c_void_p), ("context", ctypes.c_void_p),
-        ("copy", ctypes.c_void_p), ("write", ctypes.c_void_p), ("set_context", ctypes.c_void_p),
-        ("spin_ns", ctypes.c_int64), ("nap_ns", ctypes.c_int64), ("stop", ctypes.c_int), ("error", ctypes.c_int),
-        ("served", ctypes.c_int64), ("thread", ctypes.c_uint64),
+        ("chunks", ctypes.c_uint64), ("stream", ctypes.c_void_p), ("copy", ctypes.c_void_p),
+        ("write", ctypes.c_void_p), ("query", ctypes.c_void_p), ("served", ctypes.c_int64), ("error", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -69,50 +50,48 @@ def library() -> ctypes.CDLL:
     if not target.exists():
         cc = os.environ.get("CC", "cc")
         partial = target.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", str(SOURCE), "-o", str(partial)]
+        cmd = [cc, "-O2", "-shared", "-fPIC", str(SOURCE), "-o", str(partial)]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True)
         except FileNotFoundError as e:
             raise EdgeMoEError(f"the copy service needs a C compiler ({cc}): {e}") from None
         except subprocess.CalledProcessError as e:
-            raise EdgeMoEError(f"building the copy service failed: {e.stderr.strip()}") from None
+            lines = e.stderr.strip().splitlines() or [f"{cc} exited with {e.returncode}"]
+            first = next((line for line in lines if "error" in line), lines[-1])
+            raise EdgeMoEError(f"building the copy service failed: {first}") from None
         os.replace(partial, target)
-    lib = ctypes.CDLL(str(target))
-    for name in ("edgemoe_copy_service_start", "edgemoe_copy_service_stop"):
-        getattr(lib, name).argtypes = [ctypes.POINTER(_Service)]
+    lib = ctypes.CDLL(str(target))  # ctypes releases the GIL during the call
+    lib.edgemoe_copy_service_serve.argtypes = [ctypes.POINTER(_Service), ctypes.c_void_p]
     return lib
 
 
 class Driver:
-    """The CUDA driver entry points the service thread calls, and the context it runs in (torch's)."""
+    """The CUDA driver entry points `serve` calls (libcuda's), and the service's stream."""
 
     def __init__(self, device: torch.device) -> None:
         cuda = ctypes.CDLL("libcuda.so.1")
-        self.context = ctypes.c_void_p()
+        self.stream = ctypes.c_void_p()
         with torch.cuda.device(device):
-            torch.cuda.init()
             torch.empty(1, device=device)  # the primary context is current from here
-            if cuda.cuCtxGetCurrent(ctypes.byref(self.context)) or not self.context.value:
-                raise EdgeMoEError("no current CUDA context for the copy service")
-            self.stream = ctypes.c_void_p()
             if cuda.cuStreamCreate(ctypes.byref(self.stream), 1):  # CU_STREAM_NON_BLOCKING
                 raise EdgeMoEError("cannot create the copy service's stream")
         self.functions = [
             ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
-            for name in ("cuMemcpyHtoDAsync_v2", "cuStreamWriteValue64_v2", "cuCtxSetCurrent")
+            for name in ("cuMemcpyHtoDAsync_v2", "cuStreamWriteValue64_v2", "cuEventQuery")
         ]
 
-
-def _stop(lib: ctypes.CDLL, state: _Service, keep: tuple) -> None:
-    lib.edgemoe_copy_service_stop(ctypes.byref(state))
+    def event(self) -> int:
+        """A CUDA event recorded on the current stream (its handle): what `serve` waits for."""
+        self._event = torch.cuda.Event()  # kept until the next call: `serve` queries it
+        self._event.record()
+        return self._event.cuda_event
 
 
 class CopyService:
-    """One host thread serving one slot pool's copy lists (see the module docstring). `post` is what
-    `ExpertCache.copy_missing` launches instead of the SM copy; `close` (also at garbage collection) stops it.
+    """One slot pool's copy lists, posted by captured decode steps (see the module docstring).
 
-    `driver` is for tests: any object with `context`, `stream` and `functions` (copy, write, set_context as C
-    function addresses with the driver's signatures)."""
+    `driver` is for tests: any object with `stream`, `functions` (copy, write, query as C function addresses with
+    the driver's signatures) and `event()` (a handle `query` accepts)."""
 
     def __init__(
         self,
@@ -125,46 +104,51 @@ class CopyService:
         device = pools[0].device
         self.driver = driver or Driver(device)
         self.max_entries = max_entries
-        self.width = 4 + 2 * max_entries
-        pin = device.type == "cuda"
-        self.mailbox = torch.zeros((RING, self.width), dtype=torch.int64, pin_memory=pin)
+        self.mailbox = torch.zeros((RING, 4 + 2 * max_entries), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.tick = torch.zeros((), dtype=torch.int64, device=device)  # lists posted so far
         self.counters, self.chunks = counters, chunks
-        copy, write, set_context = self.driver.functions
+        copy, write, query = self.driver.functions
         self._state = _Service(
-            self.mailbox.data_ptr(), RING, self.width, max_entries, pools[0].data_ptr(), pools[1].data_ptr(),
-            pools[0][0].nbytes, pools[1][0].nbytes, counters.data_ptr(), chunks, self.driver.stream.value,
-            self.driver.context.value, copy, write, set_context, SPIN_NS, NAP_NS, 0, 0, 0, 0,
+            self.mailbox.data_ptr(), RING, self.mailbox.shape[1], max_entries, pools[0].data_ptr(),
+            pools[1].data_ptr(), pools[0][0].nbytes, pools[1][0].nbytes, counters.data_ptr(), chunks,
+            self.driver.stream.value, copy, write, query, 0, 0,
         )  # fmt: skip
-        lib = library()
-        if lib.edgemoe_copy_service_start(ctypes.byref(self._state)):
-            raise EdgeMoEError("cannot start the copy service's thread")
-        # stopped at close or garbage collection; until then the thread's memory stays alive
-        self._finalizer = weakref.finalize(self, _stop, lib, self._state, (self.mailbox, pools, counters))
+        self._keep = pools  # the service copies into them
 
     def post(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, banks: tuple[torch.Tensor, ...]) -> None:
-        """Post a copy list (sync-free, graph-capturable): the service copies banks[k][src[i]] to pool k's slot
-        dst[i] for i < count and then sets counters[i] to `chunks`. The counters must be zero (ensure zeroes them)."""
+        """Post a copy list (one sync-free launch, for capture): `serve` then copies banks[k][src[i]] to pool k's slot
+        dst[i] for i < count and sets counters[i] to `chunks`. The counters must be zero (ensure zeroes them)."""
         from edgemoe.kernels.miss_copy import post_copy_list
 
-        self.check()
         assert src.numel() <= self.max_entries, "a copy list longer than the mailbox row"
         post_copy_list(src, dst, count, self.tick, self.mailbox, banks, RING, self.max_entries)
+        for posted in _RECORDERS:
+            if self not in posted:
+                posted.append(self)
 
     def wait(self, count: torch.Tensor) -> None:
-        """For consumers that read the pool without waiting per entry (prefill): the stream waits for every entry."""
+        """For consumers that read the pool without waiting per entry: the stream waits for every entry."""
         from edgemoe.kernels.miss_copy import await_copy_list
 
         await_copy_list(count, self.counters, self.chunks)
+
+    def serve(self) -> None:
+        """Serve the lists the work queued so far posts, until it has all run (a host wait, the step's)."""
+        err = library().edgemoe_copy_service_serve(ctypes.byref(self._state), self.driver.event())
+        if err:
+            raise EdgeMoEError(f"the expert copy service failed with CUDA error {err}")
 
     @property
     def served(self) -> int:
         return self._state.served
 
-    def check(self) -> None:
-        """Raise if the thread hit a CUDA error (it still marks every entry arrived, so the GPU never hangs)."""
-        if self._state.error:
-            raise EdgeMoEError(f"the expert copy service failed with CUDA error {self._state.error}")
 
-    def close(self) -> None:
-        self._finalizer()
+@contextlib.contextmanager
+def recording_posts() -> Iterator[list[CopyService]]:
+    """Inside: the services that `post` was called on (during a graph capture: those its replays must serve)."""
+    posted: list[CopyService] = []
+    _RECORDERS.append(posted)
+    try:
+        yield posted
+    finally:
+        _RECORDERS.remove(posted)

@@ -234,11 +234,12 @@ class ExpertCache:
         return Arrivals(copy.dst, copy.count, self.arrival_counters, chunks_per_entry((self.w13, self.w2)))
 
     def copy_missing(self, copy: Ensured, w13_bank: torch.Tensor, w2_bank: torch.Tensor) -> None:
-        """Copy the listed experts' rows, bank -> pool, counting each entry's arrival (CUDA). With a copy service:
-        one post of the list to it, which must be waited for (per entry by the expert GEMV's `arrivals`, or by
-        `await_copy`) before the next `copy_missing`; otherwise on CUDA one Triton launch for both banks (sync-free,
-        graph-capturable; the banks must be pinned); CPU: `copy_rows_reference`."""
-        if self.copy_service is not None:
+        """Copy the listed experts' rows, bank -> pool, counting each entry's arrival (CUDA). Captured with a copy
+        service: one post of the list to it (its replays are served by `edgemoe.engine.cuda_graphs.replay`), which
+        must be waited for (per entry by the expert GEMV's `arrivals`, or by `await_copy`) before the next post;
+        otherwise on CUDA one Triton launch for both banks (sync-free, graph-capturable; the banks must be pinned);
+        CPU: `copy_rows_reference`."""
+        if self._posts():
             self.copy_service.post(copy.src, copy.dst, copy.count, (w13_bank, w2_bank))
         elif self.w13.is_cuda:
             from edgemoe.kernels.miss_copy import copy_rows_pair
@@ -250,10 +251,14 @@ class ExpertCache:
             copy_rows_reference(self.w2, w2_bank, copy.src, copy.dst)
 
     def await_copy(self, copy: Ensured) -> None:
-        """Order the stream after `copy`'s rows arrived, for readers that do not wait entry by entry (prefill).
-        Only the copy service's copies run off the stream."""
-        if self.copy_service is not None:
+        """Order the stream after `copy`'s rows arrived, for captured readers that do not wait entry by entry. Only
+        posted copies run off the stream."""
+        if self._posts():
             self.copy_service.wait(copy.count)
+
+    def _posts(self) -> bool:
+        """Whether copies go to the copy service: only in a graph capture (see `edgemoe.moe.copy_service`)."""
+        return self.copy_service is not None and torch.cuda.is_current_stream_capturing()
 
     def stats_dict(self, layer_ids: list[int] | None = None) -> dict:
         """Per-layer counters (`layer`: the decoder layer index when `layer_ids` maps MoE layers to them)."""

@@ -20,7 +20,6 @@ from torch import nn
 from edgemoe.config import ExpertCacheConfig, ModelConfig
 from edgemoe.engine.context import get_context
 from edgemoe.errors import EdgeMoEError
-from edgemoe.moe.copy_service import host_list, settle
 from edgemoe.moe.expert_cache import Ensured, ExpertCache
 from edgemoe.moe.experts import decode_experts, gathered_experts
 
@@ -45,7 +44,6 @@ class OffloadedExperts(nn.Module):
             got = self.load(ids)
             cache = self.cache
             if get_context().is_prefill:  # bitwise as resident
-                cache.await_copy(got)
                 return gathered_experts(x, got.slots, weights, cache.w13, cache.w2)
             return decode_experts(x, got.slots, weights, cache.w13, cache.w2, cache.arrivals(got))
         if pairs <= E:
@@ -64,8 +62,7 @@ class OffloadedExperts(nn.Module):
         for start in range(0, len(experts), S):
             wave = experts[start : start + S]
             got = self.load(torch.tensor(wave, device=self.cache.device)[None])
-            self.cache.await_copy(got)
-            yield wave, host_list(got.slots[0])
+            yield wave, got.slots[0].tolist()
 
     def _gathered_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`gathered_experts`, wave by wave. Batched matmuls are not batch-size invariant, so every wave runs them
@@ -74,7 +71,6 @@ class OffloadedExperts(nn.Module):
         flat = ids.flatten()
         xs = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [pairs, hidden, 1]
         out = x.new_empty(flat.numel(), x.shape[1])  # [pairs, hidden]
-        settle(flat)  # torch.unique reads on the host
         for wave, slots in self._waves(torch.unique(flat).tolist()):
             slot_of = torch.full((self.num_experts,), slots[0], dtype=torch.long, device=x.device)
             slot_of[wave] = torch.tensor(slots, device=x.device)
@@ -90,7 +86,7 @@ class OffloadedExperts(nn.Module):
         """`grouped_experts`, the experts made resident wave by wave (same pair order, same accumulation)."""
         top_k = ids.shape[1]
         order = ids.flatten().argsort(stable=True)
-        counts = host_list(torch.bincount(ids.flatten(), minlength=self.num_experts))
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
         starts = [sum(counts[:e]) for e in range(self.num_experts)]
         token_of_pair = order // top_k
         out = torch.zeros_like(x)

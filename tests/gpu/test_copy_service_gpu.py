@@ -1,7 +1,7 @@
-"""The copy service on CUDA (`edgemoe.moe.copy_service`): the GPU posts copy lists, a host thread copies the rows by
-the copy engine. Ensure + post + the per-entry wait captured in a CUDA graph and replayed against the CPU cache and
-the banks' rows, bitwise; posting is one launch without host synchronisation (empty lists included); the engine's
-offloaded caches run through the service, and prefill waits for its copies (tokens as resident)."""
+"""The copy service on CUDA (`edgemoe.moe.copy_service`): captured decode steps post copy lists, and `replay` serves
+them by the copy engine. Ensure + post + the wait captured in a CUDA graph and replayed against the CPU cache and
+the banks' rows, bitwise; eager calls keep the SM copy and post nothing; the capture records the service, without
+host synchronisation; the engine's graphs run through the service (tokens as resident, eager and graphs)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
+from edgemoe.engine.cuda_graphs import capture_graph, replay
 from edgemoe.moe.expert_cache import POLICIES, ExpertCache
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.gpu.test_expert_offload import pinned_bank
@@ -44,20 +45,13 @@ def test_graph_replays_post_and_wait(policy: str, rows: tuple) -> None:
 
     trace = random_trace(12, L, E, tokens, top_k, skew=0.8, seed=9)
     ids.copy_(trace[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up (compiles the kernels) outside the capture
-    torch.cuda.current_stream().wait_stream(side)
+    graph, outputs = capture_graph(step)  # the eager warm-up step copies by SMs; the capture posts
+    assert graph.copy_services == (gpu.copy_service,) and gpu.copy_service.served == 0
     for layer in range(L):
         cpu.ensure(layer, trace[0][layer])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
     for step_ids in trace[1:]:
         ids.copy_(step_ids)
-        graph.replay()
-        torch.cuda.synchronize()  # not the blocking copies of .cpu() while the GPU waits on the service (settle)
+        replay(graph)  # returns once the replay has run, every posted list served
         for layer in range(L):
             want = cpu.ensure(layer, step_ids[layer])
             slots, w13, w2 = outputs[layer]
@@ -67,23 +61,33 @@ def test_graph_replays_post_and_wait(policy: str, rows: tuple) -> None:
     misses = int(gpu.stats[:, 2].sum())
     assert misses > S, "the replays must miss and copy"
     assert gpu.copy_service.served == int(gpu.copy_service.tick) > 0  # every non-empty list, and only those
-    gpu.copy_service.check()
 
 
-def test_post_is_one_launch_without_sync() -> None:
+def test_eager_copies_by_sms_and_capture_posts_without_sync() -> None:
     cache, banks = make_cache(1, 12, 7, "lru", ((64, 96), (96, 32)))
+    service = cache.copy_service
     first = cache.ensure(0, torch.tensor([[1, 4, 7]], device="cuda"))
-    cache.copy_missing(first, *banks[0])  # compiles (may sync)
-    cache.await_copy(first)
-    for ids in ([[2, 4, 9]], [[2, 4, 9]]):  # misses, then every expert hits (an empty list)
-        got = cache.ensure(0, torch.tensor(ids, device="cuda"))
-        torch.cuda.synchronize()
-        with host_sync_forbidden():
-            cache.copy_missing(got, *banks[0])
-            cache.await_copy(got)
-        for pool, bank in zip((cache.w13, cache.w2), banks[0]):
-            assert torch.equal(pool[cache.slot_table()[0, [2, 4, 9]]].cpu(), bank[[2, 4, 9]])
-    assert cache.copy_service.served == 2  # the empty list was not posted
+    cache.copy_missing(first, *banks[0])  # eager: the SM copy (compiles it)
+    torch.cuda.synchronize()
+    assert int(service.tick) == 0
+    ids = torch.tensor([[2, 4, 9]], device="cuda")
+
+    def step() -> None:
+        got = cache.ensure(0, ids)
+        cache.copy_missing(got, *banks[0])
+        cache.await_copy(got)
+
+    graph, _ = capture_graph(step)  # the warm-up step misses 2 and 9, so the replays below all hit ...
+    ids.copy_(torch.tensor([[3, 5, 9]], device="cuda"))  # ... unless the ids change
+    torch.cuda.synchronize()
+    with host_sync_forbidden():
+        graph.replay()
+        service.serve()
+    assert service.served == 1  # 3 and 5 missed: one list
+    replay(graph)  # every expert hits: nothing posted
+    assert service.served == 1 == int(service.tick)
+    for pool, bank in zip((cache.w13, cache.w2), banks[0]):
+        assert torch.equal(pool[cache.slot_table()[0, [3, 5, 9]]].cpu(), bank[[3, 5, 9]])
 
 
 def test_engine_offload_runs_through_the_service() -> None:
@@ -95,10 +99,11 @@ def test_engine_offload_runs_through_the_service() -> None:
         out = [o.token_ids for o in llm.generate(prompts, greedy)]
         cache = llm.engine.expert_cache
         if cache is not None:
-            assert cache.copy_service is not None and cache.copy_service.served > 0
-            cache.copy_service.check()
+            served.append(cache.copy_service.served)
         return out
 
+    served: list[int] = []
     want = run()
     assert run(moe_strategy="offload", moe_cache_slots=8) == want
     assert run(moe_strategy="offload", moe_cache_slots=8, cuda_graphs=False) == want
+    assert served[0] > 0 and served[1] == 0  # graphs post (and are served); eager steps copy by SMs

@@ -1,14 +1,14 @@
-"""The copy service's host thread (`edgemoe/moe/copy_service.c`, built with the system's C compiler) on the CPU: the
-CUDA driver entry points it calls are replaced by ctypes callbacks over host memory (a memmove for
-`cuMemcpyHtoDAsync`, a plain store for `cuStreamWriteValue64`), and the GPU's post kernel by `post`, which writes
-a mailbox row as `edgemoe.kernels.miss_copy.post_copy_list` does. Checked against `copy_rows_reference`: every
-listed row lands in its slot, each entry's counter is set once its rows are in, lists are served in order across
-the ring of mailbox rows, and a failing copy is reported while the waiters are still released."""
+"""The copy service's serve loop (`edgemoe/moe/copy_service.c`, built with the system's C compiler) on the CPU: the
+CUDA driver entry points it calls are ctypes callbacks over host memory (a memmove for `cuMemcpyHtoDAsync`, a plain
+store for `cuStreamWriteValue64`, and for `cuEventQuery` a stand-in GPU that posts the next list, as
+`edgemoe.kernels.miss_copy.post_copy_list` writes it, once the last one's entries are marked arrived). Checked
+against `copy_rows_reference`: every listed row lands in its slot, each entry's counter is set once its rows are in,
+lists are served in order across the ring of mailbox rows, serving ends with the event, and a failing copy is
+reported while the waiters are still released."""
 
 from __future__ import annotations
 
 import ctypes
-import time
 
 import pytest
 import torch
@@ -18,17 +18,23 @@ from edgemoe.moe.copy_service import RING, CopyService
 from edgemoe.moe.expert_cache import copy_rows_reference
 
 E, S, CHUNKS = 10, 6, 7
+NOT_READY = 600
 COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 WRITE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
-CONTEXT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
 
-class HostDriver:
-    """Driver entry points over host memory; `fail_copy_at`: the copy call (0-based) that returns error 700."""
+class HostGPU:
+    """The driver entry points over host memory, and a GPU that posts `lists` one by one: each `cuEventQuery` is
+    the GPU's turn, which posts the next list once every entry of the last one is marked arrived (the expert GEMV
+    waits on them) and reports the event complete after the last. `fail_copy_at`: the copy call (0-based) that
+    returns error 700."""
 
-    def __init__(self, fail_copy_at: int = -1) -> None:
-        self.copies, self.writes, self.fail_copy_at = 0, [], fail_copy_at
-        self.context, self.stream = ctypes.c_void_p(1), ctypes.c_void_p(2)
+    def __init__(self, lists: list, fail_copy_at: int = -1) -> None:
+        self.lists, self.fail_copy_at = list(lists), fail_copy_at
+        self.copies, self.writes, self.queries = 0, [], 0
+        self.service: CopyService | None = None
+        self.stream = ctypes.c_void_p(2)
 
         def copy(dst: int, src: int, size: int, stream: int) -> int:
             self.copies += 1
@@ -43,8 +49,23 @@ class HostDriver:
             counter.value = value
             return 0
 
-        self._callbacks = COPY(copy), WRITE(write), CONTEXT(lambda context: 0)  # kept alive with the driver
+        self._callbacks = COPY(copy), WRITE(write), QUERY(self.query)  # kept alive with the driver
         self.functions = [ctypes.cast(f, ctypes.c_void_p).value for f in self._callbacks]
+
+    def event(self) -> int:
+        return 1
+
+    def query(self, event: int) -> int:
+        self.queries += 1
+        service = self.service
+        pending = int(service.tick) > service.served
+        if pending:
+            return NOT_READY
+        if self.lists:
+            service.counters.zero_()  # as ensure does before each list
+            post(service, *self.lists.pop(0))
+            return NOT_READY
+        return 0
 
 
 def post(service: CopyService, src: torch.Tensor, dst: torch.Tensor, banks: tuple[torch.Tensor, ...]) -> int:
@@ -59,57 +80,48 @@ def post(service: CopyService, src: torch.Tensor, dst: torch.Tensor, banks: tupl
     return seq
 
 
-def wait_served(service: CopyService, seq: int) -> None:
-    deadline = time.monotonic() + 10
-    while service.served < seq:
-        assert time.monotonic() < deadline, f"list {seq} not served"
-        time.sleep(1e-4)
-
-
-def make(driver: HostDriver) -> tuple[CopyService, tuple[torch.Tensor, ...], list, torch.Tensor]:
+def make(lists_of, fail_copy_at: int = -1):
     gen = torch.Generator().manual_seed(3)
     banks = [(torch.randn(E, 6, 4, generator=gen), torch.randn(E, 4, 3, generator=gen)) for _ in range(3)]
     pools = torch.zeros(S + 1, 6, 4), torch.zeros(S + 1, 4, 3)
     counters = torch.zeros(E, dtype=torch.int64)
-    return CopyService(pools, counters, CHUNKS, E, driver=driver), pools, banks, counters
+    gpu = HostGPU(lists_of(banks), fail_copy_at)
+    gpu.service = CopyService(pools, counters, CHUNKS, E, driver=gpu)
+    return gpu, pools, banks, counters
 
 
-def test_lists_are_served_in_order_into_their_slots() -> None:
-    driver = HostDriver()
-    service, pools, banks, counters = make(driver)
-    want = tuple(p.clone() for p in pools)
+def test_serve_copies_every_list_in_order_into_its_slots() -> None:
     gen = torch.Generator().manual_seed(4)
-    try:
-        for step in range(3 * RING + 1):  # around the ring of mailbox rows several times
-            layer, n = step % len(banks), 1 + step % 4
-            src, dst = torch.randperm(E, generator=gen)[:n], torch.randperm(S, generator=gen)[:n]
-            counters.zero_()  # as ensure does before each list
-            driver.writes.clear()
-            wait_served(service, post(service, src, dst, banks[layer]))
-            for pool, w, bank in zip(pools, want, banks[layer]):
-                copy_rows_reference(w, bank, src, dst)
-                assert torch.equal(pool, w), step
-            assert counters[:n].tolist() == [CHUNKS] * n and not counters[n:].any()
-            assert [(a - counters.data_ptr()) // 8 for a, _, _ in driver.writes] == list(range(n))  # in entry order
-        assert driver.copies == sum(2 * (1 + s % 4) for s in range(3 * RING + 1))  # two rows an entry
-        service.check()
-    finally:
-        service.close()
+    steps = [(s % 3, 1 + s % 4) for s in range(3 * RING + 1)]  # around the ring of mailbox rows several times
+    lists = [(torch.randperm(E, generator=gen)[:n], torch.randperm(S, generator=gen)[:n], layer) for layer, n in steps]
+    gpu, pools, banks, counters = make(lambda banks: [(src, dst, banks[layer]) for src, dst, layer in lists])
+    want = tuple(p.clone() for p in pools)
+    for src, dst, layer in lists:
+        for w, bank in zip(want, banks[layer]):
+            copy_rows_reference(w, bank, src, dst)
+    gpu.service.serve()
+    assert gpu.service.served == len(lists) and not gpu.lists
+    for pool, w in zip(pools, want):
+        assert torch.equal(pool, w)  # every row in its slot, later lists over earlier ones
+    n_last = lists[-1][0].numel()
+    assert counters[:n_last].tolist() == [CHUNKS] * n_last and not counters[n_last:].any()
+    assert gpu.copies == 2 * sum(n for _, n in steps)  # two rows an entry
+    entries = [(a - counters.data_ptr()) // 8 for a, _, _ in gpu.writes]
+    assert entries == [i for _, n in steps for i in range(n)]  # each list's entries, in order, once
+    assert all(before == 0 and value == CHUNKS for _, before, value in gpu.writes)
 
 
-def test_a_failed_copy_is_reported_and_releases_the_waiters() -> None:
-    service, pools, banks, counters = make(HostDriver(fail_copy_at=1))
-    try:
-        wait_served(service, post(service, torch.tensor([2, 5]), torch.tensor([0, 1]), banks[0]))
-        assert counters[:2].tolist() == [CHUNKS, CHUNKS]  # the GPU would not hang on them
-        with pytest.raises(EdgeMoEError, match="CUDA error 700"):
-            service.check()
-    finally:
-        service.close()
+def test_serve_returns_at_once_when_nothing_is_posted() -> None:
+    gpu, pools, *_ = make(lambda banks: [])
+    gpu.service.serve()
+    assert gpu.service.served == 0 and gpu.queries == 1 and gpu.copies == 0
 
 
-def test_close_stops_the_thread_and_is_idempotent() -> None:
-    service, *_ = make(HostDriver())
-    service.close()
-    service.close()
-    assert service._state.stop == 1
+def test_a_failed_copy_raises_and_still_releases_the_waiters() -> None:
+    gpu, pools, banks, counters = make(
+        lambda banks: [(torch.tensor([2, 5]), torch.tensor([0, 1]), banks[0])], fail_copy_at=1
+    )
+    with pytest.raises(EdgeMoEError, match="CUDA error 700"):
+        gpu.service.serve()
+    assert counters[:2].tolist() == [CHUNKS, CHUNKS]  # the GPU would not hang on them
+    assert gpu.service.served == 1

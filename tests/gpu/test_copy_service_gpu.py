@@ -12,7 +12,7 @@ from edgemoe import LLM, SamplingParams
 from edgemoe.engine.cuda_graphs import capture_graph, replay
 from edgemoe.moe.expert_cache import POLICIES, ExpertCache
 from tests.gpu.sync_free import host_sync_forbidden
-from tests.gpu.test_expert_offload import pinned_bank
+from tests.gpu.test_expert_offload import ensure_copy_read, pinned_bank
 from tests.moe.test_expert_cache import random_trace
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -34,18 +34,9 @@ def test_graph_replays_post_and_wait(policy: str, rows: tuple) -> None:
     cpu = ExpertCache(L, E, S, policy, "cpu", 10)
     ids = torch.zeros(L, tokens, top_k, dtype=torch.long, device="cuda")  # static input of the graph
 
-    def step() -> list[tuple[torch.Tensor, ...]]:
-        out = []  # per layer: slots and the rows read from them right away (a later layer may evict them)
-        for layer in range(L):
-            got = gpu.ensure(layer, ids[layer])
-            gpu.copy_missing(got, *banks[layer])
-            gpu.await_copy(got)
-            out.append((got.slots, gpu.w13[got.slots], gpu.w2[got.slots]))
-        return out
-
     trace = random_trace(12, L, E, tokens, top_k, skew=0.8, seed=9)
     ids.copy_(trace[0])
-    graph, outputs = capture_graph(step)  # the eager warm-up step copies by SMs; the capture posts
+    graph, outputs = capture_graph(lambda: ensure_copy_read(gpu, banks, ids))  # warm-up: SM copies; capture: posts
     assert graph.copy_services == (gpu.copy_service,) and gpu.copy_service.served == 0
     for layer in range(L):
         cpu.ensure(layer, trace[0][layer])

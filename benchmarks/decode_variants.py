@@ -5,6 +5,8 @@
 
 - `--gemv plain`: the expert GEMV waits for the whole miss copy (the engine before per-pair arrivals,
   `edgemoe.kernels.miss_copy.Arrivals`); `streamed` (default): the engine's.
+- `--miss-copy sm`: the rows copied by SMs reading pinned memory (the Triton `copy_rows_pair`, the engine before
+  its copy service, `edgemoe.moe.copy_service`); `service` (default): the engine's.
 - `--copy-programs-per-sm`: the miss copy's persistent grid (default: the engine's `PROGRAMS_PER_SM`).
 - `--no-pdl`: ordinary launches everywhere, so that `--profile`'s per-kernel table shows each kernel's own time
   (under PDL a kernel's time includes its wait for the one before); also what GPUs before Hopper run.
@@ -51,6 +53,7 @@ def ordinary_launches(module, fn: Callable) -> Callable:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gemv", choices=["streamed", "plain"], default="streamed")
+    ap.add_argument("--miss-copy", choices=["service", "sm"], default="service")
     ap.add_argument("--copy-programs-per-sm", type=int, default=miss_copy.PROGRAMS_PER_SM)
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--norm-gemv", choices=["auto", "off", "on", "ordinary"], default="auto")
@@ -67,6 +70,8 @@ def main() -> int:
         raise SystemExit("--down-rows must be a power of two (0: the engine's)")
     if a.gemv == "plain":
         ExpertCache.arrivals = lambda self, copy: None  # decode_experts then waits for the copy kernel as a whole
+    if a.miss_copy == "sm":
+        ExpertCache.start_copy_service = lambda self: None
     miss_copy.PROGRAMS_PER_SM = a.copy_programs_per_sm
     if a.no_pdl:
         pdl.use_pdl = lambda device: False  # launch_args looks it up at each launch

@@ -22,6 +22,7 @@ from edgemoe.config import GRAPH_UPLOADS
 from edgemoe.engine.context import ForwardContext, set_context
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.moe.copy_service import recording_posts
 
 T = TypeVar("T")
 
@@ -46,17 +47,26 @@ def capture_graph(
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with recording_posts() as services, torch.cuda.graph(graph, pool=pool):
         out = fn()
+    graph.copy_services = tuple(services)  # what `replay` serves
     if uploads_at_capture(upload):
         from edgemoe.engine.streams import upload_graph
 
         upload_graph(graph, torch.cuda.current_stream())
         torch.cuda.synchronize()
     if warm_replay:
-        graph.replay()
+        replay(graph)
         torch.cuda.synchronize()
     return graph, out
+
+
+def replay(graph: torch.cuda.CUDAGraph) -> None:
+    """Replay a graph `capture_graph` made, and serve the copy lists it posts (`edgemoe.moe.copy_service`): then
+    the call returns once the replay has run."""
+    graph.replay()
+    for service in getattr(graph, "copy_services", ()):
+        service.serve()
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -141,5 +151,5 @@ class DecodeGraphs:
         for dst, src in zip(statics, host, strict=True):
             dst[:b].copy_(src, non_blocking=True)  # (the valid row converts long -> bool)
         self.block_tables[:b].copy_(table, non_blocking=True)
-        self.graphs[b].replay()
+        replay(self.graphs[b])
         return self.logits[b][:n]

@@ -171,3 +171,67 @@ def _launch(
         rows[b], chunks[a], sum(chunks), block, rows[a] % block == 0, rows[b] % block == 0, arrived is not None,
         num_warps=num_warps, **launch_args(src.device),
     )  # fmt: skip
+
+
+@triton.jit
+def _fence_system(x):
+    """x, after a fence at system scope: the thread's earlier stores (and, after a barrier, the program's) are
+    visible to the host before any store that uses the result."""
+    return tl.inline_asm_elementwise(
+        "fence.sc.sys; mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _post_copy_list(
+    src, dst, count, tick, mailbox, bank_a, bank_b, M, RING: tl.constexpr, MAX: tl.constexpr, BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_inputs(PDL)
+    n = tl.load(count)
+    if n > 0:  # empty lists are not posted: every posted list is waited for, so the ring of rows never overflows
+        seq = tl.load(tick) + 1
+        tl.store(tick, seq)
+        row = mailbox + ((seq - 1) % RING) * (4 + 2 * MAX)
+        r = tl.arange(0, BLOCK_M)
+        tl.store(row + 1, n)
+        tl.store(row + 2, bank_a)
+        tl.store(row + 3, bank_b)
+        tl.store(row + 4 + r, tl.load(src + r, mask=r < M), mask=r < M)
+        tl.store(row + 4 + MAX + r, tl.load(dst + r, mask=r < M), mask=r < M)
+        tl.debug_barrier()
+        tl.store(row, _fence_system(seq))  # the sequence number last: the host reads the row once it changes
+
+
+def post_copy_list(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    count: torch.Tensor,
+    tick: torch.Tensor,
+    mailbox: torch.Tensor,
+    banks: tuple[torch.Tensor, torch.Tensor],
+    ring: int,
+    max_entries: int,
+) -> None:
+    """Write a non-empty copy list (src, dst: [M] int64, count: [] int64) and its banks' addresses to the next row
+    of `mailbox` ([ring, 4 + 2 * max_entries] int64, pinned host memory), then the row's sequence number (`tick`
+    + 1, stored back to `tick`). One program; the copy service (`edgemoe.moe.copy_service`) reads the row."""
+    M = src.numel()
+    _post_copy_list[(1,)](
+        src, dst, count, tick, mailbox, banks[0].data_ptr(), banks[1].data_ptr(), M, ring, max_entries,
+        triton.next_power_of_2(max(M, 1)), num_warps=1, **launch_args(src.device),
+    )  # fmt: skip
+
+
+@triton.jit
+def _await_copy_list(count, arrived, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    n = tl.load(count)
+    for i in range(n):
+        while tl.atomic_add(arrived + i, 0, sem="acquire", scope="gpu") < CHUNKS:
+            pass
+
+
+def await_copy_list(count: torch.Tensor, arrived: torch.Tensor, chunks: int) -> None:
+    """The stream waits until the first `count` entries' counters reached `chunks` (one program, no host sync)."""
+    _await_copy_list[(1,)](count, arrived, chunks, num_warps=1, **launch_args(count.device))

@@ -134,10 +134,19 @@ class ExpertCache:
         )
         self.w13: torch.Tensor | None = None  # [S + 1, 2 * inter, hidden]
         self.w2: torch.Tensor | None = None  # [S + 1, hidden, inter]
+        self.copy_service = None  # a CopyService once `start_copy_service` ran (CUDA)
 
     def attach_pool(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         assert w13.shape[0] == w2.shape[0] == self.num_slots + 1, "the pool has S slots plus one scratch slot"
         self.w13, self.w2 = w13, w2
+
+    def start_copy_service(self) -> None:
+        """Hand the miss copy to the copy engine (`edgemoe.moe.copy_service`): CUDA pools, pinned banks."""
+        from edgemoe.kernels.miss_copy import chunks_per_entry
+        from edgemoe.moe.copy_service import CopyService
+
+        pools = (self.w13, self.w2)
+        self.copy_service = CopyService(pools, self.arrival_counters, chunks_per_entry(pools), self.num_experts)
 
     def reset(self) -> None:
         """Empty the cache in place: tensor addresses stay, so CUDA graphs captured over them remain valid.
@@ -225,9 +234,14 @@ class ExpertCache:
         return Arrivals(copy.dst, copy.count, self.arrival_counters, chunks_per_entry((self.w13, self.w2)))
 
     def copy_missing(self, copy: Ensured, w13_bank: torch.Tensor, w2_bank: torch.Tensor) -> None:
-        """Copy the listed experts' rows, bank -> pool. CUDA: one Triton launch for both banks (sync-free,
-        graph-capturable; the banks must be pinned), counting each entry's arrival; CPU: `copy_rows_reference`."""
-        if self.w13.is_cuda:
+        """Copy the listed experts' rows, bank -> pool, counting each entry's arrival (CUDA). Captured with a copy
+        service: one post of the list to it (its replays are served by `edgemoe.engine.cuda_graphs.replay`), which
+        must be waited for (per entry by the expert GEMV's `arrivals`, or by `await_copy`) before the next post;
+        otherwise on CUDA one Triton launch for both banks (sync-free, graph-capturable; the banks must be pinned);
+        CPU: `copy_rows_reference`."""
+        if self._posts():
+            self.copy_service.post(copy.src, copy.dst, copy.count, (w13_bank, w2_bank))
+        elif self.w13.is_cuda:
             from edgemoe.kernels.miss_copy import copy_rows_pair
 
             counters = self.arrival_counters
@@ -235,6 +249,16 @@ class ExpertCache:
         else:
             copy_rows_reference(self.w13, w13_bank, copy.src, copy.dst)
             copy_rows_reference(self.w2, w2_bank, copy.src, copy.dst)
+
+    def await_copy(self, copy: Ensured) -> None:
+        """Order the stream after `copy`'s rows arrived, for captured readers that do not wait entry by entry. Only
+        posted copies run off the stream."""
+        if self._posts():
+            self.copy_service.wait(copy.count)
+
+    def _posts(self) -> bool:
+        """Whether copies go to the copy service: only in a graph capture (see `edgemoe.moe.copy_service`)."""
+        return self.copy_service is not None and torch.cuda.is_current_stream_capturing()
 
     def stats_dict(self, layer_ids: list[int] | None = None) -> dict:
         """Per-layer counters (`layer`: the decoder layer index when `layer_ids` maps MoE layers to them)."""

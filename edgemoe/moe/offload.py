@@ -152,4 +152,6 @@ def attach_expert_cache(
     )
     for m in layers:
         m.cache = cache
+    if device.type == "cuda" and layers:
+        cache.start_copy_service()
     return cache

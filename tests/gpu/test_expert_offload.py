@@ -24,6 +24,18 @@ def pinned_bank(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.
     return bank
 
 
+def ensure_copy_read(cache: ExpertCache, banks: list, ids: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer of ids [L, tokens, k]: ensure, copy, then the slots and the rows read from them right away (a later
+    layer may evict them). Posted copies (a capture with a copy service) are waited for first."""
+    out = []
+    for layer in range(ids.shape[0]):
+        got = cache.ensure(layer, ids[layer])
+        cache.copy_missing(got, *banks[layer])
+        cache.await_copy(got)
+        out.append((got.slots, cache.w13[got.slots], cache.w2[got.slots]))
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(16, 96, 64), (9, 3, 5), (12, 1536, 2048)])
 def test_copy_kernel_matches_reference(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -105,12 +117,7 @@ def test_ensure_and_copy_replay_in_a_cuda_graph(policy: str) -> None:
     ids = torch.zeros(L, tokens, top_k, dtype=torch.long, device="cuda")  # static input of the graph
 
     def step() -> list[tuple[torch.Tensor, ...]]:
-        out = []  # per layer: slots and the rows read from them right away (a later layer may evict them)
-        for layer in range(L):
-            got = gpu.ensure(layer, ids[layer])
-            gpu.copy_missing(got, *banks[layer])
-            out.append((got.slots, gpu.w13[got.slots], gpu.w2[got.slots]))
-        return out
+        return ensure_copy_read(gpu, banks, ids)
 
     trace = random_trace(12, L, E, tokens, top_k, skew=0.8, seed=9)
     ids.copy_(trace[0])

@@ -1,0 +1,154 @@
+"""The miss copy by the copy engine, for replayed decode graphs: the graph posts each copy list to a mailbox in
+pinned host memory, and the thread that replayed it serves the lists until the step is done (`serve`: a loop in
+`copy_service.c`, compiled at first use with the system's C compiler, which Triton needs too), issuing the listed
+rows' `cuMemcpyHtoDAsync` on the service's stream and marking each entry arrived in the expert cache's arrival
+counters, on which the expert GEMV waits.
+
+Why: rows read by SMs from pinned memory reach ~0.89 of a pinned memcpy, copy-engine copies served this way
+0.92-0.94 (benchmarks/copy_service.py; benchmarks/RESULTS.md), and the SMs stay free for the experts that hit.
+Only captured steps post (`ExpertCache.copy_missing`); eager steps keep the SM copy, since their thread runs
+ahead of the GPU launching kernels and cannot also serve it. Replays go through
+`edgemoe.engine.cuda_graphs.replay`, which serves the services a graph posted to during its capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from edgemoe.errors import EdgeMoEError
+
+SOURCE = Path(__file__).with_name("copy_service.c")
+RING = 2  # mailbox rows: the GPU waits for each list it posts before it posts the next
+_RECORDERS: list[list[CopyService]] = []  # open `recording_posts` blocks
+
+
+class _Service(ctypes.Structure):
+    _fields_ = [
+        ("mailbox", ctypes.c_void_p), ("ring", ctypes.c_int64), ("width", ctypes.c_int64),
+        ("max_entries", ctypes.c_int64), ("pool_a", ctypes.c_uint64), ("pool_b", ctypes.c_uint64),
+        ("row_a", ctypes.c_int64), ("row_b", ctypes.c_int64), ("counters", ctypes.c_uint64),
+        ("chunks", ctypes.c_uint64), ("stream", ctypes.c_void_p), ("copy", ctypes.c_void_p),
+        ("write", ctypes.c_void_p), ("query", ctypes.c_void_p), ("served", ctypes.c_int64), ("error", ctypes.c_int),
+    ]  # fmt: skip
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """copy_service.c as a shared library, built once per source version into the temporary directory."""
+    source = SOURCE.read_bytes()
+    target = Path(tempfile.gettempdir()) / f"edgemoe-copy-service-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if not target.exists():
+        cc = os.environ.get("CC", "cc")
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cc, "-O2", "-shared", "-fPIC", str(SOURCE), "-o", str(partial)]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+        except FileNotFoundError as e:
+            raise EdgeMoEError(f"the copy service needs a C compiler ({cc}): {e}") from None
+        except subprocess.CalledProcessError as e:
+            lines = e.stderr.strip().splitlines() or [f"{cc} exited with {e.returncode}"]
+            first = next((line for line in lines if "error" in line), lines[-1])
+            raise EdgeMoEError(f"building the copy service failed: {first}") from None
+        os.replace(partial, target)
+    lib = ctypes.CDLL(str(target))  # ctypes releases the GIL during the call
+    lib.edgemoe_copy_service_serve.argtypes = [ctypes.POINTER(_Service), ctypes.c_void_p]
+    return lib
+
+
+class Driver:
+    """The CUDA driver entry points `serve` calls (libcuda's), and the service's stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        self.stream = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            torch.empty(1, device=device)  # the primary context is current from here
+            if cuda.cuStreamCreate(ctypes.byref(self.stream), 1):  # CU_STREAM_NON_BLOCKING
+                raise EdgeMoEError("cannot create the copy service's stream")
+        self.functions = [
+            ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
+            for name in ("cuMemcpyHtoDAsync_v2", "cuStreamWriteValue64_v2", "cuEventQuery")
+        ]
+
+    def event(self) -> int:
+        """A CUDA event recorded on the current stream (its handle): what `serve` waits for."""
+        self._event = torch.cuda.Event()  # kept until the next call: `serve` queries it
+        self._event.record()
+        return self._event.cuda_event
+
+
+class CopyService:
+    """One slot pool's copy lists, posted by captured decode steps (see the module docstring).
+
+    `driver` is for tests: any object with `stream`, `functions` (copy, write, query as C function addresses with
+    the driver's signatures) and `event()` (a handle `query` accepts)."""
+
+    def __init__(
+        self,
+        pools: tuple[torch.Tensor, torch.Tensor],
+        counters: torch.Tensor,
+        chunks: int,
+        max_entries: int,
+        driver: Driver | None = None,
+    ) -> None:
+        device = pools[0].device
+        self.driver = driver or Driver(device)
+        self.max_entries = max_entries
+        self.mailbox = torch.zeros((RING, 4 + 2 * max_entries), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.tick = torch.zeros((), dtype=torch.int64, device=device)  # lists posted so far
+        self.counters, self.chunks = counters, chunks
+        copy, write, query = self.driver.functions
+        self._state = _Service(
+            self.mailbox.data_ptr(), RING, self.mailbox.shape[1], max_entries, pools[0].data_ptr(),
+            pools[1].data_ptr(), pools[0][0].nbytes, pools[1][0].nbytes, counters.data_ptr(), chunks,
+            self.driver.stream.value, copy, write, query, 0, 0,
+        )  # fmt: skip
+        self._keep = pools  # the service copies into them
+
+    def post(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, banks: tuple[torch.Tensor, ...]) -> None:
+        """Post a copy list (one sync-free launch, for capture): `serve` then copies banks[k][src[i]] to pool k's slot
+        dst[i] for i < count and sets counters[i] to `chunks`. The counters must be zero (ensure zeroes them)."""
+        from edgemoe.kernels.miss_copy import post_copy_list
+
+        assert src.numel() <= self.max_entries, "a copy list longer than the mailbox row"
+        post_copy_list(src, dst, count, self.tick, self.mailbox, banks, RING, self.max_entries)
+        for posted in _RECORDERS:
+            if self not in posted:
+                posted.append(self)
+
+    def wait(self, count: torch.Tensor) -> None:
+        """For consumers that read the pool without waiting per entry: the stream waits for every entry."""
+        from edgemoe.kernels.miss_copy import await_copy_list
+
+        await_copy_list(count, self.counters, self.chunks)
+
+    def serve(self) -> None:
+        """Serve the lists the work queued so far posts, until it has all run (a host wait, the step's)."""
+        err = library().edgemoe_copy_service_serve(ctypes.byref(self._state), self.driver.event())
+        if err:
+            raise EdgeMoEError(f"the expert copy service failed with CUDA error {err}")
+
+    @property
+    def served(self) -> int:
+        return self._state.served
+
+
+@contextlib.contextmanager
+def recording_posts() -> Iterator[list[CopyService]]:
+    """Inside: the services that `post` was called on (during a graph capture: those its replays must serve)."""
+    posted: list[CopyService] = []
+    _RECORDERS.append(posted)
+    try:
+        yield posted
+    finally:
+        _RECORDERS.remove(posted)

@@ -1,0 +1,100 @@
+"""The copy service on CUDA (`edgemoe.moe.copy_service`): captured decode steps post copy lists, and `replay` serves
+them by the copy engine. Ensure + post + the wait captured in a CUDA graph and replayed against the CPU cache and
+the banks' rows, bitwise; eager calls keep the SM copy and post nothing; the capture records the service, without
+host synchronisation; the engine's graphs run through the service (tokens as resident, eager and graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgemoe import LLM, SamplingParams
+from edgemoe.engine.cuda_graphs import capture_graph, replay
+from edgemoe.moe.expert_cache import POLICIES, ExpertCache
+from tests.gpu.sync_free import host_sync_forbidden
+from tests.gpu.test_expert_offload import ensure_copy_read, pinned_bank
+from tests.moe.test_expert_cache import random_trace
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_cache(L: int, E: int, S: int, policy: str, rows: tuple[tuple[int, int], ...]):
+    banks = [tuple(pinned_bank((E, *r), torch.bfloat16, 10 * i + k) for k, r in enumerate(rows)) for i in range(L)]
+    cache = ExpertCache(L, E, S, policy, "cuda", 10)
+    cache.attach_pool(*(torch.zeros(S + 1, *r, dtype=torch.bfloat16, device="cuda") for r in rows))
+    cache.start_copy_service()
+    return cache, banks
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("rows", [((16, 8), (8, 8)), ((1536, 2048), (2048, 768))])  # tiny; qwen3-30b-a3b's
+def test_graph_replays_post_and_wait(policy: str, rows: tuple) -> None:
+    L, E, S, tokens, top_k = 3, 12, 9, 2, 3
+    gpu, banks = make_cache(L, E, S, policy, rows)
+    cpu = ExpertCache(L, E, S, policy, "cpu", 10)
+    ids = torch.zeros(L, tokens, top_k, dtype=torch.long, device="cuda")  # static input of the graph
+
+    trace = random_trace(12, L, E, tokens, top_k, skew=0.8, seed=9)
+    ids.copy_(trace[0])
+    graph, outputs = capture_graph(lambda: ensure_copy_read(gpu, banks, ids))  # warm-up: SM copies; capture: posts
+    assert graph.copy_services == (gpu.copy_service,) and gpu.copy_service.served == 0
+    for layer in range(L):
+        cpu.ensure(layer, trace[0][layer])
+    for step_ids in trace[1:]:
+        ids.copy_(step_ids)
+        replay(graph)  # returns once the replay has run, every posted list served
+        for layer in range(L):
+            want = cpu.ensure(layer, step_ids[layer])
+            slots, w13, w2 = outputs[layer]
+            assert torch.equal(slots.cpu(), want.slots)
+            assert torch.equal(w13.view(torch.int16).cpu(), banks[layer][0][step_ids[layer]].view(torch.int16))
+            assert torch.equal(w2.view(torch.int16).cpu(), banks[layer][1][step_ids[layer]].view(torch.int16))
+    misses = int(gpu.stats[:, 2].sum())
+    assert misses > S, "the replays must miss and copy"
+    assert gpu.copy_service.served == int(gpu.copy_service.tick) > 0  # every non-empty list, and only those
+
+
+def test_eager_copies_by_sms_and_capture_posts_without_sync() -> None:
+    cache, banks = make_cache(1, 12, 7, "lru", ((64, 96), (96, 32)))
+    service = cache.copy_service
+    first = cache.ensure(0, torch.tensor([[1, 4, 7]], device="cuda"))
+    cache.copy_missing(first, *banks[0])  # eager: the SM copy (compiles it)
+    torch.cuda.synchronize()
+    assert int(service.tick) == 0
+    ids = torch.tensor([[2, 4, 9]], device="cuda")
+
+    def step() -> None:
+        got = cache.ensure(0, ids)
+        cache.copy_missing(got, *banks[0])
+        cache.await_copy(got)
+
+    graph, _ = capture_graph(step)  # the warm-up step misses 2 and 9, so the replays below all hit ...
+    ids.copy_(torch.tensor([[3, 5, 9]], device="cuda"))  # ... unless the ids change
+    torch.cuda.synchronize()
+    with host_sync_forbidden():
+        graph.replay()
+        service.serve()
+    assert service.served == 1  # 3 and 5 missed: one list
+    replay(graph)  # every expert hits: nothing posted
+    assert service.served == 1 == int(service.tick)
+    for pool, bank in zip((cache.w13, cache.w2), banks[0]):
+        assert torch.equal(pool[cache.slot_table()[0, [3, 5, 9]]].cpu(), bank[[3, 5, 9]])
+
+
+def test_engine_offload_runs_through_the_service() -> None:
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["ROMEO.\n", "To be, or not to be, that is the question: " * 6]  # the second prefills in waves
+
+    def run(**kwargs) -> list[list[int]]:
+        llm = LLM(device="cuda", dtype="bfloat16", progress=False, max_num_seqs=2, max_model_len=256, **kwargs)
+        out = [o.token_ids for o in llm.generate(prompts, greedy)]
+        cache = llm.engine.expert_cache
+        if cache is not None:
+            served.append(cache.copy_service.served)
+        return out
+
+    served: list[int] = []
+    want = run()
+    assert run(moe_strategy="offload", moe_cache_slots=8) == want
+    assert run(moe_strategy="offload", moe_cache_slots=8, cuda_graphs=False) == want
+    assert served[0] > 0 and served[1] == 0  # graphs post (and are served); eager steps copy by SMs

@@ -1,0 +1,127 @@
+"""The copy service's serve loop (`edgemoe/moe/copy_service.c`, built with the system's C compiler) on the CPU: the
+CUDA driver entry points it calls are ctypes callbacks over host memory (a memmove for `cuMemcpyHtoDAsync`, a plain
+store for `cuStreamWriteValue64`, and for `cuEventQuery` a stand-in GPU that posts the next list, as
+`edgemoe.kernels.miss_copy.post_copy_list` writes it, once the last one's entries are marked arrived). Checked
+against `copy_rows_reference`: every listed row lands in its slot, each entry's counter is set once its rows are in,
+lists are served in order across the ring of mailbox rows, serving ends with the event, and a failing copy is
+reported while the waiters are still released."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from edgemoe.errors import EdgeMoEError
+from edgemoe.moe.copy_service import RING, CopyService
+from edgemoe.moe.expert_cache import copy_rows_reference
+
+E, S, CHUNKS = 10, 6, 7
+NOT_READY = 600
+COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+WRITE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
+QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class HostGPU:
+    """The driver entry points over host memory, and a GPU that posts `lists` one by one: each `cuEventQuery` is
+    the GPU's turn, which posts the next list once every entry of the last one is marked arrived (the expert GEMV
+    waits on them) and reports the event complete after the last. `fail_copy_at`: the copy call (0-based) that
+    returns error 700."""
+
+    def __init__(self, lists: list, fail_copy_at: int = -1) -> None:
+        self.lists, self.fail_copy_at = list(lists), fail_copy_at
+        self.copies, self.writes, self.queries = 0, [], 0
+        self.service: CopyService | None = None
+        self.stream = ctypes.c_void_p(2)
+
+        def copy(dst: int, src: int, size: int, stream: int) -> int:
+            self.copies += 1
+            if self.copies - 1 == self.fail_copy_at:
+                return 700
+            ctypes.memmove(dst, src, size)
+            return 0
+
+        def write(stream: int, addr: int, value: int, flags: int) -> int:
+            counter = ctypes.c_int64.from_address(addr)
+            self.writes.append((addr, counter.value, value))  # the counter's value before the write
+            counter.value = value
+            return 0
+
+        self._callbacks = COPY(copy), WRITE(write), QUERY(self.query)  # kept alive with the driver
+        self.functions = [ctypes.cast(f, ctypes.c_void_p).value for f in self._callbacks]
+
+    def event(self) -> int:
+        return 1
+
+    def query(self, event: int) -> int:
+        self.queries += 1
+        service = self.service
+        pending = int(service.tick) > service.served
+        if pending:
+            return NOT_READY
+        if self.lists:
+            service.counters.zero_()  # as ensure does before each list
+            post(service, *self.lists.pop(0))
+            return NOT_READY
+        return 0
+
+
+def post(service: CopyService, src: torch.Tensor, dst: torch.Tensor, banks: tuple[torch.Tensor, ...]) -> int:
+    """What the GPU's post kernel writes: the row's fields, then its sequence number (`tick` + 1) last."""
+    seq = int(service.tick) + 1
+    service.tick.fill_(seq)
+    row, width = service.mailbox[(seq - 1) % RING], service.max_entries
+    row[1:4] = torch.tensor([src.numel(), banks[0].data_ptr(), banks[1].data_ptr()])
+    row[4 : 4 + src.numel()] = src
+    row[4 + width : 4 + width + dst.numel()] = dst
+    row[0] = seq
+    return seq
+
+
+def make(lists_of, fail_copy_at: int = -1):
+    gen = torch.Generator().manual_seed(3)
+    banks = [(torch.randn(E, 6, 4, generator=gen), torch.randn(E, 4, 3, generator=gen)) for _ in range(3)]
+    pools = torch.zeros(S + 1, 6, 4), torch.zeros(S + 1, 4, 3)
+    counters = torch.zeros(E, dtype=torch.int64)
+    gpu = HostGPU(lists_of(banks), fail_copy_at)
+    gpu.service = CopyService(pools, counters, CHUNKS, E, driver=gpu)
+    return gpu, pools, banks, counters
+
+
+def test_serve_copies_every_list_in_order_into_its_slots() -> None:
+    gen = torch.Generator().manual_seed(4)
+    steps = [(s % 3, 1 + s % 4) for s in range(3 * RING + 1)]  # around the ring of mailbox rows several times
+    lists = [(torch.randperm(E, generator=gen)[:n], torch.randperm(S, generator=gen)[:n], layer) for layer, n in steps]
+    gpu, pools, banks, counters = make(lambda banks: [(src, dst, banks[layer]) for src, dst, layer in lists])
+    want = tuple(p.clone() for p in pools)
+    for src, dst, layer in lists:
+        for w, bank in zip(want, banks[layer]):
+            copy_rows_reference(w, bank, src, dst)
+    gpu.service.serve()
+    assert gpu.service.served == len(lists) and not gpu.lists
+    for pool, w in zip(pools, want):
+        assert torch.equal(pool, w)  # every row in its slot, later lists over earlier ones
+    n_last = lists[-1][0].numel()
+    assert counters[:n_last].tolist() == [CHUNKS] * n_last and not counters[n_last:].any()
+    assert gpu.copies == 2 * sum(n for _, n in steps)  # two rows an entry
+    entries = [(a - counters.data_ptr()) // 8 for a, _, _ in gpu.writes]
+    assert entries == [i for _, n in steps for i in range(n)]  # each list's entries, in order, once
+    assert all(before == 0 and value == CHUNKS for _, before, value in gpu.writes)
+
+
+def test_serve_returns_at_once_when_nothing_is_posted() -> None:
+    gpu, pools, *_ = make(lambda banks: [])
+    gpu.service.serve()
+    assert gpu.service.served == 0 and gpu.queries == 1 and gpu.copies == 0
+
+
+def test_a_failed_copy_raises_and_still_releases_the_waiters() -> None:
+    gpu, pools, banks, counters = make(
+        lambda banks: [(torch.tensor([2, 5]), torch.tensor([0, 1]), banks[0])], fail_copy_at=1
+    )
+    with pytest.raises(EdgeMoEError, match="CUDA error 700"):
+        gpu.service.serve()
+    assert counters[:2].tolist() == [CHUNKS, CHUNKS]  # the GPU would not hang on them
+    assert gpu.service.served == 1

@@ -7,6 +7,8 @@
   `edgemoe.kernels.miss_copy.Arrivals`); `streamed` (default): the engine's.
 - `--miss-copy sm`: the rows copied by SMs reading pinned memory (the Triton `copy_rows_pair`, the engine before
   its copy service, `edgemoe.moe.copy_service`); `service` (default): the engine's.
+- `--copy-batch-group G`: the copy service's entries per `cuMemcpyBatchAsync` (0: a `cuMemcpyHtoDAsync` per row;
+  default: the engine's `BATCH_GROUP`).
 - `--copy-programs-per-sm`: the miss copy's persistent grid (default: the engine's `PROGRAMS_PER_SM`).
 - `--no-pdl`: ordinary launches everywhere, so that `--profile`'s per-kernel table shows each kernel's own time
   (under PDL a kernel's time includes its wait for the one before); also what GPUs before Hopper run.
@@ -31,6 +33,7 @@ import edgemoe.kernels.dense_gemv as dense_gemv
 import edgemoe.kernels.miss_copy as miss_copy
 import edgemoe.kernels.moe_gemv as moe_gemv
 import edgemoe.kernels.pdl as pdl
+import edgemoe.moe.copy_service as copy_service
 from edgemoe.cli import main as edgemoe_main
 from edgemoe.models.decoder import SelfAttention
 from edgemoe.moe.expert_cache import ExpertCache
@@ -54,6 +57,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gemv", choices=["streamed", "plain"], default="streamed")
     ap.add_argument("--miss-copy", choices=["service", "sm"], default="service")
+    ap.add_argument("--copy-batch-group", type=int, default=copy_service.BATCH_GROUP)
     ap.add_argument("--copy-programs-per-sm", type=int, default=miss_copy.PROGRAMS_PER_SM)
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--norm-gemv", choices=["auto", "off", "on", "ordinary"], default="auto")
@@ -72,6 +76,7 @@ def main() -> int:
         ExpertCache.arrivals = lambda self, copy: None  # decode_experts then waits for the copy kernel as a whole
     if a.miss_copy == "sm":
         ExpertCache.start_copy_service = lambda self: None
+    copy_service.BATCH_GROUP = a.copy_batch_group
     miss_copy.PROGRAMS_PER_SM = a.copy_programs_per_sm
     if a.no_pdl:
         pdl.use_pdl = lambda device: False  # launch_args looks it up at each launch

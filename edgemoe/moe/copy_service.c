@@ -13,6 +13,9 @@
  * blocks inside the driver (a pageable device-to-host copy, a full launch queue) waiting for a GPU that waits for
  * the second: the engine deadlocked that way (benchmarks/RESULTS.md). One thread never contends with itself.
  *
+ * Where the driver has `cuMemcpyBatchAsync` (CUDA 12.8 and later), the rows of `group` entries go in one call of it
+ * and their counters are written after it; otherwise each row is one `cuMemcpyHtoDAsync`.
+ *
  * Mailbox row (int64): seq, count, bank_a, bank_b, src[max_entries], dst[max_entries]. CUDA is reached through
  * driver entry points the Python side passes in (libcuda's own), so this file needs no CUDA headers.
  * Built and loaded by edgemoe/moe/copy_service.py.
@@ -23,8 +26,17 @@
 typedef int (*memcpy_fn)(uint64_t dst, const void *src, size_t bytes, void *stream);  /* cuMemcpyHtoDAsync */
 typedef int (*write_fn)(void *stream, uint64_t addr, uint64_t value, unsigned flags); /* cuStreamWriteValue64 */
 typedef int (*query_fn)(void *event);                                                 /* cuEventQuery */
+typedef int (*batch_fn)(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count, void *attrs, size_t *attr_idxs,
+                        size_t num_attrs, void *stream); /* cuMemcpyBatchAsync (the _v2 entry point of CUDA 13) */
+
+typedef struct { /* CUmemcpyAttributes */
+  int src_access_order; /* CU_MEMCPY_SRC_ACCESS_ORDER_STREAM */
+  int src_hint_type, src_hint_id, dst_hint_type, dst_hint_id; /* location hints: managed memory only */
+  unsigned flags;
+} copy_attributes;
 
 #define CUDA_ERROR_NOT_READY 600
+#define MAX_GROUP 64
 
 typedef struct {
   volatile int64_t *mailbox;
@@ -37,23 +49,46 @@ typedef struct {
   memcpy_fn copy;
   write_fn write;
   query_fn query;
+  batch_fn batch;  /* NULL: one cuMemcpyHtoDAsync a row */
+  int64_t group;   /* entries a batch call copies, 1..MAX_GROUP */
   int64_t served; /* lists served so far */
   int error;      /* first CUDA error code, 0 if none */
 } edgemoe_copy_service;
 
+/* Copy entries [first, first + n) of the list in `row`: their rows, bank -> slot. Returns a CUDA error or 0. */
+static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t first, int64_t n) {
+  uint64_t bank_a = (uint64_t)row[2], bank_b = (uint64_t)row[3];
+  uint64_t dsts[2 * MAX_GROUP], srcs[2 * MAX_GROUP];
+  size_t sizes[2 * MAX_GROUP];
+  for (int64_t j = 0; j < n; ++j) {
+    uint64_t src = (uint64_t)row[4 + first + j], dst = (uint64_t)row[4 + s->max_entries + first + j];
+    dsts[2 * j] = s->pool_a + dst * s->row_a, srcs[2 * j] = bank_a + src * s->row_a, sizes[2 * j] = s->row_a;
+    dsts[2 * j + 1] = s->pool_b + dst * s->row_b, srcs[2 * j + 1] = bank_b + src * s->row_b;
+    sizes[2 * j + 1] = s->row_b;
+  }
+  if (s->batch) {
+    copy_attributes in_order = {1, 0, 0, 0, 0, 0};
+    size_t all = 0; /* the attributes apply from copy 0 on */
+    return s->batch(dsts, srcs, sizes, 2 * n, &in_order, &all, 1, s->stream);
+  }
+  for (int64_t k = 0; k < 2 * n; ++k) {
+    int err = s->copy(dsts[k], (const void *)(uintptr_t)srcs[k], sizes[k], s->stream);
+    if (err) return err;
+  }
+  return 0;
+}
+
 static void serve_list(edgemoe_copy_service *s, volatile int64_t *row) {
-  int64_t n = row[1];
-  const char *bank_a = (const char *)(intptr_t)row[2], *bank_b = (const char *)(intptr_t)row[3];
-  for (int64_t i = 0; i < n && i < s->max_entries; ++i) {
-    int64_t src = row[4 + i], dst = row[4 + s->max_entries + i];
-    if (!s->error) {
-      int err = s->copy(s->pool_a + dst * s->row_a, bank_a + src * s->row_a, s->row_a, s->stream);
-      if (!err) err = s->copy(s->pool_b + dst * s->row_b, bank_b + src * s->row_b, s->row_b, s->stream);
-      if (err) s->error = err;
+  int64_t n = row[1] < s->max_entries ? row[1] : s->max_entries;
+  int64_t group = s->batch ? (s->group < 1 ? 1 : s->group > MAX_GROUP ? MAX_GROUP : s->group) : 1;
+  for (int64_t first = 0; first < n; first += group) {
+    int64_t m = n - first < group ? n - first : group;
+    if (!s->error) s->error = copy_entries(s, row, first, m);
+    for (int64_t i = first; i < first + m; ++i) {
+      /* even after an error: the GPU must never wait forever (the Python side raises on `error`) */
+      int err = s->write(s->stream, s->counters + 8 * (uint64_t)i, s->chunks, 0);
+      if (err && !s->error) s->error = err;
     }
-    /* even after an error: the GPU must never wait forever (the Python side raises on `error`) */
-    int err = s->write(s->stream, s->counters + 8 * (uint64_t)i, s->chunks, 0);
-    if (err && !s->error) s->error = err;
   }
 }
 

@@ -28,6 +28,7 @@ import torch
 from edgemoe.errors import EdgeMoEError
 
 SOURCE = Path(__file__).with_name("copy_service.c")
+BATCH_GROUP = 1  # entries a batched copy call covers (each group's counters are written after its call); 0: none
 RING = 2  # mailbox rows: the GPU waits for each list it posts before it posts the next
 _RECORDERS: list[list[CopyService]] = []  # open `recording_posts` blocks
 
@@ -38,7 +39,8 @@ class _Service(ctypes.Structure):
         ("max_entries", ctypes.c_int64), ("pool_a", ctypes.c_uint64), ("pool_b", ctypes.c_uint64),
         ("row_a", ctypes.c_int64), ("row_b", ctypes.c_int64), ("counters", ctypes.c_uint64),
         ("chunks", ctypes.c_uint64), ("stream", ctypes.c_void_p), ("copy", ctypes.c_void_p),
-        ("write", ctypes.c_void_p), ("query", ctypes.c_void_p), ("served", ctypes.c_int64), ("error", ctypes.c_int),
+        ("write", ctypes.c_void_p), ("query", ctypes.c_void_p), ("batch", ctypes.c_void_p), ("group", ctypes.c_int64),
+        ("served", ctypes.c_int64), ("error", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -66,7 +68,8 @@ def library() -> ctypes.CDLL:
 
 
 class Driver:
-    """The CUDA driver entry points `serve` calls (libcuda's), and the service's stream."""
+    """The CUDA driver entry points `serve` calls (libcuda's; `cuMemcpyBatchAsync` where the driver has it, else
+    None), and the service's stream."""
 
     def __init__(self, device: torch.device) -> None:
         cuda = ctypes.CDLL("libcuda.so.1")
@@ -79,6 +82,8 @@ class Driver:
             ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
             for name in ("cuMemcpyHtoDAsync_v2", "cuStreamWriteValue64_v2", "cuEventQuery")
         ]
+        batch = getattr(cuda, "cuMemcpyBatchAsync_v2", None)  # CUDA 13's signature (12.8's has a failIdx more)
+        self.functions.append(ctypes.cast(batch, ctypes.c_void_p).value if batch is not None else None)
 
     def event(self) -> int:
         """A CUDA event recorded on the current stream (its handle): what `serve` waits for."""
@@ -90,8 +95,10 @@ class Driver:
 class CopyService:
     """One slot pool's copy lists, posted by captured decode steps (see the module docstring).
 
-    `driver` is for tests: any object with `stream`, `functions` (copy, write, query as C function addresses with
-    the driver's signatures) and `event()` (a handle `query` accepts)."""
+    `group`: entries whose rows go in one batched copy call, where the driver has one (0: a copy call per row, as
+    without one). `driver` is for tests: any
+    object with `stream`, `functions` (copy, write, query, batch or None, as C function addresses with the driver's
+    signatures) and `event()` (a handle `query` accepts)."""
 
     def __init__(
         self,
@@ -99,6 +106,7 @@ class CopyService:
         counters: torch.Tensor,
         chunks: int,
         max_entries: int,
+        group: int = BATCH_GROUP,
         driver: Driver | None = None,
     ) -> None:
         device = pools[0].device
@@ -107,11 +115,11 @@ class CopyService:
         self.mailbox = torch.zeros((RING, 4 + 2 * max_entries), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.tick = torch.zeros((), dtype=torch.int64, device=device)  # lists posted so far
         self.counters, self.chunks = counters, chunks
-        copy, write, query = self.driver.functions
+        copy, write, query, batch = self.driver.functions
         self._state = _Service(
             self.mailbox.data_ptr(), RING, self.mailbox.shape[1], max_entries, pools[0].data_ptr(),
             pools[1].data_ptr(), pools[0][0].nbytes, pools[1][0].nbytes, counters.data_ptr(), chunks,
-            self.driver.stream.value, copy, write, query, 0, 0,
+            self.driver.stream.value, copy, write, query, batch if group > 0 else None, group, 0, 0,
         )  # fmt: skip
         self._keep = pools  # the service copies into them
 

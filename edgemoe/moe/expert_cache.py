@@ -143,10 +143,11 @@ class ExpertCache:
     def start_copy_service(self) -> None:
         """Hand the miss copy to the copy engine (`edgemoe.moe.copy_service`): CUDA pools, pinned banks."""
         from edgemoe.kernels.miss_copy import chunks_per_entry
-        from edgemoe.moe.copy_service import CopyService
+        from edgemoe.moe import copy_service
 
-        pools = (self.w13, self.w2)
-        self.copy_service = CopyService(pools, self.arrival_counters, chunks_per_entry(pools), self.num_experts)
+        pools, group = (self.w13, self.w2), copy_service.BATCH_GROUP
+        counters, chunks = self.arrival_counters, chunks_per_entry(pools)
+        self.copy_service = copy_service.CopyService(pools, counters, chunks, self.num_experts, group)
 
     def reset(self) -> None:
         """Empty the cache in place: tensor addresses stay, so CUDA graphs captured over them remain valid.

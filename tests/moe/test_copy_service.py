@@ -1,10 +1,10 @@
 """The copy service's serve loop (`edgemoe/moe/copy_service.c`, built with the system's C compiler) on the CPU: the
-CUDA driver entry points it calls are ctypes callbacks over host memory (a memmove for `cuMemcpyHtoDAsync`, a plain
-store for `cuStreamWriteValue64`, and for `cuEventQuery` a stand-in GPU that posts the next list, as
-`edgemoe.kernels.miss_copy.post_copy_list` writes it, once the last one's entries are marked arrived). Checked
-against `copy_rows_reference`: every listed row lands in its slot, each entry's counter is set once its rows are in,
-lists are served in order across the ring of mailbox rows, serving ends with the event, and a failing copy is
-reported while the waiters are still released."""
+CUDA driver entry points it calls are ctypes callbacks over host memory (a memmove for `cuMemcpyHtoDAsync`, memmoves
+for `cuMemcpyBatchAsync`, a plain store for `cuStreamWriteValue64`, and for `cuEventQuery` a stand-in GPU that posts
+the next list, as `edgemoe.kernels.miss_copy.post_copy_list` writes it, once the last one's entries are marked
+arrived). Checked against `copy_rows_reference`: every listed row lands in its slot, each entry's counter is set once
+its rows are in, lists are served in order across the ring of mailbox rows, serving ends with the event, and a
+failing copy is reported while the waiters are still released."""
 
 from __future__ import annotations
 
@@ -22,17 +22,23 @@ NOT_READY = 600
 COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 WRITE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
 QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+SIZES = ctypes.POINTER(ctypes.c_size_t)
+ADDRESSES = ctypes.POINTER(ctypes.c_uint64)
+BATCH = ctypes.CFUNCTYPE(
+    ctypes.c_int, ADDRESSES, ADDRESSES, SIZES, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int), SIZES, ctypes.c_size_t,
+    ctypes.c_void_p,
+)  # fmt: skip
 
 
 class HostGPU:
     """The driver entry points over host memory, and a GPU that posts `lists` one by one: each `cuEventQuery` is
     the GPU's turn, which posts the next list once every entry of the last one is marked arrived (the expert GEMV
     waits on them) and reports the event complete after the last. `fail_copy_at`: the copy call (0-based) that
-    returns error 700."""
+    returns error 700 (in a batch: the batch holding it). `batched`: the driver has `cuMemcpyBatchAsync`."""
 
-    def __init__(self, lists: list, fail_copy_at: int = -1) -> None:
+    def __init__(self, lists: list, fail_copy_at: int = -1, batched: bool = False) -> None:
         self.lists, self.fail_copy_at = list(lists), fail_copy_at
-        self.copies, self.writes, self.queries = 0, [], 0
+        self.copies, self.writes, self.queries, self.batches = 0, [], 0, []
         self.service: CopyService | None = None
         self.stream = ctypes.c_void_p(2)
 
@@ -49,8 +55,17 @@ class HostGPU:
             counter.value = value
             return 0
 
-        self._callbacks = COPY(copy), WRITE(write), QUERY(self.query)  # kept alive with the driver
+        def batch(dsts, srcs, sizes, count: int, attrs, attr_idxs, num_attrs: int, stream: int) -> int:
+            self.batches.append((count, num_attrs, attr_idxs[0], attrs[0]))  # (asserts here would be swallowed)
+            failed = self.copies <= self.fail_copy_at < self.copies + count
+            for k in range(count):
+                copy(dsts[k], srcs[k], sizes[k], stream)
+            return 700 if failed else 0
+
+        self._callbacks = [COPY(copy), WRITE(write), QUERY(self.query), BATCH(batch)]  # kept alive with the driver
         self.functions = [ctypes.cast(f, ctypes.c_void_p).value for f in self._callbacks]
+        if not batched:
+            self.functions[3] = None
 
     def event(self) -> int:
         return 1
@@ -80,21 +95,24 @@ def post(service: CopyService, src: torch.Tensor, dst: torch.Tensor, banks: tupl
     return seq
 
 
-def make(lists_of, fail_copy_at: int = -1):
+def make(lists_of, fail_copy_at: int = -1, batched: bool = False, group: int = 1):
     gen = torch.Generator().manual_seed(3)
     banks = [(torch.randn(E, 6, 4, generator=gen), torch.randn(E, 4, 3, generator=gen)) for _ in range(3)]
     pools = torch.zeros(S + 1, 6, 4), torch.zeros(S + 1, 4, 3)
     counters = torch.zeros(E, dtype=torch.int64)
-    gpu = HostGPU(lists_of(banks), fail_copy_at)
-    gpu.service = CopyService(pools, counters, CHUNKS, E, driver=gpu)
+    gpu = HostGPU(lists_of(banks), fail_copy_at, batched)
+    gpu.service = CopyService(pools, counters, CHUNKS, E, group=group, driver=gpu)
     return gpu, pools, banks, counters
 
 
-def test_serve_copies_every_list_in_order_into_its_slots() -> None:
+@pytest.mark.parametrize(("batched", "group"), [(False, 1), (True, 1), (True, 3)])
+def test_serve_copies_every_list_in_order_into_its_slots(batched: bool, group: int) -> None:
     gen = torch.Generator().manual_seed(4)
     steps = [(s % 3, 1 + s % 4) for s in range(3 * RING + 1)]  # around the ring of mailbox rows several times
     lists = [(torch.randperm(E, generator=gen)[:n], torch.randperm(S, generator=gen)[:n], layer) for layer, n in steps]
-    gpu, pools, banks, counters = make(lambda banks: [(src, dst, banks[layer]) for src, dst, layer in lists])
+    gpu, pools, banks, counters = make(
+        lambda banks: [(src, dst, banks[layer]) for src, dst, layer in lists], batched=batched, group=group
+    )
     want = tuple(p.clone() for p in pools)
     for src, dst, layer in lists:
         for w, bank in zip(want, banks[layer]):
@@ -106,6 +124,10 @@ def test_serve_copies_every_list_in_order_into_its_slots() -> None:
     n_last = lists[-1][0].numel()
     assert counters[:n_last].tolist() == [CHUNKS] * n_last and not counters[n_last:].any()
     assert gpu.copies == 2 * sum(n for _, n in steps)  # two rows an entry
+    if batched:  # each list in groups of `group` entries, the last one shorter
+        want_batches = [2 * min(group, n - i) for _, n in steps for i in range(0, n, group)]
+        assert [count for count, *_ in gpu.batches] == want_batches
+        assert {tuple(rest) for _, *rest in gpu.batches} == {(1, 0, 1)}  # one attribute from copy 0: stream order
     entries = [(a - counters.data_ptr()) // 8 for a, _, _ in gpu.writes]
     assert entries == [i for _, n in steps for i in range(n)]  # each list's entries, in order, once
     assert all(before == 0 and value == CHUNKS for _, before, value in gpu.writes)
@@ -117,9 +139,10 @@ def test_serve_returns_at_once_when_nothing_is_posted() -> None:
     assert gpu.service.served == 0 and gpu.queries == 1 and gpu.copies == 0
 
 
-def test_a_failed_copy_raises_and_still_releases_the_waiters() -> None:
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_failed_copy_raises_and_still_releases_the_waiters(batched: bool) -> None:
     gpu, pools, banks, counters = make(
-        lambda banks: [(torch.tensor([2, 5]), torch.tensor([0, 1]), banks[0])], fail_copy_at=1
+        lambda banks: [(torch.tensor([2, 5]), torch.tensor([0, 1]), banks[0])], fail_copy_at=1, batched=batched
     )
     with pytest.raises(EdgeMoEError, match="CUDA error 700"):
         gpu.service.serve()

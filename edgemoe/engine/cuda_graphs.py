@@ -13,6 +13,7 @@ engine we follow). `warm_replay` replays each graph once at capture time instead
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -40,15 +41,26 @@ def capture_graph(
 ) -> tuple[torch.cuda.CUDAGraph, T]:
     """`fn` once eagerly on a side stream (kernels compiled, allocator and caches warmed, so the captured work finds
     the state a replay will), then captured (into `pool` when given); uploaded or replayed once per the policy.
-    -> (graph, what the captured call returned: its static outputs)."""
+    -> (graph, what the captured call returned: its static outputs).
+
+    Garbage is collected before the capture and the collector is off during it: a dead CUDA graph (say, of an engine
+    left in a reference cycle) destroyed mid-capture invalidates the capture, and torch no longer collects when a
+    capture begins."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with recording_posts() as services, torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with recording_posts() as services, torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     graph.copy_services = tuple(services)  # what `replay` serves
     if uploads_at_capture(upload):
         from edgemoe.engine.streams import upload_graph

@@ -3,9 +3,14 @@ batch sizes 1-4 (3 pads to 4); the expert-cache counters agree between replay an
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
+import torch
 
 from edgemoe import LLM, SamplingParams
+from edgemoe.engine.cuda_graphs import capture_graph, replay
 
 PROMPTS = ["ROMEO.\n", "Of Man's first disobedience", "To be, or not to be, that is the question:", "KING."]
 GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
@@ -52,3 +57,21 @@ def test_upload_policies_token_identical(upload: str, warm: bool) -> None:
     other, b = run(True, 3, graph_upload=upload, graph_warm_replay=warm, **opts)
     assert other == default
     assert a.moe_stats()["total"] == b.moe_stats()["total"], "warm replays leave no trace in the cache"
+
+
+def test_capture_collects_garbage_before_and_never_during() -> None:
+    """A dead graph in a reference cycle is freed before a capture begins, and the collector cannot run during one:
+    a graph destroyed mid-capture invalidates the capture (the engines of this file, whose `replay` wrappers make
+    cycles, once broke a later engine's capture that way)."""
+    x = torch.randn(256, device="cuda")
+    dead = {"graph": capture_graph(lambda: x * 2)[0]}
+    dead["self"] = dead
+    graph_ref = weakref.ref(dead["graph"])
+    del dead
+    enabled = []
+    graph, y = capture_graph(lambda: (enabled.append(gc.isenabled()), x * 3)[1])
+    assert graph_ref() is None, "the dead graph was not collected before the capture"
+    assert enabled == [True, False] and gc.isenabled()  # on for the eager warm-up, off while captured, on again
+    x.copy_(torch.randn(256, device="cuda"))
+    replay(graph)
+    torch.testing.assert_close(y, x * 3)

@@ -1,11 +1,12 @@
 """The miss copy by the copy engine, for replayed decode graphs: the graph posts each copy list to a mailbox in
 pinned host memory, and the thread that replayed it serves the lists until the step is done (`serve`: a loop in
 `copy_service.c`, compiled at first use with the system's C compiler, which Triton needs too), issuing the listed
-rows' `cuMemcpyHtoDAsync` on the service's stream and marking each entry arrived in the expert cache's arrival
-counters, on which the expert GEMV waits.
+rows' copies on the service's stream (`cuMemcpyBatchAsync`, BATCH_GROUP entries a call) and marking each entry
+arrived in the expert cache's arrival counters, on which the expert GEMV waits.
 
 Why: rows read by SMs from pinned memory reach ~0.89 of a pinned memcpy, copy-engine copies served this way
-0.92-0.94 (benchmarks/copy_service.py; benchmarks/RESULTS.md), and the SMs stay free for the experts that hit.
+0.95-0.97 from two rows a layer on (0.93 for one: the post costs ~9 us a layer; benchmarks/copy_service.py,
+benchmarks/RESULTS.md), and the SMs stay free for the experts that hit.
 Only captured steps post (`ExpertCache.copy_missing`); eager steps keep the SM copy, since their thread runs
 ahead of the GPU launching kernels and cannot also serve it. Replays go through
 `edgemoe.engine.cuda_graphs.replay`, which serves the services a graph posted to during its capture.

@@ -1,6 +1,6 @@
 // Feasibility probe (H200 results: benchmarks/RESULTS.md, "The copy service in the engine, batched"; no better
-// than the copy service, and limited to 120 pending launches, so not used): can the copy engine do the miss copy with rows chosen on the device,
-// through device graph launch? One small device-launchable graph per (expert, list position): two memcpy nodes
+// than the copy service, and limited to 120 pending launches, so not used): can the copy engine do the miss copy
+// with rows chosen on the device, through device graph launch? One small device-launchable graph per (expert, list position): two memcpy nodes
 // (gate_up row and down row, pinned host bank -> device staging row) and a kernel node that bumps the position's
 // arrival counter. A launcher kernel inside a host-launched graph reads the copy list on the device and
 // fire-and-forget launches the graphs of the listed experts; a waiter kernel spins on the counters. Compared with

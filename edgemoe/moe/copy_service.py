@@ -124,6 +124,7 @@ class CopyService:
             self.driver.stream.value, copy, write, query, batch if group > 0 else None, group, 0, 0,
         )  # fmt: skip
         self._keep = pools  # the service copies into them
+        library()  # built now: a missing C compiler fails the engine's start, not its first decode step
 
     def post(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, banks: tuple[torch.Tensor, ...]) -> None:
         """Post a copy list (one sync-free launch, for capture): `serve` then copies banks[k][src[i]] to pool k's slot

@@ -9,11 +9,13 @@ failing copy is reported while the waiters are still released."""
 from __future__ import annotations
 
 import ctypes
+import tempfile
 
 import pytest
 import torch
 
 from edgemoe.errors import EdgeMoEError
+from edgemoe.moe import copy_service
 from edgemoe.moe.copy_service import RING, CopyService
 from edgemoe.moe.expert_cache import copy_rows_reference
 
@@ -148,3 +150,31 @@ def test_a_failed_copy_raises_and_still_releases_the_waiters(batched: bool) -> N
         gpu.service.serve()
     assert counters[:2].tolist() == [CHUNKS, CHUNKS]  # the GPU would not hang on them
     assert gpu.service.served == 1
+
+
+def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The next `library()` builds again, into `tmp_path`."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    copy_service.library.cache_clear()  # (the tests clear it again when done, so later ones build the real one)
+
+
+def test_a_missing_c_compiler_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    fresh_build(monkeypatch, tmp_path)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    try:
+        with pytest.raises(EdgeMoEError, match="the copy service needs a C compiler"):
+            make(lambda banks: [])
+    finally:
+        copy_service.library.cache_clear()
+
+
+def test_a_failed_build_names_the_compiler_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    fresh_build(monkeypatch, tmp_path)
+    broken = tmp_path / "copy_service.c"
+    broken.write_text("int edgemoe_copy_service_serve(void) { return }\n")
+    monkeypatch.setattr(copy_service, "SOURCE", broken)
+    try:
+        with pytest.raises(EdgeMoEError, match="building the copy service failed: .*error"):
+            make(lambda banks: [])
+    finally:
+        copy_service.library.cache_clear()

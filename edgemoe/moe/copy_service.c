@@ -4,9 +4,9 @@
  * what the host asks. So the GPU posts each non-empty copy list to a mailbox in pinned host memory (the Triton
  * kernel `edgemoe.kernels.miss_copy.post_copy_list`: the row's fields, a system-scope fence, then its sequence
  * number) and the thread that replayed the graph, polling the mailbox until the step's event completes
- * (`edgemoe_copy_service_serve`), issues the listed rows' copies on the service's stream, each entry's
- * two rows followed by a stream write of `chunks` into the entry's arrival counter, which the expert GEMV waits
- * on (edgemoe.kernels.miss_copy.Arrivals). The GPU waits for every list it posts before posting the next, so
+ * (`edgemoe_copy_service_serve`), issues the listed rows' copies on the service's stream (two rows an entry), each
+ * group of entries followed by stream writes of `chunks` into their arrival counters, on which the expert GEMV
+ * waits (edgemoe.kernels.miss_copy.Arrivals). The GPU waits for every list it posts before posting the next, so
  * posts are served strictly in order and a ring of two mailbox rows never overflows.
  *
  * Why the replaying thread and not a thread of its own: a second thread's driver calls stall while the first

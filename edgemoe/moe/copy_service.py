@@ -30,7 +30,8 @@ from edgemoe.errors import EdgeMoEError
 
 SOURCE = Path(__file__).with_name("copy_service.c")
 BATCH_GROUP = 2  # entries a batched copy call covers (each group's counters are written after its call); 0: none.
-# 2: 0.95 of a pinned memcpy from 2 rows a layer on (benchmarks/copy_service.py), decode as fast as with 1
+# 2: 0.95 of a pinned memcpy from 2 rows a layer on (benchmarks/copy_service.py), decode at least as fast as 1 or 8
+# (benchmarks/decode_variants.py --copy-batch-group; benchmarks/RESULTS.md)
 RING = 2  # mailbox rows: the GPU waits for each list it posts before it posts the next
 _RECORDERS: list[list[CopyService]] = []  # open `recording_posts` blocks
 
@@ -98,9 +99,8 @@ class CopyService:
     """One slot pool's copy lists, posted by captured decode steps (see the module docstring).
 
     `group`: entries whose rows go in one batched copy call, where the driver has one (0: a copy call per row, as
-    without one). `driver` is for tests: any
-    object with `stream`, `functions` (copy, write, query, batch or None, as C function addresses with the driver's
-    signatures) and `event()` (a handle `query` accepts)."""
+    without one). `driver` is for tests: any object with `stream`, `functions` (copy, write, query, batch or None,
+    as C function addresses with the driver's signatures) and `event()` (a handle `query` accepts)."""
 
     def __init__(
         self,

@@ -108,22 +108,33 @@ def _short(name: str) -> str:
 
 
 def _top_ops(ops: list[GpuOp], steps: int, n: int = 12) -> list[dict]:
-    """The n operation names with the most time per step: name, count and µs per step."""
+    """The n operation names with the most time per step: name, count, µs per step, and `extends_us`: by how much
+    they pushed their stream's last end forward (end - max(start, the latest end of the stream's earlier
+    operations)), per step. Under PDL a kernel starts while the one before it runs and waits for it, so its own
+    duration counts that wait; what it adds to its stream's timeline is its cost on a serial stream."""
     total: dict[str, list[float]] = {}
-    for o in ops:
-        entry = total.setdefault(_short(o.name), [0, 0.0])
+    last_end: dict[int, int] = {}
+    for o in ops:  # sorted by start
+        entry = total.setdefault(_short(o.name), [0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += o.end - o.start
+        reach = last_end.get(o.stream, o.start)
+        entry[2] += max(0, o.end - max(o.start, reach))
+        last_end[o.stream] = max(reach, o.end)
     ranked = sorted(total.items(), key=lambda kv: -kv[1][1])[:n]
-    return [{"name": k, "count": v[0] / steps, "us": v[1] / steps / 1e3} for k, v in ranked]
+    return [
+        {"name": k, "count": v[0] / steps, "us": v[1] / steps / 1e3, "extends_us": v[2] / steps / 1e3}
+        for k, v in ranked
+    ]
 
 
 def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kernel: str = MISS_COPY) -> dict:
     """Per step (medians over the steps): kernels, busy_us (union of operation intervals), gpu_us (first start to
     last end), tok_s (tokens over the start-to-start period); per stream: ops per step, median and p90 gap between
     consecutive operations within a step (µs); `top`: the operations taking most time, by name (µs and count per
-    step, with a short name); where a branch runs beside the routed experts (`_parallel_branch`):
-    `shared_us` its time per step and `overlap`, the fraction of that time during a miss-copy kernel."""
+    step, with a short name, and the µs each adds to its stream's timeline: `_top_ops`); where a branch runs beside
+    the routed experts (`_parallel_branch`): `shared_us` its time per step and `overlap`, the fraction of that time
+    during a miss-copy kernel."""
     if steps < 2 or not ops or len(ops) % steps:
         raise ValueError(f"{len(ops)} GPU operations do not split into {steps} identical steps (need >= 2 steps)")
     per = len(ops) // steps

@@ -116,3 +116,25 @@ def test_graph_like_timeline_finds_the_branch_beside_the_copy() -> None:
     assert got["streams"]["7"]["role"] == "main"
     assert got["shared_us"] == pytest.approx(0.005)  # S1 + S2
     assert got["overlap"] == pytest.approx(3 / 5)  # [14, 15) of S1 and all of S2
+
+
+def test_top_ops_count_what_each_adds_to_its_stream() -> None:
+    """PDL-like overlap: each kernel starts before the one before it ends and waits for it. Per step on stream 1:
+    a [0, 10), b [8, 15) (adds 5), c [12, 14) (inside b: adds 0), a again [13, 20) (adds 5); stream 2: d [2, 6)
+    (its own stream: adds 4)."""
+    ops = []
+    for i in range(2):
+        t = i * 100
+        ops += [
+            GpuOp("a", 1, t, t + 10, True),
+            GpuOp("b", 1, t + 8, t + 15, True),
+            GpuOp("c", 1, t + 12, t + 14, True),
+            GpuOp("a", 1, t + 13, t + 20, True),
+            GpuOp("d", 2, t + 2, t + 6, True),
+        ]
+    got = {t["name"]: t for t in summarize(sorted(ops, key=lambda o: (o.start, o.end)), 2)["top"]}
+    assert got["a"]["us"] == pytest.approx(0.017) and got["a"]["extends_us"] == pytest.approx(0.015)
+    assert got["b"]["us"] == pytest.approx(0.007) and got["b"]["extends_us"] == pytest.approx(0.005)
+    assert got["c"]["extends_us"] == 0 and got["d"]["extends_us"] == pytest.approx(0.004)
+    # on each stream the parts add up to its span: 10 + 5 + 0 + 5 = 20 on stream 1
+    assert sum(t["extends_us"] for n, t in got.items() if n != "d") == pytest.approx(0.020)

@@ -34,7 +34,7 @@ from torch import nn
 
 from edgemoe.config import ExpertCacheConfig, parse_size
 from edgemoe.engine.context import ForwardContext, set_context
-from edgemoe.engine.cuda_graphs import capture_graph, replay
+from edgemoe.engine.cuda_graphs import ServedGraph, capture_graph
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
@@ -304,7 +304,7 @@ def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM)
     return wanted
 
 
-def capture(step: Callable[[], object], upload: str = "auto", warm_replay: bool = False) -> torch.cuda.CUDAGraph:
+def capture(step: Callable[[], object], upload: str = "auto", warm_replay: bool = False) -> ServedGraph:
     """One decode step (or any work) as a CUDA graph, as the engine captures it."""
     return capture_graph(step, None, upload, warm_replay)[0]
 
@@ -320,8 +320,8 @@ def profile_uploads(step, steps: int) -> dict:
     out = {}
     for name, (upload, warm) in UPLOAD_VARIANTS.items():
         graph = capture(step, upload, warm)
-        replay(graph)  # the first launch (uploads where the policy did not)
-        out[name] = summarize(record(functools.partial(replay, graph), steps), steps)
+        graph.replay()  # the first launch (uploads where the policy did not)
+        out[name] = summarize(record(graph.replay, steps), steps)
         del graph
     return out
 
@@ -348,7 +348,7 @@ def decode(
                 dec.step()
             fn = dec.step
             if mode == "graph":
-                fn = functools.partial(replay, capture(dec.step))
+                fn = capture(dec.step).replay
             fn()
             if cache is not None:
                 cache.stats.zero_()

@@ -36,9 +36,22 @@ def uploads_at_capture(policy: str) -> bool:
     return policy == "capture"
 
 
+class ServedGraph(torch.cuda.CUDAGraph):
+    """A captured CUDA graph whose `replay` also serves the copy lists it posts (`edgemoe.moe.copy_service`): a
+    decode step with offloaded experts waits on the GPU for the copies it posted, so a replay that nobody served
+    would never end. Such a replay returns once it has run; one that posts nothing returns at once, as torch's."""
+
+    copy_services: tuple = ()  # the services its capture posted to
+
+    def replay(self) -> None:
+        super().replay()
+        for service in self.copy_services:
+            service.serve()
+
+
 def capture_graph(
     fn: Callable[[], T], pool: tuple | None = None, upload: str = "auto", warm_replay: bool = False
-) -> tuple[torch.cuda.CUDAGraph, T]:
+) -> tuple[ServedGraph, T]:
     """`fn` once eagerly on a side stream (kernels compiled, allocator and caches warmed, so the captured work finds
     the state a replay will), then captured (into `pool` when given); uploaded or replayed once per the policy.
     -> (graph, what the captured call returned: its static outputs).
@@ -51,7 +64,7 @@ def capture_graph(
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = ServedGraph()
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
@@ -61,24 +74,16 @@ def capture_graph(
     finally:
         if collecting:
             gc.enable()
-    graph.copy_services = tuple(services)  # what `replay` serves
+    graph.copy_services = tuple(services)
     if uploads_at_capture(upload):
         from edgemoe.engine.streams import upload_graph
 
         upload_graph(graph, torch.cuda.current_stream())
         torch.cuda.synchronize()
     if warm_replay:
-        replay(graph)
+        graph.replay()
         torch.cuda.synchronize()
     return graph, out
-
-
-def replay(graph: torch.cuda.CUDAGraph) -> None:
-    """Replay a graph `capture_graph` made, and serve the copy lists it posts (`edgemoe.moe.copy_service`): then
-    the call returns once the replay has run."""
-    graph.replay()
-    for service in getattr(graph, "copy_services", ()):
-        service.serve()
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -111,7 +116,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(b, dtype=torch.long, device=device)
         self.block_tables = torch.full((b, max_blocks), kv.pad_block, dtype=torch.long, device=device)
         self.valid = torch.ones(b, dtype=torch.bool, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, ServedGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -163,5 +168,5 @@ class DecodeGraphs:
         for dst, src in zip(statics, host, strict=True):
             dst[:b].copy_(src, non_blocking=True)  # (the valid row converts long -> bool)
         self.block_tables[:b].copy_(table, non_blocking=True)
-        replay(self.graphs[b])
+        self.graphs[b].replay()
         return self.logits[b][:n]

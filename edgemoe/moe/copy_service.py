@@ -8,8 +8,8 @@ Why: rows read by SMs from pinned memory reach ~0.89 of a pinned memcpy, copy-en
 0.95-0.97 from two rows a layer on (0.93 for one: the post costs ~9 us a layer; benchmarks/copy_service.py,
 benchmarks/RESULTS.md), and the SMs stay free for the experts that hit.
 Only captured steps post (`ExpertCache.copy_missing`); eager steps keep the SM copy, since their thread runs
-ahead of the GPU launching kernels and cannot also serve it. Replays go through
-`edgemoe.engine.cuda_graphs.replay`, which serves the services a graph posted to during its capture.
+ahead of the GPU launching kernels and cannot also serve it. `edgemoe.engine.cuda_graphs.ServedGraph.replay`
+serves the services a graph posted to during its capture.
 """
 
 from __future__ import annotations
@@ -85,12 +85,15 @@ class Driver:
             ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
             for name in ("cuMemcpyHtoDAsync_v2", "cuStreamWriteValue64_v2", "cuEventQuery")
         ]
+        self._event: torch.cuda.Event | None = None  # created at first use, on the device current then
         batch = getattr(cuda, "cuMemcpyBatchAsync_v2", None)  # CUDA 13's signature (12.8's has a failIdx more)
         self.functions.append(ctypes.cast(batch, ctypes.c_void_p).value if batch is not None else None)
 
     def event(self) -> int:
-        """A CUDA event recorded on the current stream (its handle): what `serve` waits for."""
-        self._event = torch.cuda.Event()  # kept until the next call: `serve` queries it
+        """A CUDA event recorded on the current stream (its handle): what `serve` waits for. One event, recorded
+        again each step: `serve` returns only once it has completed, so no record is ever pending."""
+        if self._event is None:
+            self._event = torch.cuda.Event()
         self._event.record()
         return self._event.cuda_event
 

@@ -236,8 +236,8 @@ class ExpertCache:
 
     def copy_missing(self, copy: Ensured, w13_bank: torch.Tensor, w2_bank: torch.Tensor) -> None:
         """Copy the listed experts' rows, bank -> pool, counting each entry's arrival (CUDA). Captured with a copy
-        service: one post of the list to it (its replays are served by `edgemoe.engine.cuda_graphs.replay`), which
-        must be waited for (per entry by the expert GEMV's `arrivals`, or by `await_copy`) before the next post;
+        service: one post of the list to it (`edgemoe.engine.cuda_graphs.ServedGraph` serves its replays), which must
+        be waited for (per entry by the expert GEMV's `arrivals`, or by `await_copy`) before the next post;
         otherwise on CUDA one Triton launch for both banks (sync-free, graph-capturable; the banks must be pinned);
         CPU: `copy_rows_reference`."""
         if self._posts():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.engine.cuda_graphs import capture_graph, replay
+from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.moe.expert_cache import POLICIES, ExpertCache
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.gpu.test_expert_offload import ensure_copy_read, pinned_bank
@@ -42,7 +42,7 @@ def test_graph_replays_post_and_wait(policy: str, rows: tuple) -> None:
         cpu.ensure(layer, trace[0][layer])
     for step_ids in trace[1:]:
         ids.copy_(step_ids)
-        replay(graph)  # returns once the replay has run, every posted list served
+        graph.replay()  # returns once the replay has run, every posted list served
         for layer in range(L):
             want = cpu.ensure(layer, step_ids[layer])
             slots, w13, w2 = outputs[layer]
@@ -75,7 +75,7 @@ def test_eager_copies_by_sms_and_capture_posts_without_sync() -> None:
         graph.replay()
         service.serve()
     assert service.served == 1  # 3 and 5 missed: one list
-    replay(graph)  # every expert hits: nothing posted
+    graph.replay()  # every expert hits: nothing posted
     assert service.served == 1 == int(service.tick)
     for pool, bank in zip((cache.w13, cache.w2), banks[0]):
         assert torch.equal(pool[cache.slot_table()[0, [3, 5, 9]]].cpu(), bank[[3, 5, 9]])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.engine.cuda_graphs import capture_graph, replay
+from edgemoe.engine.cuda_graphs import capture_graph
 
 PROMPTS = ["ROMEO.\n", "Of Man's first disobedience", "To be, or not to be, that is the question:", "KING."]
 GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
@@ -73,5 +73,5 @@ def test_capture_collects_garbage_before_and_never_during() -> None:
     assert graph_ref() is None, "the dead graph was not collected before the capture"
     assert enabled == [True, False] and gc.isenabled()  # on for the eager warm-up, off while captured, on again
     x.copy_(torch.randn(256, device="cuda"))
-    replay(graph)
+    graph.replay()
     torch.testing.assert_close(y, x * 3)

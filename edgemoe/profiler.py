@@ -3,13 +3,15 @@ operation of N steps, and `summarize` turns them into per-step figures (kernel c
 tok/s), per-stream gaps between consecutive kernels, and how much of the side stream's work ran while the miss
 copy was in flight.
 
-Steps are told apart by order: every step launches the same operations, and a step's side-stream work is joined
-before the step ends, so sorting all operations by start time and cutting every `len(ops) / steps` gives the
-steps.
+Steps are told apart on the stream with the most kernels, where every step launches the same operations: its
+operations cut every `len / steps` give each step's start, and every other operation belongs to the step begun
+last before it starts (a step's side-stream work is joined before the step ends; the copy service's memcpys, on a
+stream of their own, vary with the misses).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import tempfile
@@ -82,17 +84,23 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+def _is_copy(op: GpuOp, main: int, copy_kernel: str) -> bool:
+    """The miss copy: the SM copy's kernel, or a memcpy off the main stream (the copy service's)."""
+    return copy_kernel in op.name or (not op.kernel and op.stream != main)
+
+
 def _parallel_branch(step: list[GpuOp], main: int, copy_kernel: str) -> list[GpuOp]:
-    """The operations of one step that run beside the routed experts' branch (the shared expert's).
+    """The kernels of one step that run beside the routed experts' branch (the shared expert's).
 
     Eager: the routed branch (miss copy included) runs inline on the busiest stream and the shared expert on the
     side stream, so: everything off the busiest stream. Graph replay: the driver gives each layer's forked branches
     streams of its own, and the routed branch may be the one moved off the launch stream. Then the shared branch is
     what runs on streams without a miss copy while a copy-carrying stream is busy: serial work before a fork ends
     before the branch starts, and work after a join starts after it ends."""
+    step = [o for o in step if o.kernel or o.stream == main]  # the copy service's memcpys are no branch
     copy_streams = {o.stream for o in step if copy_kernel in o.name}
     if not copy_streams or main in copy_streams:
-        return [o for o in step if o.stream != main]
+        return [o for o in step if o.stream != main and o.kernel]
     windows = [
         (min(o.start for o in step if o.stream == s), max(o.end for o in step if o.stream == s)) for s in copy_streams
     ]
@@ -128,6 +136,16 @@ def _top_ops(ops: list[GpuOp], steps: int, n: int = 12) -> list[dict]:
     ]
 
 
+def _steps(ops: list[GpuOp], starts: list[int]) -> list[list[GpuOp]]:
+    """`ops` cut into steps at `starts` (each step's first start on the busiest stream): an operation belongs to the
+    last step begun by its start, those before the first to the first. Other streams may carry a different number
+    of operations each step (the copy service's memcpys follow the misses)."""
+    chunks: list[list[GpuOp]] = [[] for _ in starts]
+    for o in ops:
+        chunks[max(0, bisect.bisect_right(starts, o.start) - 1)].append(o)
+    return chunks
+
+
 def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kernel: str = MISS_COPY) -> dict:
     """Per step (medians over the steps): kernels, busy_us (union of operation intervals), gpu_us (first start to
     last end), tok_s (tokens over the start-to-start period); per stream: ops per step, median and p90 gap between
@@ -135,19 +153,26 @@ def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kerne
     step, with a short name, and the µs each adds to its stream's timeline: `_top_ops`); where a branch runs beside
     the routed experts (`_parallel_branch`): `shared_us` its time per step and `overlap`, the fraction of that time
     during a miss-copy kernel."""
-    if steps < 2 or not ops or len(ops) % steps:
-        raise ValueError(f"{len(ops)} GPU operations do not split into {steps} identical steps (need >= 2 steps)")
-    per = len(ops) // steps
-    chunks = [ops[i * per : (i + 1) * per] for i in range(steps)]
-    streams = sorted({o.stream for o in ops}, key=lambda s: -sum(o.stream == s for o in ops))
-    main = streams[0]
+    count = {
+        s: (sum(o.kernel for o in ops if o.stream == s), sum(o.stream == s for o in ops))
+        for s in {o.stream for o in ops}
+    }
+    streams = sorted(count, key=lambda s: (-count[s][0], -count[s][1], s))
+    main = streams[0] if ops else None  # the stream with the most kernels: every step launches the same there
+    mine = [o for o in ops if o.stream == main]
+    if steps < 2 or not mine or len(mine) % steps:
+        raise ValueError(
+            f"{len(mine)} operations on the busiest stream do not split into {steps} identical steps (need >= 2 steps)"
+        )
+    starts = [o.start for o in mine[:: len(mine) // steps]]
+    chunks = _steps(ops, starts)
     busy = [sum(b - a for a, b in _union([(o.start, o.end) for o in c])) for c in chunks]
     span = [max(o.end for o in c) - c[0].start for c in chunks]
-    period = [chunks[i + 1][0].start - chunks[i][0].start for i in range(steps - 1)]
+    period = [b - a for a, b in zip(starts, starts[1:])]
     out = {
         "steps": steps,
-        "kernels": sum(o.kernel for o in chunks[0]),
-        "ops": per,
+        "kernels": statistics.median(sum(o.kernel for o in c) for c in chunks),
+        "ops": statistics.median(len(c) for c in chunks),
         "busy_us": statistics.median(busy) / 1e3,
         "gpu_us": statistics.median(span) / 1e3,
         "period_us": statistics.median(period) / 1e3,
@@ -162,13 +187,13 @@ def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kerne
             gaps += [max(0, b.start - a.end) / 1e3 for a, b in zip(mine, mine[1:])]
         out["streams"][str(s)] = {
             "role": "main" if s == main else "other",
-            "ops_per_step": sum(o.stream == s for o in chunks[0]),
+            "ops_per_step": statistics.median(sum(o.stream == s for o in c) for c in chunks),
             "gap_median_us": statistics.median(gaps) if gaps else 0.0,
             "gap_p90_us": _quantile(gaps, 0.9),
         }
     shared = [o for c in chunks for o in _parallel_branch(c, main, copy_kernel)]
     if shared:
-        copies = _union([(o.start, o.end) for o in ops if copy_kernel in o.name])
+        copies = _union([(o.start, o.end) for o in ops if _is_copy(o, main, copy_kernel)])
         total = sum(o.end - o.start for o in shared)
         out["shared_us"] = total / steps / 1e3
         out["overlap"] = sum(_covered(o.start, o.end, copies) for o in shared) / total

@@ -138,3 +138,24 @@ def test_top_ops_count_what_each_adds_to_its_stream() -> None:
     assert got["c"]["extends_us"] == 0 and got["d"]["extends_us"] == pytest.approx(0.004)
     # on each stream the parts add up to its span: 10 + 5 + 0 + 5 = 20 on stream 1
     assert sum(t["extends_us"] for n, t in got.items() if n != "d") == pytest.approx(0.020)
+
+
+def test_steps_split_on_the_busiest_stream_while_the_copy_service_varies() -> None:
+    """Offloaded graph replays: the copy service's memcpys (stream 5, not kernels) follow the misses, 2, 0 and 3 a
+    step, and one of step 1's starts before step 2's first kernel: steps are cut on stream 7's kernels (a [0, 10),
+    b [20, 30) each step, steps 100 apart), and the memcpys are neither a kernel nor a branch beside the experts."""
+    copies = {0: [(11, 19), (19, 25)], 1: [(95, 105)], 2: [(11, 14), (14, 16), (16, 18)]}
+    ops = []
+    for i in range(3):
+        t = 100 * i
+        ops += [GpuOp("a", 7, t, t + 10, True), GpuOp("b", 7, t + 20, t + 30, True)]
+        ops += [GpuOp("Memcpy HtoD (Pinned -> Device)", 5, t + a, t + b, False) for a, b in copies.get(i, [])]
+    ops = sorted(ops, key=lambda o: (o.start, o.end))
+    got = summarize(ops, 3)
+    assert got["kernels"] == 2 and got["ops"] == 4  # per step 4, 3 (with step 1's late memcpy) and 5 operations
+    assert got["period_us"] == pytest.approx(0.1)
+    assert got["streams"]["7"]["role"] == "main" and got["streams"]["5"]["role"] == "other"
+    assert got["streams"]["5"]["ops_per_step"] == 2  # 2, 1, 3
+    assert "shared_us" not in got
+    with pytest.raises(ValueError, match="do not split"):
+        summarize(ops[1:], 3)

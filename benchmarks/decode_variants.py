@@ -16,6 +16,8 @@
   `auto` the engine's choice (only without PDL), `off` never, `on` always (launched with PDL where there is
   PDL), `ordinary` always, launched with an ordinary dependency on the kernel before. `--norm-gemv-stages N`:
   its loop steps in flight (the engine's: `dense_gemv.STAGES`; fewer stages, less shared memory a program).
+- `--ensure-block-s N`, `--ensure-warps W`: the fused `ensure`'s slots per step of its key pass and its warps
+  (the engine's: `ensure.BLOCK_S`, `ensure.NUM_WARPS`).
 - `--down-rows N`: output rows a program of the MoE down GEMV (the engine's `pick_blocks`: 1);
   `--down-ordinary-launch`: the down GEMV launched with an ordinary dependency instead of PDL.
 
@@ -30,6 +32,7 @@ import sys
 from collections.abc import Callable
 
 import edgemoe.kernels.dense_gemv as dense_gemv
+import edgemoe.kernels.ensure as ensure
 import edgemoe.kernels.miss_copy as miss_copy
 import edgemoe.kernels.moe_gemv as moe_gemv
 import edgemoe.kernels.pdl as pdl
@@ -64,10 +67,15 @@ def main() -> int:
     ap.add_argument("--norm-gemv-stages", type=int, default=dense_gemv.STAGES)
     ap.add_argument("--down-rows", type=int, default=0, help="0: the engine's")
     ap.add_argument("--down-ordinary-launch", action="store_true")
+    ap.add_argument("--ensure-block-s", type=int, default=ensure.BLOCK_S)
+    ap.add_argument("--ensure-warps", type=int, default=ensure.NUM_WARPS)
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
     if a.copy_programs_per_sm < 1:
         raise SystemExit("--copy-programs-per-sm must be >= 1")
+    if a.ensure_block_s < 1 or a.ensure_block_s & (a.ensure_block_s - 1) or a.ensure_warps < 1:
+        raise SystemExit("--ensure-block-s must be a power of two and --ensure-warps >= 1")
+    ensure.BLOCK_S, ensure.NUM_WARPS = a.ensure_block_s, a.ensure_warps  # read at each call
     if a.norm_gemv_stages < 1:
         raise SystemExit("--norm-gemv-stages must be >= 1")
     if a.down_rows < 0 or a.down_rows & (a.down_rows - 1):

@@ -1,12 +1,13 @@
 """`ensure` on CUDA: the fused Triton kernel (`edgemoe.kernels.ensure`) against the plain-torch `_ensure_torch` on
 the same device, per call, both captured in a CUDA graph (as decode runs them), for real geometries.
 
-    python benchmarks/ensure.py [--tokens 1] [--steps 16] [--json OUT]
+    python benchmarks/ensure.py [--tokens 1] [--steps 16] [--geometries qwen3-30b-a3b] [--sweep] [--json OUT]
 
 Each geometry's whole model is one cache (all MoE layers, a quarter or half of all experts as slots) driven by
 the synthetic routing trace `edgemoe bench` uses; the cache is first warmed eagerly over the trace, then `steps`
 decode steps (every layer's ensure) are captured once per implementation and replayed. Both implementations see
 the same trace rows from the same warm state, so they do the same work (hits, misses, victim searches).
+`--sweep` times the fused kernel alone over slots per step of its key pass (`BLOCK_S`) and warps (`NUM_WARPS`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+import edgemoe.kernels.ensure as ensure_kernel
 from edgemoe.bench import capture, timed
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.cache_sim import synthetic_trace
@@ -46,23 +48,53 @@ def per_call_us(geometry: str, fraction: float, policy: str, tokens: int, steps:
     return timed(graph.replay, torch.device("cuda"), 5) / (steps * L) * 1e6
 
 
+SWEEP = [(b, w) for b in (1024, 2048, 4096) for w in (4, 8, 16)]  # (BLOCK_S, NUM_WARPS)
+
+
+def sweep(geometry: str, fraction: float, policy: str, tokens: int, steps: int) -> dict[str, float]:
+    """The fused kernel's µs per call at each (BLOCK_S, NUM_WARPS) of SWEEP; the engine's constants restored."""
+    engine = ensure_kernel.BLOCK_S, ensure_kernel.NUM_WARPS
+    out = {}
+    try:
+        for block_s, warps in SWEEP:
+            ensure_kernel.BLOCK_S, ensure_kernel.NUM_WARPS = block_s, warps
+            out[f"s{block_s}_w{warps}"] = per_call_us(geometry, fraction, policy, tokens, steps, True)
+    finally:
+        ensure_kernel.BLOCK_S, ensure_kernel.NUM_WARPS = engine
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1, help="decode batch (distinct ids per layer: up to tokens x k)")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--geometries", default=",".join(GEOMETRIES), help="comma-separated (default: all three)")
+    ap.add_argument("--sweep", action="store_true", help="the fused kernel over BLOCK_S and NUM_WARPS instead")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    geometries = [g for g in a.geometries.split(",") if g]
+    unknown = sorted(set(geometries) - set(GEOMETRIES))
+    if unknown:
+        ap.error(f"unknown geometries {unknown}; choose from {', '.join(GEOMETRIES)}")
     rows = []
-    for geometry in GEOMETRIES:
+    for geometry in geometries:
         for fraction in (0.25, 0.5):
             for policy in ("lru", "scored"):
-                fused = per_call_us(geometry, fraction, policy, a.tokens, a.steps, True)
-                torch_ = per_call_us(geometry, fraction, policy, a.tokens, a.steps, False)
-                rows.append(dict(geometry=geometry, fraction=fraction, policy=policy, fused_us=fused, torch_us=torch_))
-                print(
-                    f"{geometry:>18} {fraction:.0%} {policy:>6}: fused {fused:6.1f} us, torch {torch_:6.1f} us "
-                    f"per call ({torch_ / fused:.1f}x)"
-                )
+                row = dict(geometry=geometry, fraction=fraction, policy=policy)
+                if a.sweep:
+                    row["fused_us"] = sweep(geometry, fraction, policy, a.tokens, a.steps)
+                    engine = f"s{ensure_kernel.BLOCK_S}_w{ensure_kernel.NUM_WARPS}"
+                    line = " ".join(f"{k} {v:5.1f}" for k, v in row["fused_us"].items())
+                    print(f"{geometry:>18} {fraction:.0%} {policy:>6}: us per call (engine {engine}): {line}")
+                else:
+                    fused = per_call_us(geometry, fraction, policy, a.tokens, a.steps, True)
+                    torch_ = per_call_us(geometry, fraction, policy, a.tokens, a.steps, False)
+                    row.update(fused_us=fused, torch_us=torch_)
+                    print(
+                        f"{geometry:>18} {fraction:.0%} {policy:>6}: fused {fused:6.1f} us, torch {torch_:6.1f} us "
+                        f"per call ({torch_ / fused:.1f}x)"
+                    )
+                rows.append(row)
     if a.json:
         a.json.write_text(
             json.dumps({"device": torch.cuda.get_device_name(), "tokens": a.tokens, "rows": rows}, indent=1)

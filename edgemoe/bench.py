@@ -294,6 +294,8 @@ def decode_runs(result: dict, a, model, kv, cache, trace, slots: int, policy: st
             run = decode(model, kv, cache, trace, a, mode, slots, policy, bw, fixed_read, result["expert_bytes"])
             result["runs"].append({**run, "shared_expert_overlap": overlap})
             print(_row(result["runs"][-1]), file=sys.stderr)
+            for line in profile_lines(run.get("profile", {})):
+                print(line, file=sys.stderr)
 
 
 def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM) -> list[bool]:
@@ -408,6 +410,26 @@ def _row(r: dict) -> str:
         f"{r['tok_s']:.1f} tok/s, "
         f"hit rate {r['hit_rate']:.3f}, {r['miss_bytes_per_token'] / MiB:.1f} MiB missed/token{bound}"
     )
+
+
+def profile_lines(profile: dict) -> list[str]:
+    """`--profile`'s figures as text: a line per upload policy, then the default policy's costliest kernels, each
+    with what it adds to its stream's timeline per step (under PDL its own duration counts its wait)."""
+    lines = []
+    for name, p in profile.items():
+        main = next((s for s in p["streams"].values() if s["role"] == "main"), {"gap_median_us": 0.0})
+        lines.append(
+            f"  profile, upload {name}: {p['period_us']:.0f} us a step, {p['kernels']:.0f} kernels, median gap "
+            f"{main['gap_median_us']:.2f} us on the main stream"
+        )
+    first = next(iter(profile.values()), None)
+    if first:
+        lines.append(f"    {'kernel':<44}{'calls':>7}{'us/call':>10}{'adds us/step':>14}")
+        for t in first["top"]:
+            lines.append(
+                f"    {t['name'][:44]:<44}{t['count']:>7.0f}{t['us'] / t['count']:>10.2f}{t['extends_us']:>14.1f}"
+            )
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:

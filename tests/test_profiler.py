@@ -159,3 +159,14 @@ def test_steps_split_on_the_busiest_stream_while_the_copy_service_varies() -> No
     assert "shared_us" not in got
     with pytest.raises(ValueError, match="do not split"):
         summarize(ops[1:], 3)
+
+
+def test_profile_lines_print_each_policy_and_the_costliest_kernels() -> None:
+    from edgemoe.bench import profile_lines
+
+    got = profile_lines({"auto": summarize(timeline(3), 3), "none": summarize(timeline(2), 2)})
+    assert got[0].startswith("  profile, upload auto: 0 us a step, 4 kernels, median gap 0.00 us")
+    assert got[1].startswith("  profile, upload none:")
+    assert got[2].split() == ["kernel", "calls", "us/call", "adds", "us/step"]
+    assert got[3].split() == ["gemv", "1", "0.01", "0.0"]  # 10 ns a call, adding 10 ns a step
+    assert len(got) == 3 + 5 and profile_lines({}) == []

@@ -72,8 +72,7 @@ def test_eager_copies_by_sms_and_capture_posts_without_sync() -> None:
     ids.copy_(torch.tensor([[3, 5, 9]], device="cuda"))  # ... unless the ids change
     torch.cuda.synchronize()
     with host_sync_forbidden():
-        graph.replay()
-        service.serve()
+        graph.replay()  # posts the list and serves it (a ServedGraph), polling: no host sync
     assert service.served == 1  # 3 and 5 missed: one list
     graph.replay()  # every expert hits: nothing posted
     assert service.served == 1 == int(service.tick)

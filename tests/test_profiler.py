@@ -10,19 +10,27 @@ import pytest
 from edgemoe.profiler import GpuOp, ops_from_chrome_trace, summarize
 
 
-def timeline(steps: int, period: int = 100) -> list[GpuOp]:
-    """Per step, main stream 7: A [0, 10), the miss copy [12, 20), C [21, 30); side stream 9: [13, 16), [18, 24)."""
-    ops = []
-    for i in range(steps):
-        t = i * period
-        ops += [
-            GpuOp("gemv", 7, t, t + 10, True),
-            GpuOp("_copy_rows_0d1d", 7, t + 12, t + 20, True),
-            GpuOp("memset", 7, t + 21, t + 30, False),
-            GpuOp("shared_up", 9, t + 13, t + 16, True),
-            GpuOp("shared_down", 9, t + 18, t + 24, True),
-        ]
+def repeated(step: list[tuple], steps: int, period: int = 100, unit: int = 1) -> list[GpuOp]:
+    """`steps` copies of one step's operations (name, stream, start, end, kernel), `period` apart, times in units
+    of `unit` ns, sorted by start as `record` returns them."""
+    ops = [
+        GpuOp(name, stream, (i * period + a) * unit, (i * period + b) * unit, kernel)
+        for i in range(steps)
+        for name, stream, a, b, kernel in step
+    ]
     return sorted(ops, key=lambda o: (o.start, o.end))
+
+
+def timeline(steps: int, period: int = 100, unit: int = 1) -> list[GpuOp]:
+    """Per step, main stream 7: A [0, 10), the miss copy [12, 20), C [21, 30); side stream 9: [13, 16), [18, 24)."""
+    step = [
+        ("gemv", 7, 0, 10, True),
+        ("_copy_rows_0d1d", 7, 12, 20, True),
+        ("memset", 7, 21, 30, False),
+        ("shared_up", 9, 13, 16, True),
+        ("shared_down", 9, 18, 24, True),
+    ]
+    return repeated(step, steps, period, unit)
 
 
 def test_summarize_hand_worked_timeline() -> None:
@@ -100,19 +108,9 @@ def test_ops_from_chrome_trace_keeps_gpu_work_only() -> None:
 def test_graph_like_timeline_finds_the_branch_beside_the_copy() -> None:
     """Graph replay: the routed branch (with the copy) moved to stream 20, the shared branch stayed on 7 between
     serial work: A ends before the branch window [11, 38) and C starts after it."""
-    ops = []
-    for i in range(2):
-        t = 100 * i
-        ops += [
-            GpuOp("A", 7, t, t + 10, True),
-            GpuOp("S1", 7, t + 12, t + 15, True),
-            GpuOp("S2", 7, t + 16, t + 18, True),
-            GpuOp("C", 7, t + 40, t + 50, True),
-            GpuOp("R1", 20, t + 11, t + 14, True),
-            GpuOp("_copy_rows", 20, t + 14, t + 30, True),
-            GpuOp("R2", 20, t + 31, t + 38, True),
-        ]
-    got = summarize(sorted(ops, key=lambda o: (o.start, o.end)), 2)
+    step = [("A", 7, 0, 10), ("S1", 7, 12, 15), ("S2", 7, 16, 18), ("C", 7, 40, 50)]
+    step += [("R1", 20, 11, 14), ("_copy_rows", 20, 14, 30), ("R2", 20, 31, 38)]
+    got = summarize(repeated([(*op, True) for op in step], 2), 2)
     assert got["streams"]["7"]["role"] == "main"
     assert got["shared_us"] == pytest.approx(0.005)  # S1 + S2
     assert got["overlap"] == pytest.approx(3 / 5)  # [14, 15) of S1 and all of S2
@@ -122,17 +120,8 @@ def test_top_ops_count_what_each_adds_to_its_stream() -> None:
     """PDL-like overlap: each kernel starts before the one before it ends and waits for it. Per step on stream 1:
     a [0, 10), b [8, 15) (adds 5), c [12, 14) (inside b: adds 0), a again [13, 20) (adds 5); stream 2: d [2, 6)
     (its own stream: adds 4)."""
-    ops = []
-    for i in range(2):
-        t = i * 100
-        ops += [
-            GpuOp("a", 1, t, t + 10, True),
-            GpuOp("b", 1, t + 8, t + 15, True),
-            GpuOp("c", 1, t + 12, t + 14, True),
-            GpuOp("a", 1, t + 13, t + 20, True),
-            GpuOp("d", 2, t + 2, t + 6, True),
-        ]
-    got = {t["name"]: t for t in summarize(sorted(ops, key=lambda o: (o.start, o.end)), 2)["top"]}
+    step = [("a", 1, 0, 10, True), ("b", 1, 8, 15, True), ("c", 1, 12, 14, True), ("a", 1, 13, 20, True)]
+    got = {t["name"]: t for t in summarize(repeated([*step, ("d", 2, 2, 6, True)], 2), 2)["top"]}
     assert got["a"]["us"] == pytest.approx(0.017) and got["a"]["extends_us"] == pytest.approx(0.015)
     assert got["b"]["us"] == pytest.approx(0.007) and got["b"]["extends_us"] == pytest.approx(0.005)
     assert got["c"]["extends_us"] == 0 and got["d"]["extends_us"] == pytest.approx(0.004)
@@ -164,9 +153,12 @@ def test_steps_split_on_the_busiest_stream_while_the_copy_service_varies() -> No
 def test_profile_lines_print_each_policy_and_the_costliest_kernels() -> None:
     from edgemoe.bench import profile_lines
 
-    got = profile_lines({"auto": summarize(timeline(3), 3), "none": summarize(timeline(2), 2)})
-    assert got[0].startswith("  profile, upload auto: 0 us a step, 4 kernels, median gap 0.00 us")
-    assert got[1].startswith("  profile, upload none:")
+    # times in µs: steps 100 µs apart, gaps of 2 and 1 µs on the main stream, gemv 10 µs a call
+    got = profile_lines({"auto": summarize(timeline(3, unit=1000), 3), "none": summarize(timeline(2, 120, 1000), 2)})
+    assert got[0] == "  profile, upload auto: 100 us a step, 4 kernels, median gap 1.50 us on the main stream"
+    assert got[1] == "  profile, upload none: 120 us a step, 4 kernels, median gap 1.50 us on the main stream"
     assert got[2].split() == ["kernel", "calls", "us/call", "adds", "us/step"]
-    assert got[3].split() == ["gemv", "1", "0.01", "0.0"]  # 10 ns a call, adding 10 ns a step
+    assert got[3].split() == ["gemv", "1", "10.00", "10.0"]
+    assert got[5].split() == ["_copy_rows_0d1d", "1", "8.00", "8.0"]  # starts 2 µs after gemv's end: adds all 8
+    assert got[6].split() == ["shared_down", "1", "6.00", "6.0"]  # its own stream: [18, 24) after [13, 16)
     assert len(got) == 3 + 5 and profile_lines({}) == []

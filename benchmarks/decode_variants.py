@@ -20,6 +20,10 @@
   (the engine's: `ensure.BLOCK_S`, `ensure.NUM_WARPS`).
 - `--down-rows N`: output rows a program of the MoE down GEMV (the engine's `pick_blocks`: 1);
   `--down-ordinary-launch`: the down GEMV launched with an ordinary dependency instead of PDL.
+- `--no-ensure-prefetch`: `ensure` does not ask L2 for the layer's cache state before its PDL wait
+  (`ensure.PREFETCH`).
+- `--separate-post`: a post kernel after `ensure` posts the copy list to the copy service, instead of `ensure`
+  itself once its victims are chosen (`ensure.FUSED_POST`).
 
 Everything after `--` goes to `edgemoe bench`.
 """
@@ -69,6 +73,8 @@ def main() -> int:
     ap.add_argument("--down-ordinary-launch", action="store_true")
     ap.add_argument("--ensure-block-s", type=int, default=ensure.BLOCK_S)
     ap.add_argument("--ensure-warps", type=int, default=ensure.NUM_WARPS)
+    ap.add_argument("--no-ensure-prefetch", action="store_true")
+    ap.add_argument("--separate-post", action="store_true")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
     if a.copy_programs_per_sm < 1:
@@ -76,6 +82,8 @@ def main() -> int:
     if a.ensure_block_s < 1 or a.ensure_block_s & (a.ensure_block_s - 1) or a.ensure_warps < 1:
         raise SystemExit("--ensure-block-s must be a power of two and --ensure-warps >= 1")
     ensure.BLOCK_S, ensure.NUM_WARPS = a.ensure_block_s, a.ensure_warps  # read at each call
+    ensure.PREFETCH = not a.no_ensure_prefetch
+    ensure.FUSED_POST = not a.separate_post
     if a.norm_gemv_stages < 1:
         raise SystemExit("--norm-gemv-stages must be >= 1")
     if a.down_rows < 0 or a.down_rows & (a.down_rows - 1):

@@ -8,6 +8,18 @@ in registers (ties: the lower slot), so the S slots never sit in registers; the 
 update; stats. Sets in scratch (the experts `ids` names, this layer's hit slots) are marked with the new clock
 value, so they need no clearing: older marks are smaller (`ExpertCache.reset` zeroes them with the clock).
 
+Two things shorten the decode step's critical path, which runs router -> ensure -> copy -> experts when a layer
+misses (benchmarks/RESULTS.md, issue #5):
+- Before its PDL wait, the kernel asks L2 for the layer's state (one bulk prefetch each of the layer's `slot_of`
+  row, `owner`, `hit_mark`, and `last_use` or the layer's `freq` and `last`). Earlier layers' calls wrote them, not
+  the router it waits for, and in decode the expert GEMVs between two calls have flushed them out of L2, so each
+  dependent phase would otherwise wait on HBM.
+- In a step that hands its copies to the copy service (a captured step, given the banks by `ExpertCache.ensure`)
+  the kernel posts the list to the service's mailbox itself as soon as the victims are chosen
+  (`edgemoe.kernels.miss_copy.post_list`), so the host's copies start while the mapping, policy and stats updates
+  still run, and no post kernel follows. The expert GEMV then waits for this kernel before it reads the slots
+  (`Arrivals.after_ensure`).
+
 `ExpertCache._ensure_torch` is its oracle: the returned tensors and every state tensor are bitwise identical
 (tests/kernels run the kernel under Triton's interpreter, tests/gpu compiled). Float64 steps follow torch's order,
 one rounding each: FMA contraction is off and inexact constants are built as float64. Imported only on CUDA
@@ -20,12 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+from edgemoe.kernels.miss_copy import post_list
+from edgemoe.kernels.pdl import launch_args, prefetch_l2, use_pdl, wait_for_inputs
+from edgemoe.moe.copy_service import PostTarget
 from edgemoe.moe.expert_cache import KEY_MAX, LRU, Ensured, ExpertCache, Scored
 
 BLOCK_S = 1024  # slots per step of the key pass and the victim search
 BLOCK_N = 256  # ids per step
 NUM_WARPS = 4
+PREFETCH = True  # the layer's cache state asked into L2 before the PDL wait (False: --no-ensure-prefetch)
+FUSED_POST = True  # a posting step's list posted by the kernel itself (False: decode_variants.py --separate-post)
 
 _KEY_MAX = tl.constexpr(KEY_MAX)
 _ORD_MAX = tl.constexpr(2**63 - 1)  # ordered NaN
@@ -150,10 +166,21 @@ def _update_scored(freq, last, reuse, layer, needed, e, E: tl.constexpr, FREQ: t
 
 @triton.jit(do_not_specialize=["n_ids", "M", "layer", "expert_bytes"])
 def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_use, freq, last, reuse, keys,
-            hit_mark, need_mark, arrived, n_ids, M, layer, expert_bytes, L: tl.constexpr, E: tl.constexpr,
-            S: tl.constexpr, SCORED: tl.constexpr, STATS: tl.constexpr, FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr,
-            REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+            hit_mark, need_mark, arrived, tick, mailbox, bank_a, bank_b, n_ids, M, layer, expert_bytes,
+            L: tl.constexpr, E: tl.constexpr, S: tl.constexpr, SCORED: tl.constexpr, STATS: tl.constexpr,
+            FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr, REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr,
+            BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+            BLOCKS_P2: tl.constexpr, POST: tl.constexpr, RING: tl.constexpr, MAX_ENTRIES: tl.constexpr,
+            PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    if PREFETCH:  # written by earlier layers' calls only: into L2 while the router runs (8-byte entries)
+        prefetch_l2(slot_of + layer * E, E * 8)
+        prefetch_l2(owner, S * 8)
+        prefetch_l2(hit_mark, S * 8)
+        if SCORED:
+            prefetch_l2(freq + layer * E, E * 8)
+            prefetch_l2(last + layer * E, E * 8)
+        else:
+            prefetch_l2(last_use, S * 8)
     wait_for_inputs(PDL)
     now = tl.load(clock) + 1
     tl.debug_barrier()  # every thread has read the clock before it moves
@@ -178,6 +205,9 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
     if count > 0:
         _choose_victims(keys, hit_mark, dst, count, row, hit, owner, last_use, freq, last, reuse, now, layer, L, E, S,
                         SCORED, BLOCK_S, NUM_BLOCKS, BLOCKS_P2)  # fmt: skip
+        if POST:  # the list is final: to the copy service now, so the host's copies start during the phases below
+            tl.debug_barrier()  # every thread's stores of src and dst first
+            post_list(src, dst, count.to(tl.int64), tick, mailbox, bank_a, bank_b, M, e, RING, MAX_ENTRIES)
     tl.debug_barrier()
     evictions = _evict_and_map(slot_of, owner, src, dst, e, count, M, layer, L, E, S)
     tl.debug_barrier()
@@ -202,8 +232,12 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
         tl.store(at, add, mask=j < 5)
 
 
-def ensure_fused(cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int | None = None) -> Ensured:
-    """`ExpertCache.ensure` in one launch (see the module docstring); `block_s` is for tests of several blocks."""
+def ensure_fused(
+    cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int | None = None, post: PostTarget | None = None
+) -> Ensured:
+    """`ExpertCache.ensure` in one launch (see the module docstring); `block_s` is for tests of several blocks.
+    `post`: a copy service's mailbox (CUDA), to which the kernel posts a non-empty copy list itself once its victims
+    are chosen (`edgemoe.kernels.miss_copy.post_list`); the result is then `posted`."""
     L, E, S = cache.num_layers, cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     M = min(flat.numel(), E)  # the most misses this call can have
@@ -224,15 +258,21 @@ def ensure_fused(cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int
     count = torch.empty((), dtype=torch.long, device=flat.device)
     block_s = min(block_s or BLOCK_S, triton.next_power_of_2(S))
     num_blocks = triton.cdiv(S, block_s)
+    if post is not None:
+        assert M <= post.max_entries, "a copy list longer than the mailbox row"
+    target = post or PostTarget(cache.clock, cache.clock, 0, 0, 1, 1)  # unread without a post
     # fmt: off
     _ensure[(1,)](
         flat, slots, src, dst, count, cache.slot_of, cache.owner, cache.clock, cache.stats, last_use, freq, last,
-        reuse, keys, hit_mark, need_mark, arrived, flat.numel(), M, layer, cache.expert_bytes,
+        reuse, keys, hit_mark, need_mark, arrived, target.tick, target.mailbox, target.bank_a, target.bank_b,
+        flat.numel(), M, layer, cache.expert_bytes,
         L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
-        BLOCKS_P2=triton.next_power_of_2(num_blocks), **launch_args(flat.device),
+        BLOCKS_P2=triton.next_power_of_2(num_blocks), POST=post is not None, RING=target.ring,
+        MAX_ENTRIES=target.max_entries, PREFETCH=PREFETCH and use_pdl(flat.device) and S % 2 == 0 and E % 2 == 0,
+        **launch_args(flat.device),  # (prefetch: sm_90+, 16-byte multiples of int64 entries)
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,  # no FMA: torch rounds mul and add apart
     )
     # fmt: on
-    return Ensured(slots.view(ids.shape), src, dst, count)
+    return Ensured(slots.view(ids.shape), src, dst, count, posted=post is not None)

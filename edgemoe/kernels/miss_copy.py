@@ -46,6 +46,10 @@ class Arrivals(NamedTuple):
     count: torch.Tensor  # [] valid entries
     counters: torch.Tensor  # [>= M] int64: work items stored so far, per entry
     chunks: int  # work items per entry (`chunks_per_entry`)
+    # the kernel just before the consumer is the `ensure` that wrote the list and posted it to the copy service
+    # itself: the consumer waits for that kernel (PDL) before it reads the slots; otherwise a copy or post kernel
+    # that waited for ensure runs in between, and the consumer runs beside it without waiting
+    after_ensure: bool = False
 
 
 @triton.jit
@@ -190,17 +194,26 @@ def _post_copy_list(
     wait_for_inputs(PDL)
     n = tl.load(count)
     if n > 0:  # empty lists are not posted: every posted list is waited for, so the ring of rows never overflows
-        seq = tl.load(tick) + 1
-        tl.store(tick, seq)
-        row = mailbox + ((seq - 1) % RING) * (4 + 2 * MAX)
-        r = tl.arange(0, BLOCK_M)
-        tl.store(row + 1, n)
-        tl.store(row + 2, bank_a)
-        tl.store(row + 3, bank_b)
-        tl.store(row + 4 + r, tl.load(src + r, mask=r < M), mask=r < M)
-        tl.store(row + 4 + MAX + r, tl.load(dst + r, mask=r < M), mask=r < M)
-        tl.debug_barrier()
-        tl.store(row, _fence_system(seq))  # the sequence number last: the host reads the row once it changes
+        post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, tl.arange(0, BLOCK_M), RING, MAX)
+
+
+@triton.jit
+def post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, r, RING: tl.constexpr, MAX: tl.constexpr):
+    """The copy list src, dst [M] (n > 0 valid entries) and the banks' addresses into the mailbox's next row, then
+    the row's sequence number (tick + 1, stored back to tick). `r`: an arange over at least M positions. The calling
+    program's own stores of src and dst must be behind a barrier. Also `edgemoe.kernels.ensure`'s, which posts its
+    list itself as soon as the victims are chosen."""
+    seq = tl.load(tick) + 1
+    tl.debug_barrier()  # every thread has read the tick before it moves
+    tl.store(tick, seq)
+    row = mailbox + ((seq - 1) % RING) * (4 + 2 * MAX)
+    tl.store(row + 1, n)
+    tl.store(row + 2, bank_a)
+    tl.store(row + 3, bank_b)
+    tl.store(row + 4 + r, tl.load(src + r, mask=r < M), mask=r < M)
+    tl.store(row + 4 + MAX + r, tl.load(dst + r, mask=r < M), mask=r < M)
+    tl.debug_barrier()
+    tl.store(row, _fence_system(seq))  # the sequence number last: the host reads the row once it changes
 
 
 def post_copy_list(

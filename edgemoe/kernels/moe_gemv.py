@@ -71,6 +71,7 @@ def _up(
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
     STREAMED: tl.constexpr,
+    AFTER_ENSURE: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CACHE: tl.constexpr,
@@ -78,7 +79,9 @@ def _up(
 ):
     pair = tl.program_id(0)
     if STREAMED:  # no wait for the copy kernel: only for this pair's rows, if they are in its list
-        if PDL:
+        if AFTER_ENSURE:  # no copy kernel: the kernel before wrote the slots (and posted the list)
+            wait_for_inputs(PDL)
+        elif PDL:
             gdc_launch_dependents()
         expert = tl.load(ids + pair, cache_modifier=".cg").to(tl.int64)
         _await_rows(expert, dst, count, arrived, M, CHUNKS, BLOCK_M)
@@ -227,7 +230,7 @@ def up_proj(
         # pairs on the fastest axis: pairs of one expert (other tokens) read the same rows together, from L2
         _up[(T * K, triton.cdiv(inter, b.up_n))](
             x, ids, w13, h, a.dst, a.count, a.counters, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1), M,
-            b.up_n, b.up_k, H % b.up_k == 0, b.up_stages, arrivals is not None, a.chunks,
+            b.up_n, b.up_k, H % b.up_k == 0, b.up_stages, arrivals is not None, a.after_ensure, a.chunks,
             triton.next_power_of_2(max(M, 1)), _cache(arrivals is not None), num_warps=b.up_warps,
             **launch_args(x.device),
         )  # fmt: skip

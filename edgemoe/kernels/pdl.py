@@ -28,6 +28,23 @@ def wait_for_inputs(PDL: tl.constexpr):
         gdc_launch_dependents()  # after the wait: never more than two kernels in flight
 
 
+@triton.jit
+def prefetch_l2(ptr, nbytes):
+    """Ask L2 for `nbytes` (a multiple of 16) from `ptr` (16-byte aligned), in one bulk request that the program's
+    first thread hands to its SM's TMA unit (`cp.async.bulk.prefetch.L2`; compute capability 9.0 and newer, where
+    `use_pdl` holds): no registers, no wait. Before `wait_for_inputs`, a kernel can have data that the kernel it
+    waits for does not write start moving into L2 (`edgemoe.kernels.ensure`: the cache state)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;"
+        " @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptr.to(tl.int64), tl.zeros([], tl.int32) + nbytes],  # nbytes may be a tensor or a constant
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 @functools.cache
 def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9

@@ -7,8 +7,9 @@ arrived in the expert cache's arrival counters, on which the expert GEMV waits.
 Why: rows read by SMs from pinned memory reach ~0.89 of a pinned memcpy, copy-engine copies served this way
 0.95-0.97 from two rows a layer on (0.93 for one: the post costs ~9 us a layer; benchmarks/copy_service.py,
 benchmarks/RESULTS.md), and the SMs stay free for the experts that hit.
-Only captured steps post (`ExpertCache.copy_missing`); eager steps keep the SM copy, since their thread runs
-ahead of the GPU launching kernels and cannot also serve it. `edgemoe.engine.cuda_graphs.ServedGraph.replay`
+Only captured steps post (the fused `ensure` itself, as soon as its victims are chosen: `PostTarget`; or a post
+kernel after it, `ExpertCache.copy_missing`); eager steps keep the SM copy, since their thread runs ahead of the
+GPU launching kernels and cannot also serve it. `edgemoe.engine.cuda_graphs.ServedGraph.replay`
 serves the services a graph posted to during its capture.
 """
 
@@ -23,6 +24,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +36,17 @@ BATCH_GROUP = 2  # entries a batched copy call covers (each group's counters are
 # (benchmarks/decode_variants.py --copy-batch-group; benchmarks/RESULTS.md)
 RING = 2  # mailbox rows: the GPU waits for each list it posts before it posts the next
 _RECORDERS: list[list[CopyService]] = []  # open `recording_posts` blocks
+
+
+class PostTarget(NamedTuple):
+    """A copy service's mailbox, as a kernel that posts to it takes it."""
+
+    tick: torch.Tensor  # [] int64 on the device: lists posted so far
+    mailbox: torch.Tensor  # [ring, 4 + 2 * max_entries] int64, pinned host memory
+    bank_a: int  # the banks' addresses (gate_up, down)
+    bank_b: int
+    ring: int
+    max_entries: int
 
 
 class _Service(ctypes.Structure):
@@ -136,6 +149,15 @@ class CopyService:
 
         assert src.numel() <= self.max_entries, "a copy list longer than the mailbox row"
         post_copy_list(src, dst, count, self.tick, self.mailbox, banks, RING, self.max_entries)
+        self._record()
+
+    def target(self, banks: tuple[torch.Tensor, ...]) -> PostTarget:
+        """Where a kernel that posts a list itself (`edgemoe.kernels.miss_copy.post_list`, inside `ensure`) writes it,
+        for copies from `banks`; the caller launches that kernel next (it counts as a post, as `post` does)."""
+        self._record()
+        return PostTarget(self.tick, self.mailbox, banks[0].data_ptr(), banks[1].data_ptr(), RING, self.max_entries)
+
+    def _record(self) -> None:
         for posted in _RECORDERS:
             if self not in posted:
                 posted.append(self)

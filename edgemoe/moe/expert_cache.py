@@ -100,6 +100,7 @@ class Ensured(NamedTuple):
     src: torch.Tensor  # [M] experts to copy (0 past `count`)
     dst: torch.Tensor  # [M] their slots (the scratch slot S past `count`)
     count: torch.Tensor  # [] number of valid copy-list entries (the misses)
+    posted: bool = False  # the fused `ensure` already posted the list to the copy service (`ensure`'s banks)
 
 
 class ExpertCache:
@@ -166,16 +167,19 @@ class ExpertCache:
         """[L, E] view: slot of each (layer, expert), -1 where absent."""
         return self.slot_of[:-1].view(self.num_layers, self.num_experts)
 
-    def ensure(self, layer: int, ids: torch.Tensor) -> Ensured:
+    def ensure(self, layer: int, ids: torch.Tensor, banks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Ensured:
         """Make every expert in `ids` (any shape, of MoE layer `layer`) resident, choosing victims by the policy.
 
         At most S distinct experts (callers split larger sets into waves). Updates mapping, policy state and
         stats; the copy list it returns must be applied (`copy_missing`) before the slots are read. CUDA: the fused
-        Triton kernel (one launch); CPU: `_ensure_torch`."""
+        Triton kernel (one launch); CPU: `_ensure_torch`. `banks` (w13, w2 banks: where the copies come from): in a
+        step that posts to the copy service, the kernel posts the list itself as soon as its victims are chosen
+        (`edgemoe.kernels.ensure.FUSED_POST`), and `copy_missing` has nothing left to do."""
         if self.slot_of.is_cuda:
-            from edgemoe.kernels.ensure import ensure_fused
+            from edgemoe.kernels import ensure
 
-            return ensure_fused(self, layer, ids)
+            posts = banks is not None and ensure.FUSED_POST and self._posts()
+            return ensure.ensure_fused(self, layer, ids, post=self.copy_service.target(banks) if posts else None)
         return self._ensure_torch(layer, ids)
 
     def _ensure_torch(self, layer: int, ids: torch.Tensor) -> Ensured:
@@ -232,14 +236,17 @@ class ExpertCache:
             return None
         from edgemoe.kernels.miss_copy import Arrivals, chunks_per_entry
 
-        return Arrivals(copy.dst, copy.count, self.arrival_counters, chunks_per_entry((self.w13, self.w2)))
+        counters, chunks = self.arrival_counters, chunks_per_entry((self.w13, self.w2))
+        return Arrivals(copy.dst, copy.count, counters, chunks, after_ensure=copy.posted)
 
     def copy_missing(self, copy: Ensured, w13_bank: torch.Tensor, w2_bank: torch.Tensor) -> None:
         """Copy the listed experts' rows, bank -> pool, counting each entry's arrival (CUDA). Captured with a copy
         service: one post of the list to it (`edgemoe.engine.cuda_graphs.ServedGraph` serves its replays), which must
         be waited for (per entry by the expert GEMV's `arrivals`, or by `await_copy`) before the next post;
         otherwise on CUDA one Triton launch for both banks (sync-free, graph-capturable; the banks must be pinned);
-        CPU: `copy_rows_reference`."""
+        CPU: `copy_rows_reference`. A list `ensure` posted itself (`copy.posted`) is left to the service."""
+        if copy.posted:
+            return
         if self._posts():
             self.copy_service.post(copy.src, copy.dst, copy.count, (w13_bank, w2_bank))
         elif self.w13.is_cuda:

@@ -51,7 +51,7 @@ class OffloadedExperts(nn.Module):
         return self._grouped_waves(x, ids, weights)
 
     def load(self, ids: torch.Tensor) -> Ensured:
-        got = self.cache.ensure(self.layer, ids)
+        got = self.cache.ensure(self.layer, ids, (self.gate_up_proj, self.down_proj))
         self.cache.copy_missing(got, self.gate_up_proj, self.down_proj)
         return got
 

@@ -26,9 +26,13 @@ def make_cache(L: int, E: int, S: int, policy: str, rows: tuple[tuple[int, int],
     return cache, banks
 
 
+@pytest.mark.parametrize("fused_post", [True, False], ids=["ensure-posts", "post-kernel"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("rows", [((16, 8), (8, 8)), ((1536, 2048), (2048, 768))])  # tiny; qwen3-30b-a3b's
-def test_graph_replays_post_and_wait(policy: str, rows: tuple) -> None:
+def test_graph_replays_post_and_wait(policy: str, rows: tuple, fused_post: bool, monkeypatch) -> None:
+    import edgemoe.kernels.ensure as ensure
+
+    monkeypatch.setattr(ensure, "FUSED_POST", fused_post)
     L, E, S, tokens, top_k = 3, 12, 9, 2, 3
     gpu, banks = make_cache(L, E, S, policy, rows)
     cpu = ExpertCache(L, E, S, policy, "cpu", 10)
@@ -78,6 +82,34 @@ def test_eager_copies_by_sms_and_capture_posts_without_sync() -> None:
     assert service.served == 1 == int(service.tick)
     for pool, bank in zip((cache.w13, cache.w2), banks[0]):
         assert torch.equal(pool[cache.slot_table()[0, [3, 5, 9]]].cpu(), bank[[3, 5, 9]])
+
+
+def test_captured_ensure_posts_its_own_list() -> None:
+    """Given the banks, a captured `ensure` posts the list itself (no post kernel; `copy_missing` adds nothing), an
+    eager one does not; the replay serves that post and the rows land in the chosen slots."""
+    cache, banks = make_cache(1, 12, 7, "scored", ((64, 96), (96, 32)))
+    service = cache.copy_service
+    first = cache.ensure(0, torch.tensor([[1, 4, 7]], device="cuda"), banks[0])
+    assert not first.posted  # eager: the SM copy
+    cache.copy_missing(first, *banks[0])
+    ids = torch.tensor([[2, 4, 9]], device="cuda")
+    posted = []
+
+    def step() -> None:
+        got = cache.ensure(0, ids, banks[0])
+        posted.append(got.posted)
+        cache.copy_missing(got, *banks[0])
+        cache.await_copy(got)
+
+    graph, _ = capture_graph(step)
+    assert posted == [False, True] and graph.copy_services == (service,)  # the eager warm-up, then the capture
+    ids.copy_(torch.tensor([[3, 5, 10]], device="cuda"))
+    torch.cuda.synchronize()
+    with host_sync_forbidden():
+        graph.replay()
+    assert service.served == 1 == int(service.tick)
+    for pool, bank in zip((cache.w13, cache.w2), banks[0]):
+        assert torch.equal(pool[cache.slot_table()[0, [3, 5, 10]]].cpu(), bank[[3, 5, 10]])
 
 
 def test_engine_offload_runs_through_the_service() -> None:

@@ -37,9 +37,13 @@ from edgemoe.kernels.pdl import launch_args, prefetch_l2, use_pdl, wait_for_inpu
 from edgemoe.moe.copy_service import PostTarget
 from edgemoe.moe.expert_cache import KEY_MAX, LRU, Ensured, ExpertCache, Scored
 
-BLOCK_S = 1024  # slots per step of the key pass and the victim search
+# slots per step of the key pass and the victim search, and warps: qwen3-30b-a3b's 3,072 and 1,536 slots in one step
+# over 8 warps cut a call by ~18 % at 25 % cached (`benchmarks/ensure.py --sweep`), and decode at 25 % and 50 %
+# was as fast or faster in every cell of two A/B runs (decode_variants.py --ensure-block-s --ensure-warps;
+# benchmarks/RESULTS.md); smaller pools take one step of next_power_of_2(S)
+BLOCK_S = 4096
 BLOCK_N = 256  # ids per step
-NUM_WARPS = 4
+NUM_WARPS = 8
 PREFETCH = True  # the layer's cache state asked into L2 before the PDL wait (False: --no-ensure-prefetch)
 FUSED_POST = True  # a posting step's list posted by the kernel itself (False: decode_variants.py --separate-post)
 

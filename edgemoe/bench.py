@@ -356,7 +356,11 @@ def decode(
             fn()
             if cache is not None:
                 cache.stats.zero_()
+            service = getattr(cache, "copy_service", None)
+            served_before = service.host_timings if service is not None else None
             seconds = timed(fn, dec.device, a.steps - 1)  # per step; the stats cover its warm call too
+            if service is not None:  # what serving the copy lists cost the host, a list (graph runs post)
+                run["copy_service"] = service.host_timings.since(served_before)
             stats = resident_stats(model, dec.trace, a.steps) if cache is None else cache.stats.sum(0).tolist()
             if dec.device.type == "cuda":
                 run["peak_vram_bytes"] = torch.cuda.max_memory_allocated(dec.device)

@@ -22,6 +22,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 typedef int (*memcpy_fn)(uint64_t dst, const void *src, size_t bytes, void *stream);  /* cuMemcpyHtoDAsync */
 typedef int (*write_fn)(void *stream, uint64_t addr, uint64_t value, unsigned flags); /* cuStreamWriteValue64 */
@@ -53,7 +54,17 @@ typedef struct {
   int64_t group;   /* entries a batch call copies, 1..MAX_GROUP */
   int64_t served; /* lists served so far */
   int error;      /* first CUDA error code, 0 if none */
+  /* host-side timings, summed over the lists served (CLOCK_MONOTONIC ns): from seeing a list's sequence number to
+   * the return of its first copy call (the first copy is queued), and to the end of its last counter write (all
+   * queued); and the event queries of the poll loop */
+  int64_t first_ns, issue_ns, queries;
 } edgemoe_copy_service;
+
+static int64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 /* Copy entries [first, first + n) of the list in `row`: their rows, bank -> slot. Returns a CUDA error or 0. */
 static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t first, int64_t n) {
@@ -78,12 +89,13 @@ static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t 
   return 0;
 }
 
-static void serve_list(edgemoe_copy_service *s, volatile int64_t *row) {
+static void serve_list(edgemoe_copy_service *s, volatile int64_t *row, int64_t seen) {
   int64_t n = row[1] < s->max_entries ? row[1] : s->max_entries;
   int64_t group = s->batch ? (s->group < 1 ? 1 : s->group > MAX_GROUP ? MAX_GROUP : s->group) : 1;
   for (int64_t first = 0; first < n; first += group) {
     int64_t m = n - first < group ? n - first : group;
     if (!s->error) s->error = copy_entries(s, row, first, m);
+    if (first == 0) s->first_ns += now_ns() - seen;
     for (int64_t i = first; i < first + m; ++i) {
       /* even after an error: the GPU must never wait forever (the Python side raises on `error`) */
       int err = s->write(s->stream, s->counters + 8 * (uint64_t)i, s->chunks, 0);
@@ -98,11 +110,14 @@ int edgemoe_copy_service_serve(edgemoe_copy_service *s, void *event) {
   for (;;) {
     volatile int64_t *row = s->mailbox + (s->served % s->ring) * s->width;
     if (row[0] == s->served + 1) {
+      int64_t seen = now_ns();
       __sync_synchronize(); /* the row's fields after its sequence number */
-      serve_list(s, row);
+      serve_list(s, row, seen);
+      s->issue_ns += now_ns() - seen;
       s->served += 1;
       continue;
     }
+    s->queries += 1;
     int done = s->query(event);
     if (done == 0) return s->error; /* every posted list was waited for, so served, before the event */
     if (done != CUDA_ERROR_NOT_READY) return s->error ? s->error : done;

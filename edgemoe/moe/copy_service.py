@@ -49,6 +49,28 @@ class PostTarget(NamedTuple):
     max_entries: int
 
 
+class HostTimings(NamedTuple):
+    """The serve loop's host-side costs, summed over lists (`CopyService.host_timings`)."""
+
+    lists: int
+    first_ns: int  # from seeing a list to the return of its first copy call: the first copy is queued
+    issue_ns: int  # from seeing a list to its last counter write: every copy queued
+    queries: int  # event queries between lists (each a driver call, the poll loop's)
+
+    def since(self, earlier: HostTimings) -> dict:
+        """Per list over the serves between `earlier` and these: µs to the first copy queued, to all queued, and the
+        event queries (None without lists)."""
+        lists = self.lists - earlier.lists
+        if lists <= 0:
+            return {"lists": 0, "first_copy_queued_us": None, "all_queued_us": None, "queries_per_list": None}
+        return {
+            "lists": lists,
+            "first_copy_queued_us": (self.first_ns - earlier.first_ns) / lists / 1e3,
+            "all_queued_us": (self.issue_ns - earlier.issue_ns) / lists / 1e3,
+            "queries_per_list": (self.queries - earlier.queries) / lists,
+        }
+
+
 class _Service(ctypes.Structure):
     _fields_ = [
         ("mailbox", ctypes.c_void_p), ("ring", ctypes.c_int64), ("width", ctypes.c_int64),
@@ -56,7 +78,8 @@ class _Service(ctypes.Structure):
         ("row_a", ctypes.c_int64), ("row_b", ctypes.c_int64), ("counters", ctypes.c_uint64),
         ("chunks", ctypes.c_uint64), ("stream", ctypes.c_void_p), ("copy", ctypes.c_void_p),
         ("write", ctypes.c_void_p), ("query", ctypes.c_void_p), ("batch", ctypes.c_void_p), ("group", ctypes.c_int64),
-        ("served", ctypes.c_int64), ("error", ctypes.c_int),
+        ("served", ctypes.c_int64), ("error", ctypes.c_int), ("first_ns", ctypes.c_int64), ("issue_ns", ctypes.c_int64),
+        ("queries", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -177,6 +200,12 @@ class CopyService:
     @property
     def served(self) -> int:
         return self._state.served
+
+    @property
+    def host_timings(self) -> HostTimings:
+        """What serving has cost the host so far (sums; differences of two readings cover the calls between)."""
+        st = self._state
+        return HostTimings(st.served, st.first_ns, st.issue_ns, st.queries)
 
 
 @contextlib.contextmanager

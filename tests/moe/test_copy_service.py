@@ -119,8 +119,15 @@ def test_serve_copies_every_list_in_order_into_its_slots(batched: bool, group: i
     for src, dst, layer in lists:
         for w, bank in zip(want, banks[layer]):
             copy_rows_reference(w, bank, src, dst)
+    before = gpu.service.host_timings
     gpu.service.serve()
     assert gpu.service.served == len(lists) and not gpu.lists
+    timings = gpu.service.host_timings
+    assert timings.lists == len(lists) and timings.queries == gpu.queries  # each poll's driver query, counted
+    assert 0 < timings.first_ns <= timings.issue_ns  # the first copy is queued before the list's last write
+    per_list = timings.since(before)
+    assert per_list["lists"] == len(lists) and per_list["queries_per_list"] == gpu.queries / len(lists)
+    assert per_list["first_copy_queued_us"] == timings.first_ns / len(lists) / 1e3
     for pool, w in zip(pools, want):
         assert torch.equal(pool, w)  # every row in its slot, later lists over earlier ones
     n_last = lists[-1][0].numel()
@@ -137,8 +144,16 @@ def test_serve_copies_every_list_in_order_into_its_slots(batched: bool, group: i
 
 def test_serve_returns_at_once_when_nothing_is_posted() -> None:
     gpu, pools, *_ = make(lambda banks: [])
+    before = gpu.service.host_timings
     gpu.service.serve()
     assert gpu.service.served == 0 and gpu.queries == 1 and gpu.copies == 0
+    assert gpu.service.host_timings == (0, 0, 0, 1)
+    assert gpu.service.host_timings.since(before) == {
+        "lists": 0,
+        "first_copy_queued_us": None,
+        "all_queued_us": None,
+        "queries_per_list": None,
+    }
 
 
 @pytest.mark.parametrize("batched", [False, True])

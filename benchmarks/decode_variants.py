@@ -24,6 +24,8 @@
   (`ensure.PREFETCH`).
 - `--separate-post`: a post kernel after `ensure` posts the copy list to the copy service, instead of `ensure`
   itself once its victims are chosen (`ensure.FUSED_POST`).
+- `--attention-warps W`, `--attention-stages S`: the paged-attention partial kernel's warps and pipeline stages
+  (the engine's: `paged_attention.WARPS`, `paged_attention.STAGES`).
 
 Everything after `--` goes to `edgemoe bench`.
 """
@@ -39,6 +41,7 @@ import edgemoe.kernels.dense_gemv as dense_gemv
 import edgemoe.kernels.ensure as ensure
 import edgemoe.kernels.miss_copy as miss_copy
 import edgemoe.kernels.moe_gemv as moe_gemv
+import edgemoe.kernels.paged_attention as paged_attention
 import edgemoe.kernels.pdl as pdl
 import edgemoe.moe.copy_service as copy_service
 from edgemoe.cli import main as edgemoe_main
@@ -75,6 +78,8 @@ def main() -> int:
     ap.add_argument("--ensure-warps", type=int, default=ensure.NUM_WARPS)
     ap.add_argument("--no-ensure-prefetch", action="store_true")
     ap.add_argument("--separate-post", action="store_true")
+    ap.add_argument("--attention-warps", type=int, default=paged_attention.WARPS)
+    ap.add_argument("--attention-stages", type=int, default=paged_attention.STAGES)
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
     if a.copy_programs_per_sm < 1:
@@ -84,6 +89,9 @@ def main() -> int:
     ensure.BLOCK_S, ensure.NUM_WARPS = a.ensure_block_s, a.ensure_warps  # read at each call
     ensure.PREFETCH = not a.no_ensure_prefetch
     ensure.FUSED_POST = not a.separate_post
+    if a.attention_warps < 1 or a.attention_warps & (a.attention_warps - 1) or a.attention_stages < 1:
+        raise SystemExit("--attention-warps must be a power of two and --attention-stages >= 1")
+    paged_attention.WARPS, paged_attention.STAGES = a.attention_warps, a.attention_stages  # read at each call
     if a.norm_gemv_stages < 1:
         raise SystemExit("--norm-gemv-stages must be >= 1")
     if a.down_rows < 0 or a.down_rows & (a.down_rows - 1):

@@ -10,7 +10,8 @@ copy's (read + write) rate. Calls cycle over `layers` KV caches sharing one bloc
 enough that they do not fit in L2, so repeated calls do not measure the L2 cache. The graph figure is what decode
 runs (the calls of all layers captured in one graph); the eager one includes launch overhead. The kernel runs with the
 splits `choose_splits` picks for this GPU (the engine's); the splits line times forced splits S next to it, so one run
-shows whether the pick is the best. `--sweep` times the kernel over tiles and warps at the chosen splits.
+shows whether the pick is the best. `--sweep` times the kernel over tiles, warps and pipeline stages at the chosen
+splits.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from edgemoe.engine.context import ForwardContext
 from edgemoe.kernels.paged_attention import (
     BLOCK_N,
     PROGRAMS_PER_SM,
+    STAGES,
+    WARPS,
     choose_splits,
     min_split_tiles,
     paged_decode_attention,
@@ -122,9 +125,9 @@ def measure(p: Problem, hbm: float, sweep: bool) -> dict:
     r["splits_over_copy"] = {s: p.kv_bytes / (us / 1e6) / hbm for s, us in r["splits_graph_us"].items()}
     if sweep:
         r["sweep_graph_us"] = {}
-        for block_n, warps in itertools.product((32, 64, 128), (4, 8)):
-            opts = dict(splits=p.splits, block_n=block_n, num_warps=warps)
-            key = f"n{block_n}_w{warps}"
+        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
+            opts = dict(splits=p.splits, block_n=block_n, num_warps=warps, stages=stages)
+            key = f"n{block_n}_w{warps}_s{stages}"
             try:
                 r["sweep_graph_us"][key] = graph_seconds(lambda i, o=opts: p.kernel(i, **o), p.layers) * 1e6
             except Exception as exc:  # e.g. out of shared memory: reported, not fatal
@@ -153,7 +156,7 @@ def main() -> None:
         "torch": torch.__version__,
         "dtype": a.dtype,
         "width": a.width,
-        "defaults": {"splits": "choose_splits", "block_n": BLOCK_N, "num_warps": 4},
+        "defaults": {"splits": "choose_splits", "block_n": BLOCK_N, "num_warps": WARPS, "stages": STAGES},
         "sms": torch.cuda.get_device_properties(DEV).multi_processor_count,
         "programs_per_sm": PROGRAMS_PER_SM,
         "copy_bytes_per_s": hbm,

@@ -37,6 +37,9 @@ PROGRAMS_PER_SM = 4  # the partial kernel's target: several resident programs pe
 MAX_SPLITS = 256  # bounds the partials workspace and the reduce's serial work
 STAND_IN_SMS = 132  # an H200's count, for CPU tensors (the interpreter): deterministic tests
 BLOCK_N = 64  # tokens per tile
+# the partial kernel's warps and pipeline stages (its plain `range` loop keeps STAGES - 1 tiles' loads ahead; 3 is
+# Triton's default); benchmarks/decode_variants.py --attention-warps / --attention-stages change them for A/B
+WARPS, STAGES = 4, 3
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -238,13 +241,15 @@ def paged_decode_attention(
     block_size: int,
     splits: int | None = None,
     block_n: int = BLOCK_N,
-    num_warps: int = 4,
+    num_warps: int | None = None,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """q: [seqs, heads, head_dim]; k_cache, v_cache: [num_slots, kv_heads, head_dim] (slot = block * block_size +
     offset); block_tables: [seqs, max_blocks] int64 (entries past a sequence's context are never read);
     context_lens: [seqs] int64 on the device -> [seqs, heads, head_dim] in q's dtype. head_dim a power of two >= 16
     (others: ValueError, use the torch path); heads a multiple of kv_heads. `splits` (None: `choose_splits`'s),
-    `block_n` and `num_warps` are for tests (the interpreter) and benchmarks/paged_attention.py's sweep."""
+    `block_n`, `num_warps` and `stages` (None: WARPS, STAGES) are for tests (the interpreter) and
+    benchmarks/paged_attention.py's sweep."""
     seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if dim < 16 or dim & (dim - 1):
@@ -289,7 +294,8 @@ def paged_decode_attention(
         scale * math.log2(math.e), width, splits, min_tiles, heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, num_warps=num_warps, **launch_args(q.device),
+        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, num_warps=num_warps or WARPS,
+        num_stages=stages or STAGES, **launch_args(q.device),
     )  # fmt: skip
     if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers
         splits_pad = triton.next_power_of_2(splits)

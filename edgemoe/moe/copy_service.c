@@ -1,9 +1,9 @@
 /* The expert cache's copy service: the host carries out the copy lists a replayed decode graph posts.
  *
  * A decode step cannot tell the host which experts missed without synchronising, and the copy engine only copies
- * what the host asks. So the GPU posts each non-empty copy list to a mailbox in pinned host memory (the Triton
- * kernel `edgemoe.kernels.miss_copy.post_copy_list`: the row's fields, a system-scope fence, then its sequence
- * number) and the thread that replayed the graph, polling the mailbox until the step's event completes
+ * what the host asks. So the GPU posts each non-empty copy list to a mailbox in pinned host memory
+ * (`edgemoe.kernels.miss_copy.post_list`, inside the fused `ensure` or a post kernel: the row's fields, a
+ * system-scope fence, then its sequence number) and the thread that replayed the graph, polling the mailbox until the step's event completes
  * (`edgemoe_copy_service_serve`), issues the listed rows' copies on the service's stream (two rows an entry), each
  * group of entries followed by stream writes of `chunks` into their arrival counters, on which the expert GEMV
  * waits (edgemoe.kernels.miss_copy.Arrivals). The GPU waits for every list it posts before posting the next, so

@@ -112,6 +112,45 @@ def test_captured_ensure_posts_its_own_list() -> None:
         assert torch.equal(pool[cache.slot_table()[0, [3, 5, 10]]].cpu(), bank[[3, 5, 10]])
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_streamed_experts_right_after_a_posting_ensure(policy: str) -> None:
+    """Offloaded decode as captured: per layer, `ensure` posts its list itself and the streamed expert GEMV follows
+    it directly (`Arrivals.after_ensure`: it waits for `ensure`, then per entry). Replays with new routing must give
+    bitwise the plain GEMV over the banks' own rows: a GEMV that read the slots or the list before `ensure` wrote
+    them would read the last replay's."""
+    from edgemoe.kernels.moe_gemv import fused_experts
+
+    L, E, S, top_k, hidden = 3, 12, 9, 4, 2048
+    gpu, banks = make_cache(L, E, S, policy, ((1536, hidden), (hidden, 768)))  # qwen3-30b-a3b's rows
+    on_device = [tuple(bank.cuda() for bank in layer) for layer in banks]
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.zeros(L, 1, top_k, dtype=torch.long, device="cuda")  # static input of the graph
+    x = torch.randn(1, hidden, generator=gen).to(torch.bfloat16).cuda()
+    weights = torch.rand(1, top_k, generator=gen).cuda()
+    posted = []
+
+    def step() -> list[torch.Tensor]:
+        out = []
+        for layer in range(L):
+            got = gpu.ensure(layer, ids[layer], banks[layer])
+            posted.append(got.posted)
+            gpu.copy_missing(got, *banks[layer])
+            out.append(fused_experts(x, got.slots, weights, gpu.w13, gpu.w2, arrivals=gpu.arrivals(got)))
+        return out
+
+    trace = random_trace(10, L, E, 1, top_k, skew=0.5, seed=12)
+    ids.copy_(trace[0])
+    graph, outputs = capture_graph(step)
+    assert posted == [False] * L + [True] * L  # the eager warm-up copies by SMs; the capture's ensures post
+    for step_ids in trace[1:]:
+        ids.copy_(step_ids)
+        graph.replay()
+        for layer in range(L):
+            want = fused_experts(x, step_ids[layer].cuda(), weights, *on_device[layer])
+            assert torch.equal(outputs[layer], want), layer
+    assert gpu.copy_service.served > L, "the replays must miss and copy"
+
+
 def test_engine_offload_runs_through_the_service() -> None:
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["ROMEO.\n", "To be, or not to be, that is the question: " * 6]  # the second prefills in waves

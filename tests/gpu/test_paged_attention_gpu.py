@@ -175,3 +175,61 @@ def test_cuda_graph_replays_new_lengths_and_tables(dtype, seqs: int) -> None:
         graph.replay()
         expected = attn._decode_torch(q, decode_ctx(tables, lens))
         torch.testing.assert_close(out, expected, **TOL[dtype], msg=lambda m, r=round_lens: f"lens {r}: {m}")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="the prefetch needs sm_90+"
+)
+@pytest.mark.parametrize("seqs", [1, 4])
+def test_kv_prefetch_right_after_the_prologue_changes_nothing(monkeypatch, seqs: int) -> None:
+    """The partial kernel asks L2 for its split's first K/V rows before its PDL wait, while the prologue before it
+    writes the newest token's rows. Replayed from a CUDA graph (prologue -> attention) with new q, k, v, caches and
+    lengths each time, the output is bitwise that of the kernel without the prefetch, at 0, 1, 2 and 4 tiles asked,
+    and matches the reference; a prefetch that reached past the newest token or the split could only cost time, but
+    one that raced the prologue's write would show here as a wrong newest row."""
+    from edgemoe.kernels import paged_attention
+    from edgemoe.kernels.norm_rope import attention_prologue
+    from edgemoe.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, dim, bs, width = 32, 4, 128, 16, 8192
+    num_blocks = seqs * width // bs
+    k_cache = torch.empty((num_blocks + 1) * bs, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.empty_like(k_cache)
+    rope = RotaryEmbedding(dim, width, 1e6)
+    rope.build("cuda")
+    q_new = torch.empty(seqs, heads, dim, dtype=torch.bfloat16, device="cuda")
+    k_new = torch.empty(seqs, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    v_new = torch.empty_like(k_new)
+    tables = torch.full((seqs, width // bs), num_blocks, dtype=torch.long, device="cuda")
+    lens = torch.ones(seqs, dtype=torch.long, device="cuda")
+    positions = torch.zeros(seqs, dtype=torch.long, device="cuda")
+    slots = torch.zeros(seqs, dtype=torch.long, device="cuda")
+    scale = dim**-0.5
+
+    def step() -> torch.Tensor:
+        q = attention_prologue(q_new, k_new, v_new, positions, rope.cos_sin, k_cache, v_cache, slots)
+        return paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, bs)
+
+    graphs = {}
+    for tiles in (0, 1, 2, 4):  # PREFETCH_TILES is read when the kernel is launched, so at capture
+        monkeypatch.setattr(paged_attention, "PREFETCH_TILES", tiles)
+        graphs[tiles] = capture_graph(step)
+    gen = torch.Generator().manual_seed(1)
+    for r, round_lens in enumerate(([1, 129, 4096, 8192], [4096] * 4, [700, 8191, 64, 3000])):
+        round_lens = round_lens[-seqs:]
+        fill_tables(tables, round_lens, bs, num_blocks, gen)
+        lens.copy_(torch.tensor(round_lens))
+        positions.copy_(lens - 1)
+        slots.copy_(tables[torch.arange(seqs, device="cuda"), positions // bs] * bs + positions % bs)
+        outs = {}
+        for tiles, (graph, out) in graphs.items():
+            for i, t in enumerate((q_new, k_new, v_new, k_cache, v_cache)):  # the same values for every variant
+                t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(10 * r + i)))
+            graph.replay()
+            outs[tiles] = out.clone()
+            k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        for tiles, out in outs.items():
+            assert torch.equal(out, outs[0]), f"lens {round_lens}, {tiles} tiles prefetched"
+        q_ref = attention_prologue(q_new, k_new, v_new, positions, rope.cos_sin, k_ref, v_ref, slots)
+        expected = plain_attention(q_ref, k_ref, v_ref, tables, lens, bs)
+        torch.testing.assert_close(outs[0].double(), expected, atol=2e-2, rtol=2e-2)

@@ -141,11 +141,11 @@ def _partial(
     v_base = v_cache + kvh * stride_vh
     if PREFETCH_N > 0:  # the split's first tokens of K and V into L2 while the prologue runs (step inputs and
         # earlier steps' cache rows; the newest token is the prologue's to write, so it is left out)
-        t = start + tl.arange(0, PREFETCH_N)
-        ahead = t < tl.minimum(end, ctx_len - 1)
-        slot = tl.load(table + t // BS, mask=ahead, other=0).to(tl.int64) * BS + t % BS
-        prefetch_rows_l2(k_base + slot * stride_ks, tl.where(ahead, ROW_BYTES, 0))
-        prefetch_rows_l2(v_base + slot * stride_vs, tl.where(ahead, ROW_BYTES, 0))
+        tp = start + tl.arange(0, PREFETCH_N)
+        ahead = tp < tl.minimum(end, ctx_len - 1)
+        slot_p = tl.load(table + tp // BS, mask=ahead, other=0).to(tl.int64) * BS + tp % BS
+        prefetch_rows_l2(k_base + slot_p * stride_ks, tl.where(ahead, ROW_BYTES, 0))
+        prefetch_rows_l2(v_base + slot_p * stride_vs, tl.where(ahead, ROW_BYTES, 0))
     wait_for_inputs(PDL)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)

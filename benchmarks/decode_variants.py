@@ -28,8 +28,6 @@
   itself once its victims are chosen (`ensure.FUSED_POST`).
 - `--attention-warps W`, `--attention-stages S`: the paged-attention partial kernel's warps and pipeline stages
   (the engine's: `paged_attention.WARPS`, `paged_attention.STAGES`).
-- `--attention-prefetch-tiles N`: tiles of K and V each partial program asks into L2 before its PDL wait (0: none;
-  the engine's: `paged_attention.PREFETCH_TILES`).
 
 Everything after `--` goes to `edgemoe bench`.
 """
@@ -85,7 +83,6 @@ def main() -> int:
     ap.add_argument("--separate-post", action="store_true")
     ap.add_argument("--attention-warps", type=int, default=paged_attention.WARPS)
     ap.add_argument("--attention-stages", type=int, default=paged_attention.STAGES)
-    ap.add_argument("--attention-prefetch-tiles", type=int, default=paged_attention.PREFETCH_TILES)
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
     if a.copy_programs_per_sm < 1:
@@ -98,9 +95,6 @@ def main() -> int:
     if a.attention_warps < 1 or a.attention_warps & (a.attention_warps - 1) or a.attention_stages < 1:
         raise SystemExit("--attention-warps must be a power of two and --attention-stages >= 1")
     paged_attention.WARPS, paged_attention.STAGES = a.attention_warps, a.attention_stages  # read at each call
-    if a.attention_prefetch_tiles < 0 or a.attention_prefetch_tiles & (a.attention_prefetch_tiles - 1):
-        raise SystemExit("--attention-prefetch-tiles must be 0 or a power of two")
-    paged_attention.PREFETCH_TILES = a.attention_prefetch_tiles
     if a.norm_gemv_stages < 1:
         raise SystemExit("--norm-gemv-stages must be >= 1")
     if a.down_rows < 0 or a.down_rows & (a.down_rows - 1):

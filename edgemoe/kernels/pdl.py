@@ -45,21 +45,6 @@ def prefetch_l2(ptr, nbytes):
     )
 
 
-@triton.jit
-def prefetch_rows_l2(ptrs, nbytes):
-    """Ask L2 for `nbytes` (multiples of 16; 0: nothing) from each of `ptrs` (16-byte aligned): one bulk request per
-    element, from the thread that holds it (`prefetch_l2`'s instruction; sm_90+). Elements that a small tensor repeats
-    over several threads are asked for more than once, which costs only the requests."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptrs.to(tl.int64), nbytes.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 @functools.cache
 def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9

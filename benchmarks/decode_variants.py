@@ -9,8 +9,6 @@
   its copy service, `edgemoe.moe.copy_service`); `service` (default): the engine's.
 - `--copy-batch-group G`: the copy service's entries per `cuMemcpyBatchAsync` (0: a `cuMemcpyHtoDAsync` per row;
   default: the engine's `BATCH_GROUP`).
-- `--copy-lead N`: a list's first N entries copied by one `cuMemcpyHtoDAsync` a row before the batched groups
-  (default: the engine's `LEAD`).
 - `--copy-programs-per-sm`: the miss copy's persistent grid (default: the engine's `PROGRAMS_PER_SM`).
 - `--no-pdl`: ordinary launches everywhere, so that `--profile`'s per-kernel table shows each kernel's own time
   (under PDL a kernel's time includes its wait for the one before); also what GPUs before Hopper run.
@@ -70,7 +68,6 @@ def main() -> int:
     ap.add_argument("--gemv", choices=["streamed", "plain"], default="streamed")
     ap.add_argument("--miss-copy", choices=["service", "sm"], default="service")
     ap.add_argument("--copy-batch-group", type=int, default=copy_service.BATCH_GROUP)
-    ap.add_argument("--copy-lead", type=int, default=copy_service.LEAD)
     ap.add_argument("--copy-programs-per-sm", type=int, default=miss_copy.PROGRAMS_PER_SM)
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--norm-gemv", choices=["auto", "off", "on", "ordinary"], default="auto")
@@ -104,9 +101,6 @@ def main() -> int:
     if a.miss_copy == "sm":
         ExpertCache.start_copy_service = lambda self: None
     copy_service.BATCH_GROUP = a.copy_batch_group
-    if a.copy_lead < 0:
-        raise SystemExit("--copy-lead must be >= 0")
-    copy_service.LEAD = a.copy_lead
     miss_copy.PROGRAMS_PER_SM = a.copy_programs_per_sm
     if a.no_pdl:
         pdl.use_pdl = lambda device: False  # launch_args looks it up at each launch

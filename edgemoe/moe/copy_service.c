@@ -14,8 +14,7 @@
  * the second: the engine deadlocked that way (benchmarks/RESULTS.md). One thread never contends with itself.
  *
  * Where the driver has `cuMemcpyBatchAsync` (CUDA 12.8 and later), the rows of `group` entries go in one call of it
- * and their counters are written after it (the first `lead` entries of a list, one `cuMemcpyHtoDAsync` a row and
- * their counters, before); otherwise each row is one `cuMemcpyHtoDAsync`.
+ * and their counters are written after it; otherwise each row is one `cuMemcpyHtoDAsync`.
  *
  * Mailbox row (int64): seq, count, bank_a, bank_b, src[max_entries], dst[max_entries]. CUDA is reached through
  * driver entry points the Python side passes in (libcuda's own), so this file needs no CUDA headers.
@@ -59,7 +58,6 @@ typedef struct {
    * the return of its first copy call (the first copy is queued), and to the end of its last counter write (all
    * queued); and the event queries of the poll loop */
   int64_t first_ns, issue_ns, queries;
-  int64_t lead; /* a list's first entries copied a call a row before the batched groups */
 } edgemoe_copy_service;
 
 static int64_t now_ns(void) {
@@ -68,9 +66,8 @@ static int64_t now_ns(void) {
   return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Copy entries [first, first + n) of the list in `row`: their rows, bank -> slot, in one batched call unless `plain`
- * (or the driver has none). Returns a CUDA error or 0. */
-static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t first, int64_t n, int plain) {
+/* Copy entries [first, first + n) of the list in `row`: their rows, bank -> slot. Returns a CUDA error or 0. */
+static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t first, int64_t n) {
   uint64_t bank_a = (uint64_t)row[2], bank_b = (uint64_t)row[3];
   uint64_t dsts[2 * MAX_GROUP], srcs[2 * MAX_GROUP];
   size_t sizes[2 * MAX_GROUP];
@@ -80,7 +77,7 @@ static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t 
     dsts[2 * j + 1] = s->pool_b + dst * s->row_b, srcs[2 * j + 1] = bank_b + src * s->row_b;
     sizes[2 * j + 1] = s->row_b;
   }
-  if (s->batch && !plain) {
+  if (s->batch) {
     copy_attributes in_order = {1, 0, 0, 0, 0, 0};
     size_t all = 0; /* the attributes apply from copy 0 on */
     return s->batch(dsts, srcs, sizes, 2 * n, &in_order, &all, 1, s->stream);
@@ -95,10 +92,9 @@ static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t 
 static void serve_list(edgemoe_copy_service *s, volatile int64_t *row, int64_t seen) {
   int64_t n = row[1] < s->max_entries ? row[1] : s->max_entries;
   int64_t group = s->batch ? (s->group < 1 ? 1 : s->group > MAX_GROUP ? MAX_GROUP : s->group) : 1;
-  for (int64_t first = 0, m; first < n; first += m) {
-    int plain = first < s->lead;
-    m = plain ? 1 : n - first < group ? n - first : group;
-    if (!s->error) s->error = copy_entries(s, row, first, m, plain);
+  for (int64_t first = 0; first < n; first += group) {
+    int64_t m = n - first < group ? n - first : group;
+    if (!s->error) s->error = copy_entries(s, row, first, m);
     if (first == 0) s->first_ns += now_ns() - seen;
     for (int64_t i = first; i < first + m; ++i) {
       /* even after an error: the GPU must never wait forever (the Python side raises on `error`) */

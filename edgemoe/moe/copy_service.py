@@ -34,8 +34,6 @@ SOURCE = Path(__file__).with_name("copy_service.c")
 BATCH_GROUP = 2  # entries a batched copy call covers (each group's counters are written after its call); 0: none.
 # 2: 0.95 of a pinned memcpy from 2 rows a layer on (benchmarks/copy_service.py), decode at least as fast as 1 or 8
 # (benchmarks/decode_variants.py --copy-batch-group; benchmarks/RESULTS.md)
-LEAD = 0  # a list's first entries copied by one plain call a row before the batched groups (decode_variants.py
-# --copy-lead N): the first copy queued sooner, if a plain call returns sooner than a batched one
 RING = 2  # mailbox rows: the GPU waits for each list it posts before it posts the next
 _RECORDERS: list[list[CopyService]] = []  # open `recording_posts` blocks
 
@@ -81,7 +79,7 @@ class _Service(ctypes.Structure):
         ("chunks", ctypes.c_uint64), ("stream", ctypes.c_void_p), ("copy", ctypes.c_void_p),
         ("write", ctypes.c_void_p), ("query", ctypes.c_void_p), ("batch", ctypes.c_void_p), ("group", ctypes.c_int64),
         ("served", ctypes.c_int64), ("error", ctypes.c_int), ("first_ns", ctypes.c_int64), ("issue_ns", ctypes.c_int64),
-        ("queries", ctypes.c_int64), ("lead", ctypes.c_int64),
+        ("queries", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -140,9 +138,8 @@ class CopyService:
     """One slot pool's copy lists, posted by captured decode steps (see the module docstring).
 
     `group`: entries whose rows go in one batched copy call, where the driver has one (0: a copy call per row, as
-    without one); `lead`: a list's first entries copied by a plain call a row before the groups. `driver` is for
-    tests: any object with `stream`, `functions` (copy, write, query, batch or None, as C function addresses with the
-    driver's signatures) and `event()` (a handle `query` accepts)."""
+    without one). `driver` is for tests: any object with `stream`, `functions` (copy, write, query, batch or None,
+    as C function addresses with the driver's signatures) and `event()` (a handle `query` accepts)."""
 
     def __init__(
         self,
@@ -151,7 +148,6 @@ class CopyService:
         chunks: int,
         max_entries: int,
         group: int = BATCH_GROUP,
-        lead: int = LEAD,
         driver: Driver | None = None,
     ) -> None:
         device = pools[0].device
@@ -164,7 +160,7 @@ class CopyService:
         self._state = _Service(
             self.mailbox.data_ptr(), RING, self.mailbox.shape[1], max_entries, pools[0].data_ptr(),
             pools[1].data_ptr(), pools[0][0].nbytes, pools[1][0].nbytes, counters.data_ptr(), chunks,
-            self.driver.stream.value, copy, write, query, batch if group > 0 else None, group, 0, 0, 0, 0, 0, lead,
+            self.driver.stream.value, copy, write, query, batch if group > 0 else None, group, 0, 0,
         )  # fmt: skip
         self._keep = pools  # the service copies into them
         library()  # built now: a missing C compiler fails the engine's start, not its first decode step

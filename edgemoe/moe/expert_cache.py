@@ -146,9 +146,9 @@ class ExpertCache:
         from edgemoe.kernels.miss_copy import chunks_per_entry
         from edgemoe.moe import copy_service
 
-        pools, group, lead = (self.w13, self.w2), copy_service.BATCH_GROUP, copy_service.LEAD
+        pools, group = (self.w13, self.w2), copy_service.BATCH_GROUP
         counters, chunks = self.arrival_counters, chunks_per_entry(pools)
-        self.copy_service = copy_service.CopyService(pools, counters, chunks, self.num_experts, group, lead)
+        self.copy_service = copy_service.CopyService(pools, counters, chunks, self.num_experts, group)
 
     def reset(self) -> None:
         """Empty the cache in place: tensor addresses stay, so CUDA graphs captured over them remain valid.

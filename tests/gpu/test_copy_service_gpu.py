@@ -26,16 +26,13 @@ def make_cache(L: int, E: int, S: int, policy: str, rows: tuple[tuple[int, int],
     return cache, banks
 
 
-@pytest.mark.parametrize("lead", [0, 1], ids=["batched", "lead-plain"])  # copy_service.LEAD
 @pytest.mark.parametrize("fused_post", [True, False], ids=["ensure-posts", "post-kernel"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("rows", [((16, 8), (8, 8)), ((1536, 2048), (2048, 768))])  # tiny; qwen3-30b-a3b's
-def test_graph_replays_post_and_wait(policy: str, rows: tuple, fused_post: bool, lead: int, monkeypatch) -> None:
+def test_graph_replays_post_and_wait(policy: str, rows: tuple, fused_post: bool, monkeypatch) -> None:
     import edgemoe.kernels.ensure as ensure
-    from edgemoe.moe import copy_service
 
     monkeypatch.setattr(ensure, "FUSED_POST", fused_post)
-    monkeypatch.setattr(copy_service, "LEAD", lead)  # read when the cache starts its service
     L, E, S, tokens, top_k = 3, 12, 9, 2, 3
     gpu, banks = make_cache(L, E, S, policy, rows)
     cpu = ExpertCache(L, E, S, policy, "cpu", 10)

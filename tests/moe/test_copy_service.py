@@ -97,23 +97,23 @@ def post(service: CopyService, src: torch.Tensor, dst: torch.Tensor, banks: tupl
     return seq
 
 
-def make(lists_of, fail_copy_at: int = -1, batched: bool = False, group: int = 1, lead: int = 0):
+def make(lists_of, fail_copy_at: int = -1, batched: bool = False, group: int = 1):
     gen = torch.Generator().manual_seed(3)
     banks = [(torch.randn(E, 6, 4, generator=gen), torch.randn(E, 4, 3, generator=gen)) for _ in range(3)]
     pools = torch.zeros(S + 1, 6, 4), torch.zeros(S + 1, 4, 3)
     counters = torch.zeros(E, dtype=torch.int64)
     gpu = HostGPU(lists_of(banks), fail_copy_at, batched)
-    gpu.service = CopyService(pools, counters, CHUNKS, E, group=group, lead=lead, driver=gpu)
+    gpu.service = CopyService(pools, counters, CHUNKS, E, group=group, driver=gpu)
     return gpu, pools, banks, counters
 
 
-@pytest.mark.parametrize(("batched", "group", "lead"), [(False, 1, 0), (True, 1, 0), (True, 3, 0), (True, 2, 1)])
-def test_serve_copies_every_list_in_order_into_its_slots(batched: bool, group: int, lead: int) -> None:
+@pytest.mark.parametrize(("batched", "group"), [(False, 1), (True, 1), (True, 3)])
+def test_serve_copies_every_list_in_order_into_its_slots(batched: bool, group: int) -> None:
     gen = torch.Generator().manual_seed(4)
     steps = [(s % 3, 1 + s % 4) for s in range(3 * RING + 1)]  # around the ring of mailbox rows several times
     lists = [(torch.randperm(E, generator=gen)[:n], torch.randperm(S, generator=gen)[:n], layer) for layer, n in steps]
     gpu, pools, banks, counters = make(
-        lambda banks: [(src, dst, banks[layer]) for src, dst, layer in lists], batched=batched, group=group, lead=lead
+        lambda banks: [(src, dst, banks[layer]) for src, dst, layer in lists], batched=batched, group=group
     )
     want = tuple(p.clone() for p in pools)
     for src, dst, layer in lists:
@@ -133,8 +133,8 @@ def test_serve_copies_every_list_in_order_into_its_slots(batched: bool, group: i
     n_last = lists[-1][0].numel()
     assert counters[:n_last].tolist() == [CHUNKS] * n_last and not counters[n_last:].any()
     assert gpu.copies == 2 * sum(n for _, n in steps)  # two rows an entry
-    if batched:  # each list's first `lead` entries a plain call a row, the rest in groups of `group`, the last shorter
-        want_batches = [2 * min(group, n - i) for _, n in steps for i in range(lead, n, group)]
+    if batched:  # each list in groups of `group` entries, the last one shorter
+        want_batches = [2 * min(group, n - i) for _, n in steps for i in range(0, n, group)]
         assert [count for count, *_ in gpu.batches] == want_batches
         assert {tuple(rest) for _, *rest in gpu.batches} == {(1, 0, 1)}  # one attribute from copy 0: stream order
     entries = [(a - counters.data_ptr()) // 8 for a, _, _ in gpu.writes]

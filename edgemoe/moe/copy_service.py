@@ -106,17 +106,27 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _service_stream(index: int) -> ctypes.c_void_p:
+    """The copy services' stream on device `index`: one per process, shared by every engine there. A stream each
+    service owned would have to be destroyed when its engine is collected, which can fall inside another engine's
+    graph capture (as a graph freed mid-capture once invalidated one: `capture_graph`); services that serve at once
+    only queue behind each other's copies, which cross the same PCIe link anyway."""
+    stream = ctypes.c_void_p()
+    with torch.cuda.device(index):
+        torch.empty(1, device=f"cuda:{index}")  # the primary context is current from here
+        if ctypes.CDLL("libcuda.so.1").cuStreamCreate(ctypes.byref(stream), 1):  # CU_STREAM_NON_BLOCKING
+            raise EdgeMoEError("cannot create the copy service's stream")
+    return stream
+
+
 class Driver:
     """The CUDA driver entry points `serve` calls (libcuda's; `cuMemcpyBatchAsync` where the driver has it, else
-    None), and the service's stream."""
+    None), and the device's copy-service stream (`_service_stream`)."""
 
     def __init__(self, device: torch.device) -> None:
         cuda = ctypes.CDLL("libcuda.so.1")
-        self.stream = ctypes.c_void_p()
-        with torch.cuda.device(device):
-            torch.empty(1, device=device)  # the primary context is current from here
-            if cuda.cuStreamCreate(ctypes.byref(self.stream), 1):  # CU_STREAM_NON_BLOCKING
-                raise EdgeMoEError("cannot create the copy service's stream")
+        self.stream = _service_stream(device.index if device.index is not None else torch.cuda.current_device())
         self.functions = [
             ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
             for name in ("cuMemcpyHtoDAsync_v2", "cuStreamWriteValue64_v2", "cuEventQuery")

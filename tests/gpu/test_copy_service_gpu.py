@@ -58,6 +58,17 @@ def test_graph_replays_post_and_wait(policy: str, rows: tuple, fused_post: bool,
     assert gpu.copy_service.served == int(gpu.copy_service.tick) > 0  # every non-empty list, and only those
 
 
+def test_services_share_one_stream_per_device() -> None:
+    """Every cache's service on a device copies on one stream made once (a stream per engine leaked with each)."""
+    first, _ = make_cache(2, 4, 3, "lru", ((16, 8), (8, 8)))
+    second, _ = make_cache(1, 6, 5, "scored", ((8, 8), (4, 8)))
+    stream = first.copy_service.driver.stream
+    assert stream.value and second.copy_service.driver.stream.value == stream.value
+    del first, second
+    third, _ = make_cache(1, 4, 2, "lru", ((16, 8), (8, 8)))
+    assert third.copy_service.driver.stream.value == stream.value
+
+
 def test_eager_copies_by_sms_and_capture_posts_without_sync() -> None:
     cache, banks = make_cache(1, 12, 7, "lru", ((64, 96), (96, 32)))
     service = cache.copy_service

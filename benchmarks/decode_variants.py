@@ -26,6 +26,8 @@
   itself once its victims are chosen (`ensure.FUSED_POST`).
 - `--attention-warps W`, `--attention-stages S`: the paged-attention partial kernel's warps and pipeline stages
   (the engine's: `paged_attention.WARPS`, `paged_attention.STAGES`).
+- `--pin-core N`: the main thread (it replays the graphs and serves their copy lists) kept on core N, from after
+  CUDA has started (the driver's own threads, started with it, keep every core).
 
 Everything after `--` goes to `edgemoe bench`.
 """
@@ -34,8 +36,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
+
+import torch
 
 import edgemoe.kernels.dense_gemv as dense_gemv
 import edgemoe.kernels.ensure as ensure
@@ -80,6 +85,7 @@ def main() -> int:
     ap.add_argument("--separate-post", action="store_true")
     ap.add_argument("--attention-warps", type=int, default=paged_attention.WARPS)
     ap.add_argument("--attention-stages", type=int, default=paged_attention.STAGES)
+    ap.add_argument("--pin-core", type=int, default=None)
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
     if a.copy_programs_per_sm < 1:
@@ -125,6 +131,9 @@ def main() -> int:
         moe_gemv.pick_blocks = lambda h, i: dataclasses.replace(pick(h, i), down_n=a.down_rows)
     if a.down_ordinary_launch:
         moe_gemv.down_proj = ordinary_launches(moe_gemv, moe_gemv.down_proj)
+    if a.pin_core is not None:
+        torch.empty(1, device="cuda")  # CUDA's threads start here, on every core
+        os.sched_setaffinity(0, {a.pin_core})  # 0: the calling thread only
     args = a.bench_args[1:] if a.bench_args[:1] == ["--"] else a.bench_args
     return edgemoe_main(["bench", *args])
 

@@ -26,8 +26,6 @@
   itself once its victims are chosen (`ensure.FUSED_POST`).
 - `--attention-warps W`, `--attention-stages S`: the paged-attention partial kernel's warps and pipeline stages
   (the engine's: `paged_attention.WARPS`, `paged_attention.STAGES`).
-- `--attention-late-exit`: partial programs whose split lies past the context wait for the previous kernel before
-  they exit (`paged_attention.EARLY_EXIT` False), as the engine did before they returned ahead of the wait.
 - `--pin-core N`: the main thread (it replays the graphs and serves their copy lists) kept on core N, from after
   CUDA has started (the driver's own threads, started with it, keep every core).
 
@@ -87,7 +85,6 @@ def main() -> int:
     ap.add_argument("--separate-post", action="store_true")
     ap.add_argument("--attention-warps", type=int, default=paged_attention.WARPS)
     ap.add_argument("--attention-stages", type=int, default=paged_attention.STAGES)
-    ap.add_argument("--attention-late-exit", action="store_true")
     ap.add_argument("--pin-core", type=int, default=None)
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
@@ -101,7 +98,6 @@ def main() -> int:
     if a.attention_warps < 1 or a.attention_warps & (a.attention_warps - 1) or a.attention_stages < 1:
         raise SystemExit("--attention-warps must be a power of two and --attention-stages >= 1")
     paged_attention.WARPS, paged_attention.STAGES = a.attention_warps, a.attention_stages  # read at each call
-    paged_attention.EARLY_EXIT = not a.attention_late_exit
     if a.norm_gemv_stages < 1:
         raise SystemExit("--norm-gemv-stages must be >= 1")
     if a.down_rows < 0 or a.down_rows & (a.down_rows - 1):

@@ -8,7 +8,8 @@ block table and only up to the sequence's context length (split-KV, "flash decod
   device: L = cdiv(ctx_len, S) rounded up to whole tiles (at least `min_split_tiles`), split s covering
   [s * L, min((s + 1) * L, ctx_len)), so a short context in a table padded far past it still spreads over many
   programs (4K tokens at S = 128: 32 two-tile splits per KV head, where fixed 512-token splits made 8). Splits past
-  the context exit at once.
+  the context exit at once, before the PDL wait (a waiting program holds its SM slot until the previous kernel ends;
+  at 4K, 384 of the 512 programs; +0.25 % resident decode, benchmarks/RESULTS.md).
 - reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
   the output: with at most 64 splits in one round trip to memory (every split's max, sum and accumulator loaded at
   once), with more in chunks of 64 after a pass over the maxima. With one split the partial kernel normalises and
@@ -40,9 +41,6 @@ BLOCK_N = 64  # tokens per tile
 # the partial kernel's warps and pipeline stages (its plain `range` loop keeps STAGES - 1 tiles' loads ahead; 3 is
 # Triton's default); benchmarks/decode_variants.py --attention-warps / --attention-stages change them for A/B
 WARPS, STAGES = 4, 3
-# a split past the context returns before its PDL wait (False: it waits, then exits; decode_variants.py
-# --attention-late-exit)
-EARLY_EXIT = True
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -124,7 +122,6 @@ def _partial(
     SINGLE: tl.constexpr,
     DOT_TY: tl.constexpr,
     PRECISION: tl.constexpr,
-    EARLY_EXIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -134,7 +131,7 @@ def _partial(
     span = _split_len(ctx_len, num_splits, min_tiles, BLOCK_N)
     start = split * span  # a multiple of BLOCK_N: tiles stay aligned
     end = tl.minimum(start + span, ctx_len)  # past the context: no iterations
-    if EARLY_EXIT and not SINGLE and start >= ctx_len:
+    if not SINGLE and start >= ctx_len:
         return  # a split past the context reads and writes nothing: it need not wait (its exit lets the reduce launch)
     wait_for_inputs(PDL)
     g = tl.arange(0, G_PAD)
@@ -300,7 +297,7 @@ def paged_decode_attention(
         scale * math.log2(math.e), width, splits, min_tiles, heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, EARLY_EXIT, num_warps=num_warps or WARPS,
+        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, num_warps=num_warps or WARPS,
         num_stages=stages or STAGES, **launch_args(q.device),
     )  # fmt: skip
     if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers

@@ -1,0 +1,64 @@
+"""Registers, stack and shared memory of the paged-attention `partial` kernel compiled offline for sm_90 (no GPU:
+Triton builds the cubin with its own ptxas, and its wheel's `cuobjdump` reads the resource use), over block_n x warps
+x stages. A kernel whose registers allow few programs an SM, or that keeps a stack (spills), shows it here before
+any device time is spent (benchmarks/RESULTS.md, issue #5).
+
+    python benchmarks/kernel_resources.py [--block-n 16,32,64] [--warps 2,4,8] [--stages 1,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from edgemoe.kernels import paged_attention
+
+TYPES = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_tables": "*i64", "context_lens": "*i64",
+         "out": "*bf16", "m_part": "*fp32", "l_part": "*fp32", "acc_part": "*fp32", "qk_scale": "fp32"}  # fmt: skip
+REGISTERS_PER_SM = 65536
+
+
+def resources(block_n: int, warps: int, stages: int) -> str:
+    """qwen3-30b-a3b's shape (8 query heads a KV head, head_dim 128, bf16, 16-token KV blocks, PDL)."""
+    kernel = paged_attention._partial
+    consts = dict(GROUP=8, G_PAD=16, D=128, BS=16, BLOCK_N=block_n, SINGLE=False, DOT_TY=tl.bfloat16,
+                  PRECISION="tf32", PDL=True)  # fmt: skip
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in names}
+    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+    )
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = next(line.strip() for line in out.splitlines() if "REG:" in line)
+    regs = int(usage.split("REG:")[1].split()[0])
+    per_sm = REGISTERS_PER_SM // (regs * 32 * warps)
+    return f"{usage.split(' CONSTANT')[0]}, dynamic shared {compiled.metadata.shared} B, {per_sm} programs an SM"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    ap.add_argument("--block-n", type=ints, default=[16, 32, 64])
+    ap.add_argument("--warps", type=ints, default=[2, 4, 8])
+    ap.add_argument("--stages", type=ints, default=[3])
+    a = ap.parse_args()
+    for block_n in a.block_n:
+        for warps in a.warps:
+            for stages in a.stages:
+                print(f"block_n {block_n:3d} warps {warps} stages {stages}: {resources(block_n, warps, stages)}")
+
+
+if __name__ == "__main__":
+    main()

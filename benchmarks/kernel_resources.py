@@ -22,6 +22,11 @@ from edgemoe.kernels import paged_attention
 
 TYPES = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_tables": "*i64", "context_lens": "*i64",
          "out": "*bf16", "m_part": "*fp32", "l_part": "*fp32", "acc_part": "*fp32", "qk_scale": "fp32"}  # fmt: skip
+# integer arguments that are multiples of 16 at qwen3-30b-a3b's decode shapes (a 40K-token table, 128 splits, 32
+# heads of 128, 4 KV heads): at run time Triton specializes them, and every pointer, as divisible by 16, which is
+# what lets it vectorise the loads; an offline build must say so, or it sees 2-byte loads and their registers
+ALIGNED = {"width", "num_splits", "heads", "stride_qs", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh",
+           "stride_bt", "stride_os", "stride_oh"}  # fmt: skip
 REGISTERS_PER_SM = 65536
 
 
@@ -32,7 +37,9 @@ def resources(block_n: int, warps: int, stages: int) -> str:
                   PRECISION="tf32", PDL=True)  # fmt: skip
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in names}
-    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+    aligned = [i for i, n in enumerate(names) if n in ALIGNED or TYPES.get(n, "").startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
     )

@@ -8,8 +8,8 @@ block table and only up to the sequence's context length (split-KV, "flash decod
   device: L = cdiv(ctx_len, S) rounded up to whole tiles (at least `min_split_tiles`), split s covering
   [s * L, min((s + 1) * L, ctx_len)), so a short context in a table padded far past it still spreads over many
   programs (4K tokens at S = 128: 32 two-tile splits per KV head, where fixed 512-token splits made 8). Splits past
-  the context exit at once, before the PDL wait (a waiting program holds its SM slot until the previous kernel ends;
-  at 4K, 384 of the 512 programs; +0.25 % resident decode, benchmarks/RESULTS.md).
+  the context exit at once, before the PDL wait (at 4K, 384 of the 512 programs; +0.25 % resident decode against
+  waiting first, benchmarks/RESULTS.md).
 - reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
   the output: with at most 64 splits in one round trip to memory (every split's max, sum and accumulator loaded at
   once), with more in chunks of 64 after a pass over the maxima. With one split the partial kernel normalises and

@@ -2,7 +2,8 @@
 (`edgemoe.kernels.dense_gemv.gemv`, its default config) and against that GEMV swept over configs, replayed from CUDA
 graphs, against HBM bandwidth (a device-to-device copy) in the same run.
 
-    python benchmarks/dense_gemv.py [--tokens 1,4] [--json OUT]      (tokens <= 4: the GEMV's limit)
+    python benchmarks/dense_gemv.py [--tokens 1,4] [--shapes qwen3] [--configs n4_k512_w4_s4,...] [--json OUT]
+                                                                      (tokens <= 4: the GEMV's limit)
 
 Why: with every expert cached, a qwen3-30b-a3b layer's qkv and o projections took 7.6 and 7.2 µs under cuBLAS, 0.65
 and 0.55 of HBM (benchmarks/RESULTS.md), where the routed-expert GEMVs of `kernels/moe_gemv.py` reach 0.77. The
@@ -11,6 +12,12 @@ every token's row against one read of each weight tile. Swept over (BLOCK_N, BLO
 best won at one token on qkv, o and the shared-expert down (1.07-1.30x; it lost on gate_up, and on qkv at 4
 tokens), so the engine runs it there through `DecodeLinear` (`edgemoe/layers/linear.py`) at one row, with the
 config those wins share (`pick_block_n`, BLOCK_K 256, 4 warps, 4 stages). Each line prints cuBLAS | engine | best.
+
+`--configs` replaces the sweep's configs (nB_kK_wW_sS: BLOCK_N, BLOCK_K, warps, stages), `--shapes` keeps the
+shapes whose names start with one of the given prefixes. Session 5's sweep (benchmarks/h200_session5/dense_gemv.json)
+fits t = 3.8 µs + bytes / min(HBM, bytes in flight / 0.8 µs) (15 % rms): BLOCK_K 512-1024 or 6 stages keep more
+bytes in flight than the engine's n4/n8_k256_w4_s4, which the fit says are already past the knee (qkv no faster, o
+<= 0.3 µs); `--configs n4_k512_w4_s4,n4_k1024_w4_s3,n8_k512_w4_s4,n4_k256_w4_s6` tests that.
 
 Shapes (out x in, bf16): qwen3-30b-a3b's qkv (5120 x 2048) and o (2048 x 4096); qwen1.5-moe-a2.7b's qkv (6144 x
 2048), o (2048 x 2048) and shared-expert gate_up (11264 x 2048) and down (2048 x 5632). Every call of a timed graph
@@ -58,7 +65,14 @@ def graph_us(call, reps: int = 20) -> float:
     return us
 
 
-def measure(out_features: int, in_features: int, tokens: int, hbm: float) -> dict:
+def parse_config(text: str) -> tuple[int, int, int, int]:
+    parts = text.split("_")
+    if len(parts) != 4 or [p[:1] for p in parts] != ["n", "k", "w", "s"] or not all(p[1:].isdigit() for p in parts):
+        raise SystemExit(f"--configs: {text!r} is not nB_kK_wW_sS (e.g. n4_k512_w4_s4)")
+    return tuple(int(p[1:]) for p in parts)
+
+
+def measure(out_features: int, in_features: int, tokens: int, hbm: float, configs: list) -> dict:
     dev = torch.device("cuda")
     w = (torch.randn(SETS, out_features, in_features, device=dev) / in_features**0.5).bfloat16()
     x = torch.randn(SETS, tokens, in_features, device=dev).bfloat16()
@@ -68,7 +82,7 @@ def measure(out_features: int, in_features: int, tokens: int, hbm: float) -> dic
     r = {"bytes": nbytes, "cublas_us": graph_us(lambda i: F.linear(x[i], w[i])), "engine": name(engine)}
     r["engine_us"] = graph_us(lambda i: gemv(x[i], w[i]))  # the engine's call: its default config
     r["candidate_us"] = {}
-    for config in CONFIGS:
+    for config in configs:
         got = swept(x[0], w[0], config).double()
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         if err > 2**-7:  # one bf16 rounding of the output is 2^-8 relative: anything far past it is a wrong kernel
@@ -84,8 +98,15 @@ def measure(out_features: int, in_features: int, tokens: int, hbm: float) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,4", help="decode batch sizes (default: 1,4)")
+    ap.add_argument("--shapes", default="", help="name prefixes, comma-separated (default: every shape)")
+    ap.add_argument("--configs", default="", help="nB_kK_wW_sS, comma-separated (default: the sweep's)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    configs = [parse_config(c) for c in a.configs.split(",")] if a.configs else CONFIGS
+    prefixes = [p for p in a.shapes.split(",") if p]
+    shapes = {k: v for k, v in SHAPES.items() if not prefixes or any(k.startswith(p) for p in prefixes)}
+    if not shapes:
+        raise SystemExit(f"--shapes {a.shapes!r} matches none of {list(SHAPES)}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/dense_gemv.py needs a CUDA GPU")
     hbm = bandwidths(torch.device("cuda"), 1 << 20)["hbm_bytes_per_s"]
@@ -93,8 +114,8 @@ def main() -> None:
     print(
         f"{results['device']}: HBM copy {hbm / 1e9:.0f} GB/s; shape, T: cuBLAS | engine | best config (graph replays)"
     )
-    for (shape, (n, k)), tokens in itertools.product(SHAPES.items(), map(int, a.tokens.split(","))):
-        r = results[f"{shape}/T{tokens}"] = measure(n, k, tokens, hbm)
+    for (shape, (n, k)), tokens in itertools.product(shapes.items(), map(int, a.tokens.split(","))):
+        r = results[f"{shape}/T{tokens}"] = measure(n, k, tokens, hbm, configs)
         us = {
             key: f"{r[key + '_us']:6.1f} us ({r[key + '_over_hbm']:.2f} of HBM)" for key in ("cublas", "engine", "best")
         }

@@ -11,10 +11,13 @@
 #   bash benchmarks/figures.sh OUT_DIR candidates  # what is not yet in the engine against what it runs: dense
 #                                                #   projections, miss-copy loads (CUDA C++), copy-engine copies
 #                                                #   chosen on the device (switch nodes in a graph)
+#   bash benchmarks/figures.sh OUT_DIR boundary  # is the kernel boundary what decode loses? 8 dependent GEMVs as
+#                                                #   engine launches against one persistent launch; the dense
+#                                                #   GEMV with more bytes in flight (issue #5; ~1 minute)
 # Run from the repo root on the GPU machine (torch with CUDA; nothing to install).
 set -euo pipefail
 out=${1:?OUT_DIR}
-part=${2:?qwen3, qwen3-resident, qwen15, qwen15-cached or candidates}
+part=${2:?qwen3, qwen3-resident, qwen15, qwen15-cached, candidates or boundary}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 case "$part" in
@@ -37,5 +40,9 @@ case "$part" in
     python3 benchmarks/dense_gemv.py --json "$out/dense_gemv.json"
     python3 benchmarks/miss_copy_cuda.py --json "$out/miss_copy_cuda.json"
     python3 benchmarks/miss_copy_graph.py --json "$out/miss_copy_graph.json" ;;
-  *) echo "unknown part $part: qwen3, qwen3-resident, qwen15, qwen15-cached or candidates" >&2; exit 2 ;;
+  boundary)
+    python3 benchmarks/persistent_chain.py --json "$out/persistent_chain.json"
+    python3 benchmarks/dense_gemv.py --tokens 1 --shapes qwen3 --json "$out/dense_gemv_in_flight.json" \
+      --configs n4_k256_w4_s4,n8_k256_w4_s4,n4_k512_w4_s4,n4_k1024_w4_s3,n8_k512_w4_s4,n4_k256_w4_s6 ;;
+  *) echo "unknown part $part: qwen3, qwen3-resident, qwen15, qwen15-cached, candidates or boundary" >&2; exit 2 ;;
 esac

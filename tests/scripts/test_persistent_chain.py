@@ -1,0 +1,28 @@
+"""benchmarks/persistent_chain.py's kernel (a chain of dependent GEMVs in one persistent launch, tasks from an
+atomic queue, counters per launch parity) against a float64 torch chain: its `--check` mode, which on a machine
+without CUDA runs small off-block shapes under Triton's interpreter, 1 and 3 programs, with and without the weight
+columns loaded before the wait, two launches each (the second on the other set of counters)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "persistent_chain.py"
+
+
+def test_check_mode_passes() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "persistent chain within" in line]
+    assert [line.split(" layers")[0] for line in lines] == ["3", "8"], proc.stdout
+
+
+def test_bad_flags_exit_with_one_line() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--check", "--block-n", "3"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "powers of two" in proc.stderr and "Traceback" not in proc.stderr

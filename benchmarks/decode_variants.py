@@ -26,6 +26,9 @@
   itself once its victims are chosen (`ensure.FUSED_POST`).
 - `--attention-warps W`, `--attention-stages S`: the paged-attention partial kernel's warps and pipeline stages
   (the engine's: `paged_attention.WARPS`, `paged_attention.STAGES`).
+- `--dense-config OUTxIN=nB_kK_wW_sS` (repeatable): the dense GEMV of that weight shape (e.g. qwen3-30b-a3b's o,
+  `2048x4096`) with BLOCK_N B, BLOCK_K K, W warps and S stages instead of the engine's (`dense_gemv.pick_block_n`,
+  `BLOCK_K`, `WARPS`, `STAGES`).
 - `--pin-core N`: the main thread (it replays the graphs and serves their copy lists) kept on core N, from after
   CUDA has started (the driver's own threads, started with it, keep every core).
 
@@ -68,6 +71,31 @@ def ordinary_launches(module, fn: Callable) -> Callable:
     return run
 
 
+def parse_dense_config(text: str) -> tuple[tuple[int, int], dict]:
+    """'2048x4096=n4_k512_w4_s4' -> ((2048, 4096), gemv's keywords)."""
+    bad = SystemExit(f"--dense-config {text!r}: expected OUTxIN=nB_kK_wW_sS, e.g. 2048x4096=n4_k512_w4_s4")
+    try:
+        shape, config = text.split("=")
+        out_features, in_features = (int(v) for v in shape.split("x"))
+        parts = config.split("_")
+        block_n, block_k, warps, stages = (int(p[1:]) for p in parts)
+    except ValueError:
+        raise bad from None
+    if [p[:1] for p in parts] != ["n", "k", "w", "s"]:
+        raise bad
+    return (out_features, in_features), dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages)
+
+
+def configured_gemv(gemv: Callable, configs: dict) -> Callable:
+    """`gemv` with the keywords of `configs[(out, in)]` for weights of that shape (DecodeLinear looks the function
+    up in its module at each call)."""
+
+    def run(x, weight, bias=None, **kw):
+        return gemv(x, weight, bias, **{**configs.get(tuple(weight.shape), {}), **kw})
+
+    return run
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gemv", choices=["streamed", "plain"], default="streamed")
@@ -86,6 +114,7 @@ def main() -> int:
     ap.add_argument("--attention-warps", type=int, default=paged_attention.WARPS)
     ap.add_argument("--attention-stages", type=int, default=paged_attention.STAGES)
     ap.add_argument("--pin-core", type=int, default=None)
+    ap.add_argument("--dense-config", action="append", default=[], metavar="OUTxIN=nB_kK_wW_sS")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
     if a.copy_programs_per_sm < 1:
@@ -131,6 +160,8 @@ def main() -> int:
         moe_gemv.pick_blocks = lambda h, i: dataclasses.replace(pick(h, i), down_n=a.down_rows)
     if a.down_ordinary_launch:
         moe_gemv.down_proj = ordinary_launches(moe_gemv, moe_gemv.down_proj)
+    if a.dense_config:
+        dense_gemv.gemv = configured_gemv(dense_gemv.gemv, dict(map(parse_dense_config, a.dense_config)))
     if a.pin_core is not None:
         torch.empty(1, device="cuda")  # CUDA's threads start here, on every core
         os.sched_setaffinity(0, {a.pin_core})  # 0: the calling thread only

@@ -142,3 +142,23 @@ def test_trace_drives_every_layer_with_its_step_row() -> None:
         assert [layer for layer, _ in calls] == list(range(len(experts)))
         for layer, ids in calls:
             assert ids == [trace[step % 3, layer].tolist()]
+
+
+def test_bounds_use_the_higher_bandwidth_of_the_two_measurements() -> None:
+    """`settle_bounds` against the bound computed by hand (SYSTEM.md: HBM bytes / HBM + missed bytes / PCIe)."""
+    from edgemoe.bench import set_bound, settle_bounds
+
+    first = {"hbm_bytes_per_s": 4.0e12, "h2d_bytes_per_s": 50.0e9}
+    runs = [{"tok_s": 40.0, "hbm_bytes_per_token": 6.0e9, "miss_bytes_per_token": 1.0e9}, {"error": "no capture"}]
+    set_bound(runs[0], first)
+    assert runs[0]["bound_tok_s"] == 1 / (6.0e9 / 4.0e12 + 1.0e9 / 50.0e9)
+    result = {**first, "runs": runs}
+    assert not settle_bounds(result, {"hbm_bytes_per_s": 3.9e12, "h2d_bytes_per_s": 49.0e9})  # both lower: kept
+    assert result["bandwidths_measured"][1]["h2d_bytes_per_s"] == 49.0e9
+    assert runs[0]["bound_tok_s"] == 1 / (6.0e9 / 4.0e12 + 1.0e9 / 50.0e9)
+    assert settle_bounds(result, {"hbm_bytes_per_s": 3.9e12, "h2d_bytes_per_s": 55.0e9})  # PCIe higher after
+    bound = 6.0e9 / 4.0e12 + 1.0e9 / 55.0e9  # each bandwidth's higher figure
+    assert (result["hbm_bytes_per_s"], result["h2d_bytes_per_s"]) == (4.0e12, 55.0e9)
+    assert runs[0]["bound_tok_s"] == 1 / bound and runs[0]["achieved_over_bound"] == 40.0 * bound
+    assert "bound_tok_s" not in runs[1]
+    assert not settle_bounds({"hbm_bytes_per_s": None, "h2d_bytes_per_s": None, "runs": []}, first)  # CPU

@@ -12,6 +12,11 @@ is left is a fixed ~3-4 µs a call. If that fixed part is the boundary (the grid
 grid's first loads), a persistent kernel removes most of it; if not, fusing the layer into one kernel is not worth
 its complexity. This probe decides that before any such kernel is written.
 
+Answer (H200, session 15, benchmarks/RESULTS.md): no. The engine's launches took 6.61 µs a GEMV (0.59 of HBM);
+the persistent launch 7.61-8.04 at 4 rows a task and 4 programs an SM, 11.4-12.5 at 2, 6.95 at 8 rows and 4 an
+SM; loading 512-1024 weight columns before the wait changed nothing beyond ±0.4 µs. Under PDL a boundary costs
+less than a counter hand-off between tasks does here.
+
 The persistent kernel: programs take tasks (GEMV i, row block b) in order from an atomic queue, so a task's inputs
 belong to tasks already taken by running programs and it cannot deadlock, at any grid size (the interpreter runs
 programs one after another: program 0 takes every task in order). A task may load its first `prefetch_k` columns

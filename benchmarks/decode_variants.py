@@ -18,7 +18,8 @@
   its loop steps in flight (the engine's: `dense_gemv.STAGES`; fewer stages, less shared memory a program).
 - `--ensure-block-s N`, `--ensure-warps W`: the fused `ensure`'s slots per step of its key pass and its warps
   (the engine's: `ensure.BLOCK_S`, `ensure.NUM_WARPS`).
-- `--down-rows N`: output rows a program of the MoE down GEMV (the engine's `pick_blocks`: 1);
+- `--down-rows N`: output rows a program of the MoE down GEMV (the engine's `pick_blocks`: 1); `--down-k N`,
+  `--up-k N`: columns a loop step of the down and up GEMVs (the engine's: 128 and 128 at qwen3-30b-a3b);
   `--down-ordinary-launch`: the down GEMV launched with an ordinary dependency instead of PDL.
 - `--no-ensure-prefetch`: `ensure` does not ask L2 for the layer's cache state before its PDL wait
   (`ensure.PREFETCH`).
@@ -106,6 +107,8 @@ def main() -> int:
     ap.add_argument("--norm-gemv", choices=["auto", "off", "on", "ordinary"], default="auto")
     ap.add_argument("--norm-gemv-stages", type=int, default=dense_gemv.STAGES)
     ap.add_argument("--down-rows", type=int, default=0, help="0: the engine's")
+    ap.add_argument("--down-k", type=int, default=0, help="0: the engine's")
+    ap.add_argument("--up-k", type=int, default=0, help="0: the engine's")
     ap.add_argument("--down-ordinary-launch", action="store_true")
     ap.add_argument("--ensure-block-s", type=int, default=ensure.BLOCK_S)
     ap.add_argument("--ensure-warps", type=int, default=ensure.NUM_WARPS)
@@ -129,8 +132,9 @@ def main() -> int:
     paged_attention.WARPS, paged_attention.STAGES = a.attention_warps, a.attention_stages  # read at each call
     if a.norm_gemv_stages < 1:
         raise SystemExit("--norm-gemv-stages must be >= 1")
-    if a.down_rows < 0 or a.down_rows & (a.down_rows - 1):
-        raise SystemExit("--down-rows must be a power of two (0: the engine's)")
+    for flag in ("down_rows", "down_k", "up_k"):
+        if getattr(a, flag) < 0 or getattr(a, flag) & (getattr(a, flag) - 1):
+            raise SystemExit(f"--{flag.replace('_', '-')} must be a power of two (0: the engine's)")
     if a.gemv == "plain":
         ExpertCache.arrivals = lambda self, copy: None  # decode_experts then waits for the copy kernel as a whole
     if a.miss_copy == "sm":
@@ -155,9 +159,10 @@ def main() -> int:
         if a.norm_gemv == "ordinary":
             dense_gemv.norm_gemv = ordinary_launches(dense_gemv, dense_gemv.norm_gemv)
     dense_gemv.STAGES = a.norm_gemv_stages  # norm_gemv reads it at each call; gemv's default was bound at import
-    if a.down_rows:
+    blocks = {k: v for k, v in (("down_n", a.down_rows), ("down_k", a.down_k), ("up_k", a.up_k)) if v}
+    if blocks:
         pick = moe_gemv.pick_blocks
-        moe_gemv.pick_blocks = lambda h, i: dataclasses.replace(pick(h, i), down_n=a.down_rows)
+        moe_gemv.pick_blocks = lambda h, i: dataclasses.replace(pick(h, i), **blocks)
     if a.down_ordinary_launch:
         moe_gemv.down_proj = ordinary_launches(moe_gemv, moe_gemv.down_proj)
     if a.dense_config:

@@ -11,7 +11,7 @@ GEMV: one program per BLOCK_N output rows, fp32 accumulation over K in BLOCK_K s
 every token's row against one read of each weight tile. Swept over (BLOCK_N, BLOCK_K, warps, stages) per shape, its
 best won at one token on qkv, o and the shared-expert down (1.07-1.30x; it lost on gate_up, and on qkv at 4
 tokens), so the engine runs it there through `DecodeLinear` (`edgemoe/layers/linear.py`) at one row, with the
-config those wins share (`pick_block_n`, `pick_block_k`, 4 warps, 4 stages). Each line prints cuBLAS | engine | best.
+config those wins share (`pick_block_n`, `pick_steps`, 4 warps). Each line prints cuBLAS | engine | best.
 
 `--configs` replaces the sweep's configs (nB_kK_wW_sS: BLOCK_N, BLOCK_K, warps, stages), `--shapes` keeps the
 shapes whose names start with one of the given prefixes. Session 5's sweep (benchmarks/h200_session5/dense_gemv.json)
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe.bench import bandwidths, capture, timed
-from edgemoe.kernels.dense_gemv import STAGES, WARPS, gemv, pick_block_k, pick_block_n
+from edgemoe.kernels.dense_gemv import WARPS, gemv, pick_block_n, pick_steps
 
 SETS = 8
 SHAPES = {
@@ -78,7 +78,7 @@ def measure(out_features: int, in_features: int, tokens: int, hbm: float, config
     x = torch.randn(SETS, tokens, in_features, device=dev).bfloat16()
     nbytes = out_features * in_features * 2
     ref = F.linear(x[0].double(), w[0].double())
-    engine = (pick_block_n(out_features), pick_block_k(in_features), WARPS, STAGES)
+    engine = (pick_block_n(out_features), pick_steps(in_features)[0], WARPS, pick_steps(in_features)[1])
     r = {"bytes": nbytes, "cublas_us": graph_us(lambda i: F.linear(x[i], w[i])), "engine": name(engine)}
     r["engine_us"] = graph_us(lambda i: gemv(x[i], w[i]))  # the engine's call: its default config
     r["candidate_us"] = {}

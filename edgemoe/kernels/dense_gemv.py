@@ -27,7 +27,8 @@ from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 
 MAX_TOKENS = 4  # every token's accumulator lives in registers: [T, BLOCK_N, BLOCK_K] fp32
 BLOCK_K, WARPS, STAGES = 256, 4, 4  # the best of the H200 sweep at the winning shapes: n4/n8_k256_w4_s4
-LONG_ROW, LONG_BLOCK_K = 4096, 512  # rows this long take steps this wide (`pick_block_k`)
+LONG_ROW = 4096  # rows this long: wider steps, fewer in flight (`pick_steps`)
+SHORT_STEPS, LONG_STEPS = (BLOCK_K, STAGES), (512, 3)  # (columns a step, steps in flight)
 MAX_NORM_HIDDEN = 8192  # norm_gemv: the row's 1 / rms from one tile, 16 fp32 registers a thread at 16 warps
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -37,12 +38,14 @@ def pick_block_n(n: int) -> int:
     return 4 if n <= 4096 else 8
 
 
-def pick_block_k(k: int) -> int:
-    """Columns a loop step: 512 for rows of LONG_ROW or more, else 256. Twice the bytes in flight a program pays
-    only over a long loop: on an H200 (`benchmarks/dense_gemv.py --configs`, session 15) qwen3-30b-a3b's o (K = 4096,
-    16 steps of 256) took 6.06 µs at 512 against 6.76 at 256 alone, and 0.15 µs a layer less in resident decode
-    (382.7 -> 383.8 tok/s, twice each); its qkv (K = 2048) lost at 512 (n8 10.1 against 7.3 µs)."""
-    return LONG_BLOCK_K if k >= LONG_ROW else BLOCK_K
+def pick_steps(k: int) -> tuple[int, int]:
+    """(columns a loop step, steps in flight) for rows of k: LONG_STEPS from LONG_ROW on, else SHORT_STEPS.
+    Wider steps pay only over a long loop. On an H200 (session 15, benchmarks/RESULTS.md), qwen3-30b-a3b's o (K =
+    4096, 16 steps of 256) took 6.1 µs alone at 512 columns against 6.7 at 256, and resident decode went from
+    382.7 to 383.8 tok/s at 4 stages and from 383.7 to 386.3 at 3 (less shared memory a program: 10 KB against 15;
+    2 stages lost, 377.2); qwen1.5's shared-expert down (K = 5632) took 7.45 µs against 8.32 alone. qkv (K = 2048)
+    loses at 512 (n8: 9.7 against 7.3 µs) and at 3 stages in decode (382.9-383.2 against 383.6-383.7)."""
+    return LONG_STEPS if k >= LONG_ROW else SHORT_STEPS
 
 
 @triton.jit
@@ -90,13 +93,13 @@ def gemv(
     block_n: int | None = None,
     block_k: int | None = None,
     warps: int = WARPS,
-    stages: int = STAGES,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """x [T, K] (T <= 4) @ weight [N, K].T (+ bias [N]) -> y [T, N] in x's dtype; weight and bias in x's dtype, x and
     weight contiguous in K. fp32 accumulation; the bias is added in fp32 before the one rounding of y, as F.linear's
     cuBLAS does (at T = 1 addmm copies the bias into the output and the GEMM adds it as C with beta 1 in fp32; at
-    T > 1 cublasLt's bias epilogue, also fp32). The keywords are for benchmarks/dense_gemv.py's sweep: block_n and
-    block_k None are the engine's choice (`pick_block_n`, `pick_block_k`)."""
+    T > 1 cublasLt's bias epilogue, also fp32). The keywords are for benchmarks/dense_gemv.py's sweep: block_n,
+    block_k and stages None are the engine's choice (`pick_block_n`, `pick_steps`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [T, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     T, N = x.shape[0], weight.shape[0]
@@ -111,12 +114,14 @@ def gemv(
         raise ValueError("gemv needs x and weight contiguous in K and a contiguous bias")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
         raise ValueError(f"x, weight and bias must share a device, got {x.device}, {weight.device}")
-    if any(b & (b - 1) for b in (block_n or 1, block_k or 1)) or min(block_n or 1, block_k or 1, warps, stages) < 1:
+    sizes = (block_n or 1, block_k or 1)
+    if any(b & (b - 1) for b in sizes) or min(*sizes, warps, stages or 1) < 1:
         raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two, warps and stages >= 1")
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return y
-    _launch(x, weight, bias, y, None, block_n or pick_block_n(N), block_k or pick_block_k(x.shape[1]), warps, stages)
+    steps = pick_steps(x.shape[1])
+    _launch(x, weight, bias, y, None, block_n or pick_block_n(N), block_k or steps[0], warps, stages or steps[1])
     return y
 
 
@@ -161,7 +166,7 @@ def norm_gemv(
     h = torch.empty_like(x, memory_format=torch.contiguous_format)
     if N:
         warps = norm_warps(x.shape[1])
-        block_k = pick_block_k(x.shape[1])  # gemv's: the same sums, bitwise
+        block_k = pick_steps(x.shape[1])[0]  # gemv's: the same sums, bitwise (stages do not change them)
         _launch(x, weight, bias, y, (residual, norm_weight, eps, h), pick_block_n(N), block_k, warps, STAGES)
     else:
         torch.add(x, residual, out=h)

@@ -13,7 +13,7 @@ from torch import nn
 
 pytest.importorskip("triton")
 
-from edgemoe.kernels.dense_gemv import gemv, pick_block_k, pick_block_n  # noqa: E402
+from edgemoe.kernels.dense_gemv import gemv, pick_block_n, pick_steps  # noqa: E402
 from edgemoe.layers.linear import DecodeLinear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,11 +72,11 @@ def test_other_configs_float16_and_views() -> None:
     x, w = wide_x[:, :300], wide_w[:37, :300]  # rows longer than K, as slices of wider tensors
     assert_within_bound(gemv(x, w), x, w, None)
     assert pick_block_n(2048) == pick_block_n(4096) == 4 and pick_block_n(5120) == pick_block_n(6144) == 8
-    assert pick_block_k(2048) == pick_block_k(4095) == 256 and pick_block_k(4096) == pick_block_k(5632) == 512
+    assert pick_steps(2048) == pick_steps(4095) == (256, 4) and pick_steps(4096) == pick_steps(5632) == (512, 3)
 
 
 def test_long_rows_take_wide_steps() -> None:
-    """Rows of 4096 or more run 512-column steps (`pick_block_k`), past the end of K too (4100 = 8 steps + 4)."""
+    """Rows of 4096 or more run 512-column steps (`pick_steps`), past the end of K too (4100 = 8 steps + 4)."""
     for k in (4096, 4100):
         x, w, b = inputs(1, 6, k, torch.bfloat16, True, seed=k)
         assert_within_bound(gemv(x, w, b), x, w, b)

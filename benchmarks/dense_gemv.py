@@ -16,8 +16,9 @@ config those wins share (`pick_block_n`, `pick_steps`, 4 warps). Each line print
 `--configs` replaces the sweep's configs (nB_kK_wW_sS: BLOCK_N, BLOCK_K, warps, stages), `--shapes` keeps the
 shapes whose names start with one of the given prefixes. Session 5's sweep (benchmarks/h200_session5/dense_gemv.json)
 fits t = 3.8 µs + bytes / min(HBM, bytes in flight / 0.8 µs) (15 % rms): BLOCK_K 512-1024 or 6 stages keep more
-bytes in flight than the engine's n4/n8_k256_w4_s4, which the fit says are already past the knee (qkv no faster, o
-<= 0.3 µs); `--configs n4_k512_w4_s4,n4_k1024_w4_s3,n8_k512_w4_s4,n4_k256_w4_s6` tests that.
+bytes in flight than n4/n8_k256_w4_s4, which the fit put past the knee (qkv no faster, o <= 0.3 µs). Measured in
+session 15 (`--configs n4_k256_w4_s4,n4_k512_w4_s4,n8_k256_w4_s4,n8_k512_w4_s4`): right for rows of 2048, wrong
+for rows of 4096 and more, which gain 9-10 % at 512 columns (`dense_gemv.pick_steps`).
 
 Shapes (out x in, bf16): qwen3-30b-a3b's qkv (5120 x 2048) and o (2048 x 4096); qwen1.5-moe-a2.7b's qkv (6144 x
 2048), o (2048 x 2048) and shared-expert gate_up (11264 x 2048) and down (2048 x 5632). Every call of a timed graph

@@ -20,6 +20,7 @@
   (the engine's: `ensure.BLOCK_S`, `ensure.NUM_WARPS`).
 - `--down-rows N`: output rows a program of the MoE down GEMV (the engine's `pick_blocks`: 1); `--down-k N`,
   `--up-k N`: columns a loop step of the down and up GEMVs (the engine's: 128 and 128 at qwen3-30b-a3b);
+  `--up-stages N`, `--down-stages N`: their loop steps in flight (the engine's: 4 and 1);
   `--down-ordinary-launch`: the down GEMV launched with an ordinary dependency instead of PDL.
 - `--no-ensure-prefetch`: `ensure` does not ask L2 for the layer's cache state before its PDL wait
   (`ensure.PREFETCH`).
@@ -109,6 +110,8 @@ def main() -> int:
     ap.add_argument("--down-rows", type=int, default=0, help="0: the engine's")
     ap.add_argument("--down-k", type=int, default=0, help="0: the engine's")
     ap.add_argument("--up-k", type=int, default=0, help="0: the engine's")
+    ap.add_argument("--up-stages", type=int, default=0, help="0: the engine's")
+    ap.add_argument("--down-stages", type=int, default=0, help="0: the engine's")
     ap.add_argument("--down-ordinary-launch", action="store_true")
     ap.add_argument("--ensure-block-s", type=int, default=ensure.BLOCK_S)
     ap.add_argument("--ensure-warps", type=int, default=ensure.NUM_WARPS)
@@ -159,7 +162,10 @@ def main() -> int:
         if a.norm_gemv == "ordinary":
             dense_gemv.norm_gemv = ordinary_launches(dense_gemv, dense_gemv.norm_gemv)
     dense_gemv.STAGES = a.norm_gemv_stages  # norm_gemv reads it at each call; gemv's default was bound at import
-    blocks = {k: v for k, v in (("down_n", a.down_rows), ("down_k", a.down_k), ("up_k", a.up_k)) if v}
+    if min(a.up_stages, a.down_stages) < 0:
+        raise SystemExit("--up-stages and --down-stages must be >= 1 (0: the engine's)")
+    overrides = ("down_n", a.down_rows), ("down_k", a.down_k), ("up_k", a.up_k), ("up_stages", a.up_stages)
+    blocks = {k: v for k, v in (*overrides, ("down_stages", a.down_stages)) if v}
     if blocks:
         pick = moe_gemv.pick_blocks
         moe_gemv.pick_blocks = lambda h, i: dataclasses.replace(pick(h, i), **blocks)

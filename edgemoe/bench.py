@@ -290,8 +290,15 @@ def run_bench(a: argparse.Namespace) -> dict:
 
 def settled(result: dict, device: torch.device, row_bytes: int) -> dict:
     """`result` with its bounds at the higher of the bandwidths measured before and after its runs (reprinted
-    where that changed them)."""
-    if device.type == "cuda" and settle_bounds(result, bandwidths(device, row_bytes)):
+    where that changed them). Without the memory for the second reading's buffers the first stands, said once."""
+    if device.type != "cuda":
+        return result
+    try:
+        again = bandwidths(device, row_bytes)
+    except torch.cuda.OutOfMemoryError:
+        print("no device memory left for the second bandwidth reading: the bounds use the first", file=sys.stderr)
+        return result
+    if settle_bounds(result, again):
         first, again = result["bandwidths_measured"]
         print(
             f"bandwidths after the runs: HBM {again['hbm_bytes_per_s'] / 1e9:.0f} GB/s (before "

@@ -114,14 +114,15 @@ def gemv(
         raise ValueError("gemv needs x and weight contiguous in K and a contiguous bias")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
         raise ValueError(f"x, weight and bias must share a device, got {x.device}, {weight.device}")
-    sizes = (block_n or 1, block_k or 1)
-    if any(b & (b - 1) for b in sizes) or min(*sizes, warps, stages or 1) < 1:
+    sizes = [b for b in (block_n, block_k) if b is not None]
+    if any(b < 1 or b & (b - 1) for b in sizes) or warps < 1 or (stages is not None and stages < 1):
         raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two, warps and stages >= 1")
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return y
-    steps = pick_steps(x.shape[1])
-    _launch(x, weight, bias, y, None, block_n or pick_block_n(N), block_k or steps[0], warps, stages or steps[1])
+    k, s = pick_steps(x.shape[1])
+    block_k, stages = k if block_k is None else block_k, s if stages is None else stages
+    _launch(x, weight, bias, y, None, block_n or pick_block_n(N), block_k, warps, stages)
     return y
 
 

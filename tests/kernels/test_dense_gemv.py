@@ -102,6 +102,9 @@ def test_bad_inputs_raise() -> None:
     for message, (xx, ww, bb, *block_n) in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             gemv(xx, ww, bb, block_n=block_n[0] if block_n else None)
+    for config in ({"block_k": 0}, {"stages": 0}, {"block_n": 0}, {"warps": 0}):  # 0 is no default
+        with pytest.raises(ValueError, match="powers of two"):
+            gemv(x, w, b, **config)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])

@@ -40,7 +40,8 @@ def check(x, residual, norm_weight, weight, bias) -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("hidden, n", [(2048, 40), (1500, 37), (200, 24)])  # off the block sizes; 200: 1 warp
+# off the block sizes; 200: 1 warp; 4100: a long row, which both kernels must step through alike (`pick_steps`)
+@pytest.mark.parametrize("hidden, n", [(2048, 40), (1500, 37), (200, 24), (4100, 12)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_add_rms_norm_then_gemv(dtype: torch.dtype, hidden: int, n: int, bias: bool) -> None:
     check(*inputs(hidden, n, dtype, bias, seed=hidden + n + bias))

@@ -74,17 +74,16 @@ def ordinary_launches(module, fn: Callable) -> Callable:
 
 
 def parse_dense_config(text: str) -> tuple[tuple[int, int], dict]:
-    """'2048x4096=n4_k512_w4_s4' -> ((2048, 4096), gemv's keywords)."""
-    bad = SystemExit(f"--dense-config {text!r}: expected OUTxIN=nB_kK_wW_sS, e.g. 2048x4096=n4_k512_w4_s4")
+    """'2048x4096=n4_k512_w4_s4' -> ((2048, 4096), gemv's keywords); the config's name as dense_gemv.py's."""
+    from dense_gemv import parse_config  # benchmarks/dense_gemv.py (this folder), not the kernel module
+
     try:
         shape, config = text.split("=")
         out_features, in_features = (int(v) for v in shape.split("x"))
-        parts = config.split("_")
-        block_n, block_k, warps, stages = (int(p[1:]) for p in parts)
     except ValueError:
-        raise bad from None
-    if [p[:1] for p in parts] != ["n", "k", "w", "s"]:
-        raise bad
+        example = "2048x4096=n4_k512_w4_s4"
+        raise SystemExit(f"--dense-config {text!r}: expected OUTxIN=nB_kK_wW_sS, e.g. {example}") from None
+    block_n, block_k, warps, stages = parse_config(config, "--dense-config")
     return (out_features, in_features), dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages)
 
 

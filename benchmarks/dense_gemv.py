@@ -66,10 +66,11 @@ def graph_us(call, reps: int = 20) -> float:
     return us
 
 
-def parse_config(text: str) -> tuple[int, int, int, int]:
+def parse_config(text: str, flag: str = "--configs") -> tuple[int, int, int, int]:
+    """'n4_k512_w4_s4' -> (BLOCK_N, BLOCK_K, warps, stages); a bad name exits with one line naming `flag`."""
     parts = text.split("_")
     if len(parts) != 4 or [p[:1] for p in parts] != ["n", "k", "w", "s"] or not all(p[1:].isdigit() for p in parts):
-        raise SystemExit(f"--configs: {text!r} is not nB_kK_wW_sS (e.g. n4_k512_w4_s4)")
+        raise SystemExit(f"{flag}: {text!r} is not nB_kK_wW_sS (e.g. n4_k512_w4_s4)")
     return tuple(int(p[1:]) for p in parts)
 
 

@@ -11,6 +11,10 @@ Variants, timed in the same run:
 - `memcpy`: one pinned host -> device copy of all the bytes, in one block (the reference);
 - `host_rows`: one captured `cudaMemcpyAsync` per row, from a list the host knows (a ceiling for any copy that
   issues a copy per row);
+- `host_joined`: the same with each expert's two rows side by side in one bank row and one slot (one copy an
+  expert instead of two), and `host_quarters`: each of the two rows in 4 copies (8 an expert). Against
+  `host_rows`, these give what one more copy costs the copy engine; `host_two_streams`: `host_rows` with each
+  layer's copies dealt over two streams (two copy engines, if the GPU runs them side by side);
 - `sm`: the engine's eager copy, SMs reading pinned memory (`edgemoe.kernels.miss_copy.copy_rows_pair`);
 - `service_rows`: the service issuing one `cuMemcpyHtoDAsync` per row (drivers without `cuMemcpyBatchAsync`);
 - `service_batch<g>`: the service issuing one `cuMemcpyBatchAsync` per `g` entries, each group's counters written
@@ -43,6 +47,15 @@ def check_rows(k, src: torch.Tensor, dst: torch.Tensor, n: int) -> bool:
                 if not torch.equal(pool[d].view(torch.int16).cpu(), bank[s].view(torch.int16)):
                     return False
     return True
+
+
+def check_joined(k, src: torch.Tensor, dst: torch.Tensor, n: int) -> bool:
+    """`host_joined`'s rows, bitwise in their slots."""
+    return all(
+        torch.equal(k.joined_pool[int(dst[layer, i])].cpu(), k.joined_bank[int(src[layer, i])])
+        for layer in range(k.layers)
+        for i in range(n)
+    )
 
 
 def capture(k, body) -> torch.cuda.CUDAGraph:
@@ -104,7 +117,40 @@ def run_rows(k, n: int, gen: torch.Generator, reps: int) -> dict:
     def sm_rows(layer: int) -> None:
         copy_rows_pair(k.pools, k.banks, lists[0][layer], lists[1][layer], lists[2][layer])
 
-    variants = {"host_rows": host_rows, "sm": sm_rows, "service_rows": 0}
+    def host_quarters(layer: int) -> None:
+        for i in range(n):
+            s, d = int(src[layer, i]), int(dst[layer, i])
+            for pool, bank in zip(k.pools, k.banks, strict=True):
+                for part_dst, part_src in zip(pool[d].chunk(4), bank[s].chunk(4), strict=True):
+                    part_dst.copy_(part_src, non_blocking=True)
+
+    def host_joined(layer: int) -> None:
+        for i in range(n):
+            k.joined_pool[int(dst[layer, i])].copy_(k.joined_bank[int(src[layer, i])], non_blocking=True)
+
+    def host_two_streams(layer: int) -> None:
+        here = torch.cuda.current_stream()
+        for side in k.side_streams:
+            side.wait_stream(here)
+        for i in range(n):
+            s, d = int(src[layer, i]), int(dst[layer, i])
+            for j, (pool, bank) in enumerate(zip(k.pools, k.banks, strict=True)):
+                with torch.cuda.stream(k.side_streams[(2 * i + j) % 2]):
+                    pool[d].copy_(bank[s], non_blocking=True)
+        for side in k.side_streams:
+            here.wait_stream(side)
+
+    k.joined_pool.zero_()
+    out["host_joined_s"] = timed(capture(k, host_joined).replay, k.dev, reps)
+    torch.cuda.synchronize()
+    out["host_joined_check"] = {"rows_equal": check_joined(k, src, dst, n)}
+    variants = {
+        "host_rows": host_rows,
+        "host_quarters": host_quarters,
+        "host_two_streams": host_two_streams,
+        "sm": sm_rows,
+        "service_rows": 0,
+    }
     variants |= {f"service_batch{g}": g for g in sorted({1, 2, n})}
     for name, how in variants.items():
         for pool in k.pools:
@@ -140,6 +186,10 @@ def main() -> int:
         bank.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, bank.shape, dtype=torch.int16, generator=gen))
     k.pools = tuple(torch.empty((k.slots + 1, *b.shape[1:]), dtype=b.dtype, device=k.dev) for b in k.banks)
     k.chunks = chunks_per_entry(k.pools)
+    k.side_streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    k.joined_bank = allocate_bank((k.experts, sum(b[0].nbytes for b in k.banks)), torch.uint8, pin=True)
+    k.joined_bank.copy_(torch.cat([b.view(k.experts, -1).view(torch.uint8) for b in k.banks], dim=1))
+    k.joined_pool = torch.empty((k.slots + 1, k.joined_bank.shape[1]), dtype=torch.uint8, device=k.dev)
     k.counters = torch.zeros(k.max_entries, dtype=torch.int64, device=k.dev)
     row_bytes = sum(b[0].nbytes for b in k.banks)
     results = {"layers": k.layers, "row_bytes": row_bytes, "rows": {}}

@@ -467,8 +467,9 @@ def _row(r: dict) -> str:
 
 
 def profile_lines(profile: dict) -> list[str]:
-    """`--profile`'s figures as text: a line per upload policy, then the default policy's costliest kernels, each
-    with what it adds to its stream's timeline per step (under PDL its own duration counts its wait)."""
+    """`--profile`'s figures as text: a line per upload policy, then the default policy's copy lists (offloaded
+    graph replays: `edgemoe.profiler._copy_lists`) and costliest kernels, each with what it adds to its stream's
+    timeline per step (under PDL its own duration counts its wait)."""
     lines = []
     for name, p in profile.items():
         main = next((s for s in p["streams"].values() if s["role"] == "main"), {"gap_median_us": 0.0})
@@ -477,6 +478,16 @@ def profile_lines(profile: dict) -> list[str]:
             f"{main['gap_median_us']:.2f} us on the main stream"
         )
     first = next(iter(profile.values()), None)
+    if first and "copy_lists" in first:
+        c = first["copy_lists"]
+        tail = "-" if c["tail_us"] is None else f"{c['tail_us']:.1f}"
+        rate = "" if c["gbs"] is None else f", {c['gbs']:.1f} GB/s while copying"
+        lines.append(
+            f"    copy lists: {c['lists']:.0f} a step; first byte {c['first_byte_us']:.1f} us after the router (p90 "
+            f"{c['first_byte_p90_us']:.1f}; ensure ends at {c['ensure_us']:.1f}); {c['copies']:.1f} copies a list, "
+            f"{c['gaps_us']:.1f} us idle between them; {tail} us from the last byte to down's end; link busy "
+            f"{c['link_busy_us']:.0f} us, idle {c['link_idle_us']:.0f} us a step{rate}"
+        )
     if first:
         lines.append(f"    {'kernel':<44}{'calls':>7}{'us/call':>10}{'adds us/step':>14}")
         for t in first["top"]:

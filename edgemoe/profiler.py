@@ -1,7 +1,7 @@
 """Kernel timelines of replayed decode steps (`edgemoe bench --profile`): torch.profiler (CUPTI) records every GPU
 operation of N steps, and `summarize` turns them into per-step figures (kernel count, kernel busy time, GPU time,
-tok/s), per-stream gaps between consecutive kernels, and how much of the side stream's work ran while the miss
-copy was in flight.
+tok/s), per-stream gaps between consecutive kernels, how much of the side stream's work ran while the miss
+copy was in flight, and what the link does around each copy list the copy service serves.
 
 Steps are told apart on the stream with the most kernels, where every step launches the same operations: its
 operations cut every `len / steps` give each step's start, and every other operation belongs to the step begun
@@ -23,6 +23,7 @@ import torch
 
 GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
 MISS_COPY = "_copy_rows"  # the miss-copy kernel's name (edgemoe.kernels.miss_copy)
+ENSURE, DOWN = "_ensure", "_down"  # the expert cache's `ensure` and the routed experts' down GEMV (edgemoe.kernels)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class GpuOp:
     start: int  # ns
     end: int  # ns
     kernel: bool  # False: a memcpy or memset
+    nbytes: int = 0  # a memcpy's bytes, where the trace gives them
 
 
 def record(fn: Callable[[], object], steps: int) -> list[GpuOp]:
@@ -58,7 +60,8 @@ def ops_from_chrome_trace(events: list[dict]) -> list[GpuOp]:
         if e.get("cat") in GPU_ACTIVITIES and e.get("ph") == "X":
             start = round(float(e["ts"]) * 1000)
             stream = int(e.get("args", {}).get("stream", e.get("tid", 0)))
-            ops.append(GpuOp(e["name"], stream, start, start + round(float(e["dur"]) * 1000), e["cat"] == "kernel"))
+            end, nbytes = start + round(float(e["dur"]) * 1000), int(e.get("args", {}).get("bytes", 0))
+            ops.append(GpuOp(e["name"], stream, start, end, e["cat"] == "kernel", nbytes))
     return sorted(ops, key=lambda o: (o.start, o.end))
 
 
@@ -146,13 +149,80 @@ def _steps(ops: list[GpuOp], starts: list[int]) -> list[list[GpuOp]]:
     return chunks
 
 
+def _copy_lists(chunks: list[list[GpuOp]], main: int) -> dict | None:
+    """The link around each copy list the copy service served (memcpys off the main stream), in replayed offloaded
+    decode steps. A layer's list is the memcpys that start from its `ensure`'s inputs being ready (the end of the
+    kernel before it on its stream, the router) to the next layer's. Medians over the lists (p90 for the first
+    byte) of: `first_byte_us`, from ready to the first copy's start (ensure up to its post, the post reaching the
+    host, the host's copy call, the copy engine's start); `ensure_us`, from ready to ensure's end; `copies`;
+    `gaps_us`, the link's idle time between the list's first copy start and last copy end; `tail_us`, from the
+    last copy's end to the end of the layer's down GEMV; per step: `lists`, `link_busy_us` (the union of copies),
+    `link_idle_us` (the rest of the step) and `gbs` (bytes over busy time, where the trace gives bytes). None when
+    no list was served."""
+    lists, per_step, busy, idle, nbytes = [], [], [], [], 0
+    for step in chunks:
+        streams: dict[int, list[GpuOp]] = {}
+        for o in step:
+            if o.kernel:
+                streams.setdefault(o.stream, []).append(o)
+        layers = []  # (ready, ensure, down or None)
+        for ks in streams.values():
+            for i, k in enumerate(ks):
+                if _short(k.name).startswith(ENSURE):
+                    down = next((d for d in ks[i + 1 :] if _short(d.name).startswith(DOWN)), None)
+                    layers.append((ks[i - 1].end if i else k.start, k, down))
+        layers.sort(key=lambda x: x[0])
+        copies = sorted((o for o in step if not o.kernel and o.stream != main), key=lambda o: o.start)
+        bounds = [ready for ready, _, _ in layers[1:]] + [float("inf")] * bool(layers)
+        n = 0
+        for (ready, ensure, down), until in zip(layers, bounds, strict=True):
+            mine = [c for c in copies if ready <= c.start < until]
+            if not mine:
+                continue
+            n += 1
+            spent = sum(c.end - c.start for c in mine)
+            lists.append(
+                {
+                    "first_byte_us": (mine[0].start - ready) / 1e3,
+                    "ensure_us": (ensure.end - ready) / 1e3,
+                    "copies": len(mine),
+                    "gaps_us": (max(c.end for c in mine) - mine[0].start - spent) / 1e3,
+                    "tail_us": None if down is None else (down.end - max(c.end for c in mine)) / 1e3,
+                }
+            )
+        per_step.append(n)
+        link = sum(b - a for a, b in _union([(c.start, c.end) for c in copies]))
+        busy.append(link)
+        idle.append(max(o.end for o in step) - step[0].start - link)
+        nbytes += sum(c.nbytes for c in copies)
+    if not lists:
+        return None
+
+    def med(key: str) -> float | None:
+        values = [x[key] for x in lists if x[key] is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "lists": statistics.median(per_step),
+        "first_byte_us": med("first_byte_us"),
+        "first_byte_p90_us": _quantile([x["first_byte_us"] for x in lists], 0.9),
+        "ensure_us": med("ensure_us"),
+        "copies": med("copies"),
+        "gaps_us": med("gaps_us"),
+        "tail_us": med("tail_us"),
+        "link_busy_us": statistics.median(busy) / 1e3,
+        "link_idle_us": statistics.median(idle) / 1e3,
+        "gbs": nbytes / sum(busy) if nbytes else None,
+    }
+
+
 def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kernel: str = MISS_COPY) -> dict:
     """Per step (medians over the steps): kernels, busy_us (union of operation intervals), gpu_us (first start to
     last end), tok_s (tokens over the start-to-start period); per stream: ops per step, median and p90 gap between
     consecutive operations within a step (µs); `top`: the operations taking most time, by name (µs and count per
     step, with a short name, and the µs each adds to its stream's timeline: `_top_ops`); where a branch runs beside
     the routed experts (`_parallel_branch`): `shared_us` its time per step and `overlap`, the fraction of that time
-    during a miss-copy kernel."""
+    during a miss-copy kernel; where the copy service served lists, `copy_lists` (`_copy_lists`)."""
     count = {
         s: (sum(o.kernel for o in ops if o.stream == s), sum(o.stream == s for o in ops))
         for s in {o.stream for o in ops}
@@ -191,6 +261,9 @@ def summarize(ops: list[GpuOp], steps: int, tokens_per_step: int = 1, copy_kerne
             "gap_median_us": statistics.median(gaps) if gaps else 0.0,
             "gap_p90_us": _quantile(gaps, 0.9),
         }
+    served = _copy_lists(chunks, main)
+    if served is not None:
+        out["copy_lists"] = served
     shared = [o for c in chunks for o in _parallel_branch(c, main, copy_kernel)]
     if shared:
         copies = _union([(o.start, o.end) for o in ops if _is_copy(o, main, copy_kernel)])

@@ -97,11 +97,13 @@ def test_ops_from_chrome_trace_keeps_gpu_work_only() -> None:
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 1},
         {"ph": "X", "cat": "gpu_user_annotation", "name": "range", "ts": 9, "dur": 5, "args": {"stream": 7}},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 9.001, "dur": 0.5, "args": {"stream": 9}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 12, "dur": 1, "args": {"stream": 9, "bytes": 64}},
         {"ph": "f", "cat": "kernel", "name": "flow", "ts": 3},
     ]
     assert ops_from_chrome_trace(events) == [
         GpuOp("Memcpy HtoD", 9, 9001, 9501, False),
         GpuOp("k", 7, 10500, 11750, True),
+        GpuOp("Memcpy HtoD", 9, 12000, 13000, False, 64),
     ]
 
 
@@ -145,9 +147,40 @@ def test_steps_split_on_the_busiest_stream_while_the_copy_service_varies() -> No
     assert got["period_us"] == pytest.approx(0.1)
     assert got["streams"]["7"]["role"] == "main" and got["streams"]["5"]["role"] == "other"
     assert got["streams"]["5"]["ops_per_step"] == 2  # 2, 1, 3
-    assert "shared_us" not in got
+    assert "shared_us" not in got and "copy_lists" not in got  # no `ensure`: no copy list to place
     with pytest.raises(ValueError, match="do not split"):
         summarize(ops[1:], 3)
+
+
+def test_copy_lists_hand_worked_timeline() -> None:
+    """Offloaded graph replays, three layers a step (ns, steps 1000 apart), on stream 7: route, `_ensure` (it starts
+    early under PDL), `_up`, `_down`. Layer 0 misses twice: memcpys [40, 140) and [150, 180) on stream 5; layer 1
+    hits; layer 2 misses once, [400, 560). Its ensure's inputs are ready at the route's end (10, 230, 320)."""
+    step = [("route", 7, 0, 10), ("_ensure", 7, 5, 20), ("_up", 7, 12, 200), ("_down", 7, 190, 230)]
+    step += [("route", 7, 230, 240), ("_ensure", 7, 235, 250), ("_up", 7, 245, 300), ("_down", 7, 300, 320)]
+    step += [("route", 7, 320, 330), ("_ensure", 7, 325, 345), ("_up", 7, 340, 600), ("_down", 7, 590, 640)]
+    step += [("lm_head", 7, 640, 700)]
+    memcpys = [(40, 140, 1000), (150, 180, 500), (400, 560, 2000)]
+    ops = [GpuOp(n, s, 1000 * i + a, 1000 * i + b, True) for i in range(3) for n, s, a, b in step]
+    ops += [GpuOp("Memcpy HtoD", 5, 1000 * i + a, 1000 * i + b, False, n) for i in range(3) for a, b, n in memcpys]
+    got = summarize(sorted(ops, key=lambda o: (o.start, o.end)), 3)["copy_lists"]
+    assert got["lists"] == 2  # layers 0 and 2
+    assert got["first_byte_us"] == pytest.approx(0.050)  # 40 - 10 and 400 - 330
+    assert got["first_byte_p90_us"] == pytest.approx(0.070)
+    assert got["ensure_us"] == pytest.approx(0.0125)  # 20 - 10 and 345 - 330
+    assert got["copies"] == 1.5 and got["gaps_us"] == pytest.approx(0.005)  # 2 copies with 10 idle, 1 with none
+    assert got["tail_us"] == pytest.approx(0.065)  # 230 - 180 and 640 - 560
+    assert got["link_busy_us"] == pytest.approx(0.290) and got["link_idle_us"] == pytest.approx(0.410)
+    assert got["gbs"] == pytest.approx(3500 / 290)  # bytes per ns: GB/s
+    from edgemoe.bench import profile_lines
+
+    us = [GpuOp(o.name, o.stream, 1000 * o.start, 1000 * o.end, o.kernel, o.nbytes) for o in ops]  # ns -> µs
+    line = profile_lines({"auto": summarize(sorted(us, key=lambda o: (o.start, o.end)), 3)})[1]
+    assert line == (
+        "    copy lists: 2 a step; first byte 50.0 us after the router (p90 70.0; ensure ends at 12.5); 1.5 copies a "
+        "list, 5.0 us idle between them; 65.0 us from the last byte to down's end; link busy 290 us, idle 410 us a "
+        "step, 0.0 GB/s while copying"
+    )
 
 
 def test_profile_lines_print_each_policy_and_the_costliest_kernels() -> None:

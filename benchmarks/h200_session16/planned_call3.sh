@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# planned for the next device session (written in session 16, NOT run yet): where each copy list's ~30 us go
+# (`edgemoe bench --profile`'s copy-list line: first byte after the router, idle between copies, tail to down's
+# end), offloaded 50 % and 25 % lru, main's code against wip/joined-rows' (main's code as in planned_call1.sh)
+set -u
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+W=/tmp/w; mkdir -p $W
+trap 'cp $OUT/log.txt $W/ 2>/dev/null; tar czf $OUT/call3.tgz -C $W .' EXIT
+log() { echo "$1 rc $2 $(( $(date +%s) - T0 )) s" | tee -a $OUT/log.txt; }
+P="--geometry qwen3-30b-a3b --context 4096 --moe-policy lru --routing-trace synthetic --mode graph --steps 16 --warmup 8 --prefill 0 --profile 4"
+prof() { name=$1 tree=$2 frac=$3; (cd $tree && PYTHONPATH=$PWD python3 benchmarks/decode_variants.py -- $P --moe-cache-fraction $frac --json $W/prof_$name.json > $W/prof_$name.txt 2>&1)
+  rc=$?; log "$name" $rc; grep -E "achieved/bound|copy lists|upload auto" $W/prof_$name.txt | tee -a $OUT/log.txt; }
+prof main_50 .carry/main_tree 0.5
+prof joined_50 . 0.5
+prof main_25 .carry/main_tree 0.25
+prof joined_25 . 0.25

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# planned for the next device session (written in session 16, NOT run yet): where each copy list's ~30 us go
-# (`edgemoe bench --profile`'s copy-list line: first byte after the router, idle between copies, tail to down's
-# end), offloaded 50 % and 25 % lru, main's code against wip/joined-rows' (main's code as in planned_call1.sh)
+# planned for the next device session (written in session 16, NOT run yet), on wip/offload-next with main's code
+# in .carry/main_tree (see planned_call1.sh): where each copy list's ~30 us go (`edgemoe bench --profile`'s
+# copy-list line: first byte after the router, idle between copies, tail to down's end), offloaded lru at 50 %
+# (main against the branch) and 25 % (the branch); then all of tests/gpu on the branch
 set -u
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -12,6 +13,8 @@ P="--geometry qwen3-30b-a3b --context 4096 --moe-policy lru --routing-trace synt
 prof() { name=$1 tree=$2 frac=$3; (cd $tree && PYTHONPATH=$PWD python3 benchmarks/decode_variants.py -- $P --moe-cache-fraction $frac --json $W/prof_$name.json > $W/prof_$name.txt 2>&1)
   rc=$?; log "$name" $rc; grep -E "achieved/bound|copy lists|upload auto" $W/prof_$name.txt | tee -a $OUT/log.txt; }
 prof main_50 .carry/main_tree 0.5
-prof joined_50 . 0.5
-prof main_25 .carry/main_tree 0.25
-prof joined_25 . 0.25
+prof next_50 . 0.5
+prof next_25 . 0.25
+export PYTHONPATH=$PWD
+timeout 330 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=90 tests/gpu > $W/gpu_tests_all.txt 2>&1
+log tests_all $?; tail -3 $W/gpu_tests_all.txt | tee -a $OUT/log.txt

@@ -3,8 +3,8 @@
 # expert in one copy + the early down), with main's code beside it, carried as .carry:
 #   mkdir -p .carry/main_tree && git archive main 'edgemoe/*.py' edgemoe/engine edgemoe/kernels edgemoe/layers \
 #     edgemoe/models edgemoe/moe edgemoe/server benchmarks | tar -x -C .carry/main_tree      (~4 MB)
-# The copy probe (what one more copy costs), the GPU tests the branch touches, then offloaded decode: main,
-# the branch, the branch with down after all of up (= the one-copy layout alone).
+# The copy probe (what one more copy costs), the GPU tests the branch touches, then offloaded decode: main, then
+# the branch (planned_call2.sh adds the branch with down after all of up, i.e. the one-copy layout alone).
 # Run as: bash benchmarks/h200_session16/planned_call1.sh   (carry: [".carry"])
 set -u
 export PYTHONUNBUFFERED=1
@@ -24,4 +24,3 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 
 log tests $?; tail -2 $W/gpu_tests.txt | tee -a $OUT/log.txt
 off main_1 .carry/main_tree
 off next_1 .
-off joined_only_1 . --down-after-up

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # planned for the next device session (written in session 16, NOT run yet), on wip/offload-next with main's code
-# in .carry/main_tree (see planned_call1.sh): the offloaded A/B's second round in the other order; resident decode
+# in .carry/main_tree (see planned_call1.sh): the offloaded A/B's second round, with the one-copy layout alone
+# (--down-after-up) twice; resident decode
 # (which neither change should move) on both trees; and session 16's unrun resident A/B of the routed-expert
 # GEMVs (MoE down at 2 stages and 64 columns, up at 64 columns)
 set -u
@@ -15,9 +16,10 @@ off() { name=$1 tree=$2; shift 2; (cd $tree && PYTHONPATH=$PWD python3 benchmark
   rc=$?; log "$name" $rc; grep -E "achieved/bound|bandwidths after" $W/off_$name.txt | tee -a $OUT/log.txt; }
 res() { name=$1 tree=$2; shift 2; (cd $tree && PYTHONPATH=$PWD python3 benchmarks/decode_variants.py "$@" -- $RES --json $W/res_$name.json > $W/res_$name.txt 2>&1)
   rc=$?; log "$name $(grep -o 'graph: [0-9.]* tok/s' $W/res_$name.txt | tail -1)" $rc; }
-off joined_only_2 . --down-after-up
+off joined_only_1 . --down-after-up
 off next_2 .
 off main_2 .carry/main_tree
+off joined_only_2 . --down-after-up
 res main_1 .carry/main_tree
 res next_1 .
 res down_s2 . --down-stages 2

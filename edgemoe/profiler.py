@@ -152,7 +152,9 @@ def _steps(ops: list[GpuOp], starts: list[int]) -> list[list[GpuOp]]:
 def _copy_lists(chunks: list[list[GpuOp]], main: int) -> dict | None:
     """The link around each copy list the copy service served (memcpys off the main stream), in replayed offloaded
     decode steps. A layer's list is the memcpys that start from its `ensure`'s inputs being ready (the end of the
-    kernel before it on its stream, the router) to the next layer's. Medians over the lists (p90 for the first
+    kernel before it on its stream, the router; where a graph forks the routed branch onto a stream of its own, as
+    with a shared expert beside it, that is the branch stream's previous kernel, and the delays read long) to the
+    next layer's. Medians over the lists (p90 for the first
     byte) of: `first_byte_us`, from ready to the first copy's start (ensure up to its post, the post reaching the
     host, the host's copy call, the copy engine's start); `ensure_us`, from ready to ensure's end; `copies`;
     `gaps_us`, the link's idle time between the list's first copy start and last copy end; `tail_us`, from the

@@ -14,7 +14,8 @@ Variants, timed in the same run:
 - `host_joined`: the same with each expert's two rows side by side in one bank row and one slot (one copy an
   expert instead of two), and `host_quarters`: each of the two rows in 4 copies (8 an expert). Against
   `host_rows`, these give what one more copy costs the copy engine; `host_two_streams`: `host_rows` with each
-  layer's copies dealt over two streams (two copy engines, if the GPU runs them side by side);
+  expert's gate_up row on one stream and its down row on another (two copy engines, if the GPU runs them side by
+  side);
 - `sm`: the engine's eager copy, SMs reading pinned memory (`edgemoe.kernels.miss_copy.copy_rows_pair`);
 - `service_rows`: the service issuing one `cuMemcpyHtoDAsync` per row (drivers without `cuMemcpyBatchAsync`);
 - `service_batch<g>`: the service issuing one `cuMemcpyBatchAsync` per `g` entries, each group's counters written
@@ -135,7 +136,7 @@ def run_rows(k, n: int, gen: torch.Generator, reps: int) -> dict:
         for i in range(n):
             s, d = int(src[layer, i]), int(dst[layer, i])
             for j, (pool, bank) in enumerate(zip(k.pools, k.banks, strict=True)):
-                with torch.cuda.stream(k.side_streams[(2 * i + j) % 2]):
+                with torch.cuda.stream(k.side_streams[j]):  # gate_up rows on one, down rows on the other
                     pool[d].copy_(bank[s], non_blocking=True)
         for side in k.side_streams:
             here.wait_stream(side)

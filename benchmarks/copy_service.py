@@ -13,9 +13,10 @@ Variants, timed in the same run:
   issues a copy per row);
 - `host_joined`: the same with each expert's two rows side by side in one bank row and one slot (one copy an
   expert instead of two), and `host_quarters`: each of the two rows in 4 copies (8 an expert). Against
-  `host_rows`, these give what one more copy costs the copy engine; `host_two_streams`: `host_rows` with each
-  expert's gate_up row on one stream and its down row on another (two copy engines, if the GPU runs them side by
-  side);
+  `host_rows`, these give what one more copy costs the copy engine;
+- `service_joined2`: `service_batch2` (below) over that layout, the engine's (`edgemoe.moe.offload.split_rows`);
+- `host_two_streams`: `host_rows` with each expert's gate_up row on one stream and its down row on another (two
+  copy engines, if the GPU runs them side by side);
 - `sm`: the engine's eager copy, SMs reading pinned memory (`edgemoe.kernels.miss_copy.copy_rows_pair`);
 - `service_rows`: the service issuing one `cuMemcpyHtoDAsync` per row (drivers without `cuMemcpyBatchAsync`);
 - `service_batch<g>`: the service issuing one `cuMemcpyBatchAsync` per `g` entries, each group's counters written
@@ -35,6 +36,7 @@ from edgemoe.bench import timed
 from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
 from edgemoe.moe.banks import allocate_bank
 from edgemoe.moe.copy_service import CopyService, Driver
+from edgemoe.moe.offload import split_rows
 
 HIDDEN, INTER = 2048, 768  # qwen3-30b-a3b
 
@@ -51,9 +53,10 @@ def check_rows(k, src: torch.Tensor, dst: torch.Tensor, n: int) -> bool:
 
 
 def check_joined(k, src: torch.Tensor, dst: torch.Tensor, n: int) -> bool:
-    """`host_joined`'s rows, bitwise in their slots."""
+    """The side-by-side variants' rows, bitwise in their slots."""
+    pool, bank = k.joined_pool.view(torch.int16), k.joined_bank.view(torch.int16)
     return all(
-        torch.equal(k.joined_pool[int(dst[layer, i])].cpu(), k.joined_bank[int(src[layer, i])])
+        torch.equal(pool[int(dst[layer, i])].cpu(), bank[int(src[layer, i])])
         for layer in range(k.layers)
         for i in range(n)
     )
@@ -67,17 +70,19 @@ def capture(k, body) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def service_variant(k, lists, group: int, reps: int) -> tuple[float, dict]:
-    """Seconds per served replay of a graph whose layers post `lists` to a service, and what it copied."""
+def service_variant(k, lists, group: int, reps: int, joined: bool = False) -> tuple[float, dict]:
+    """Seconds per served replay of a graph whose layers post `lists` to a service, and what it copied. `joined`:
+    the service over the side-by-side banks and pool (`split_rows`, the engine's layout)."""
     d_src, d_dst, d_count = lists
     driver = Driver(k.dev)
     if group and driver.functions[3] is None:
         return float("nan"), {"skipped": "the driver has no cuMemcpyBatchAsync"}
-    service = CopyService(k.pools, k.counters, k.chunks, k.max_entries, group=group, driver=driver)
+    pools, banks = k.joined_views if joined else (k.pools, k.banks)
+    service = CopyService(pools, k.counters, k.chunks, k.max_entries, group=group, driver=driver)
 
     def layer_step(layer: int) -> None:
         k.counters.zero_()  # as ensure does
-        service.post(d_src[layer], d_dst[layer], d_count[layer], k.banks)
+        service.post(d_src[layer], d_dst[layer], d_count[layer], banks)
         service.wait(d_count[layer])
 
     graph = capture(k, layer_step)
@@ -87,7 +92,7 @@ def service_variant(k, lists, group: int, reps: int) -> tuple[float, dict]:
         service.serve()
 
     seconds = timed(step, k.dev, reps)
-    return seconds, {"served": service.served}
+    return seconds, {"served": service.served, "one_copy_an_entry": service.joined}
 
 
 def memcpy_seconds(k, nbytes: int, reps: int) -> float:
@@ -141,10 +146,14 @@ def run_rows(k, n: int, gen: torch.Generator, reps: int) -> dict:
         for side in k.side_streams:
             here.wait_stream(side)
 
-    k.joined_pool.zero_()
-    out["host_joined_s"] = timed(capture(k, host_joined).replay, k.dev, reps)
-    torch.cuda.synchronize()
-    out["host_joined_check"] = {"rows_equal": check_joined(k, src, dst, n)}
+    for name, how in {"host_joined": capture(k, host_joined).replay, "service_joined2": 2}.items():
+        k.joined_pool.zero_()
+        if callable(how):
+            out[f"{name}_s"], check = timed(how, k.dev, reps), {}
+        else:
+            out[f"{name}_s"], check = service_variant(k, lists, how, reps, joined=True)
+        torch.cuda.synchronize()
+        out[f"{name}_check"] = check | {"rows_equal": check_joined(k, src, dst, n)}
     variants = {
         "host_rows": host_rows,
         "host_quarters": host_quarters,
@@ -188,9 +197,10 @@ def main() -> int:
     k.pools = tuple(torch.empty((k.slots + 1, *b.shape[1:]), dtype=b.dtype, device=k.dev) for b in k.banks)
     k.chunks = chunks_per_entry(k.pools)
     k.side_streams = (torch.cuda.Stream(), torch.cuda.Stream())
-    k.joined_bank = allocate_bank((k.experts, sum(b[0].nbytes for b in k.banks)), torch.uint8, pin=True)
-    k.joined_bank.copy_(torch.cat([b.view(k.experts, -1).view(torch.uint8) for b in k.banks], dim=1))
-    k.joined_pool = torch.empty((k.slots + 1, k.joined_bank.shape[1]), dtype=torch.uint8, device=k.dev)
+    k.joined_bank = allocate_bank((k.experts, 3 * INTER * HIDDEN), torch.bfloat16, pin=True)
+    k.joined_bank.copy_(torch.cat([b.view(k.experts, -1) for b in k.banks], dim=1))
+    k.joined_pool = torch.empty((k.slots + 1, 3 * INTER * HIDDEN), dtype=torch.bfloat16, device=k.dev)
+    k.joined_views = split_rows(k.joined_pool, INTER, HIDDEN), split_rows(k.joined_bank, INTER, HIDDEN)
     k.counters = torch.zeros(k.max_entries, dtype=torch.int64, device=k.dev)
     row_bytes = sum(b[0].nbytes for b in k.banks)
     results = {"layers": k.layers, "row_bytes": row_bytes, "rows": {}}

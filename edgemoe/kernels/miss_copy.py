@@ -53,13 +53,16 @@ class Arrivals(NamedTuple):
 
 
 @triton.jit
-def _copy_chunk(bank, pool, src, dst, chunk, row: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+def _copy_chunk(
+    bank, pool, src, dst, chunk, bank_stride, pool_stride, row: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr
+):  # fmt: skip
     offs = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # src, dst: int64, rows of GiBs overflow int32
+    to, at = pool + dst * pool_stride + offs, bank + src * bank_stride + offs
     if EVEN:
-        tl.store(pool + dst * row + offs, tl.load(bank + src * row + offs))
+        tl.store(to, tl.load(at))
     else:
         mask = offs < row
-        tl.store(pool + dst * row + offs, tl.load(bank + src * row + offs, mask=mask), mask=mask)
+        tl.store(to, tl.load(at, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -72,6 +75,10 @@ def _copy_rows(
     pool_a,
     bank_b,
     pool_b,
+    bank_stride_a,
+    pool_stride_a,
+    bank_stride_b,
+    pool_stride_b,
     row_a: tl.constexpr,
     row_b: tl.constexpr,
     CHUNKS_A: tl.constexpr,
@@ -90,9 +97,9 @@ def _copy_rows(
         src = tl.load(src_ids + r).to(tl.int64)
         dst = tl.load(dst_ids + r).to(tl.int64)
         if c < CHUNKS_A:
-            _copy_chunk(bank_a, pool_a, src, dst, c, row_a, BLOCK, EVEN_A)
+            _copy_chunk(bank_a, pool_a, src, dst, c, bank_stride_a, pool_stride_a, row_a, BLOCK, EVEN_A)
         else:
-            _copy_chunk(bank_b, pool_b, src, dst, c - CHUNKS_A, row_b, BLOCK, EVEN_B)
+            _copy_chunk(bank_b, pool_b, src, dst, c - CHUNKS_A, bank_stride_b, pool_stride_b, row_b, BLOCK, EVEN_B)
         if ARRIVALS:
             tl.debug_barrier()  # every thread's stores of the chunk, then one release for the program
             tl.atomic_add(arrived + r, 1, sem="release", scope="gpu")
@@ -129,7 +136,8 @@ def copy_rows_pair(
     programs: int | None = None,
 ) -> None:
     """pools[k][dst[i]] = banks[k][src[i]] for both k and i < count, in one launch. pools: [S + 1, ...] on the GPU;
-    banks: [E, ...] contiguous pinned host memory (or device memory), each of its pool's dtype and row shape; src,
+    banks: [E, ...] pinned host memory (or device memory), each of its pool's dtype and row shape, every row
+    contiguous (rows may lie any distance apart: `edgemoe.moe.offload.split_rows`'s views); src,
     dst: [M] int64, count: [] int64 (device). `arrived`: [>= M] int64 zeros, counting each entry's stored work
     items (see Arrivals). `block`, `num_warps` and `programs` (default: `default_programs`) are for
     benchmarks/miss_copy.py's sweep."""
@@ -163,6 +171,7 @@ def _launch(
 ) -> None:
     for pool, bank in zip(pools, banks, strict=True):
         assert pool.dtype == bank.dtype and pool.shape[1:] == bank.shape[1:], "a bank and its pool differ"
+        assert pool[0].is_contiguous() and bank[0].is_contiguous(), "rows must be contiguous (the rows' stride is free)"
     rows = [pool[0].numel() for pool in pools]
     block = min(block, triton.next_power_of_2(max(rows)))
     chunks = [triton.cdiv(row, block) for row in rows]
@@ -171,8 +180,9 @@ def _launch(
     a, b = 0, len(pools) - 1  # one bank: the second pair is the first again, given no chunks
     grid = programs or default_programs(pools[0].device)
     _copy_rows[(grid,)](
-        src, dst, count, count if arrived is None else arrived, banks[a], pools[a], banks[b], pools[b], rows[a],
-        rows[b], chunks[a], sum(chunks), block, rows[a] % block == 0, rows[b] % block == 0, arrived is not None,
+        src, dst, count, count if arrived is None else arrived, banks[a], pools[a], banks[b], pools[b],
+        banks[a].stride(0), pools[a].stride(0), banks[b].stride(0), pools[b].stride(0), rows[a], rows[b], chunks[a],
+        sum(chunks), block, rows[a] % block == 0, rows[b] % block == 0, arrived is not None,
         num_warps=num_warps, **launch_args(src.device),
     )  # fmt: skip
 

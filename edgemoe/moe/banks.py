@@ -1,7 +1,8 @@
-"""Host banks: routed-expert weights in host memory, one contiguous `[experts, ...]` bank per MoE layer and weight
-kind (pinned when the device is CUDA, so that copies to the GPU run at full PCIe speed and a kernel can read
-them through unified addressing). The loader fills them straight from safetensors, one checkpoint tensor at a
-time, so peak host memory stays about the model's size.
+"""Host banks: routed-expert weights in host memory, one contiguous bank per MoE layer, each expert's gate_up and
+down weights side by side in its row (`edgemoe.moe.offload.split_rows`: a miss is one copy), pinned when the device
+is CUDA, so that copies to the GPU run at full PCIe speed and a kernel can read them through unified addressing.
+The loader fills them straight from safetensors, one checkpoint tensor at a time, so peak host memory stays about
+the model's size.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
-from edgemoe.moe.offload import OffloadedExperts
+from edgemoe.moe.offload import OffloadedExperts, split_rows
 
 
 def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -46,8 +47,7 @@ def offload_experts(
     desc = "allocating pinned expert banks" if pin else "allocating expert banks"
     for i, layer in tqdm(layers, desc=desc, unit="layer", disable=not progress or None, leave=False):
         E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        w13 = allocate_bank((E, 2 * inter, H), dtype, pin)
-        w2 = allocate_bank((E, H, inter), dtype, pin)
+        w13, w2 = split_rows(allocate_bank((E, 3 * inter * H), dtype, pin), inter, H)
         layer.mlp.experts = OffloadedExperts(index, w13, w2)
         targets[f"model.layers.{i}.mlp.experts.gate_up_proj"] = w13
         targets[f"model.layers.{i}.mlp.experts.down_proj"] = w2

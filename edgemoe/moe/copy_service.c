@@ -16,6 +16,11 @@
  * Where the driver has `cuMemcpyBatchAsync` (CUDA 12.8 and later), the rows of `group` entries go in one call of it
  * and their counters are written after it; otherwise each row is one `cuMemcpyHtoDAsync`.
  *
+ * A bank row is laid out as a slot (the same bytes from one row to the next). Where an expert's down row follows its
+ * gate_up row in memory, in the banks and in the slots (`joined`: edgemoe.moe.offload.split_rows, the engine's
+ * layout), an entry is one copy of both; otherwise two (what a copy costs the copy engine besides its bytes:
+ * benchmarks/copy_service.py, host_joined against host_rows).
+ *
  * Mailbox row (int64): seq, count, bank_a, bank_b, src[max_entries], dst[max_entries]. CUDA is reached through
  * driver entry points the Python side passes in (libcuda's own), so this file needs no CUDA headers.
  * Built and loaded by edgemoe/moe/copy_service.py.
@@ -44,6 +49,9 @@ typedef struct {
   int64_t ring, width, max_entries;
   uint64_t pool_a, pool_b; /* device addresses of the slot pools */
   int64_t row_a, row_b;    /* bytes per row */
+  int64_t stride_a, stride_b; /* bytes from one slot (or bank row) to the next */
+  int64_t joined;          /* pool_b = pool_a + row_a, both strides row_a + row_b: one copy an entry where the
+                              banks are laid out so too */
   uint64_t counters;       /* device address: int64 arrival counter per list entry */
   uint64_t chunks;         /* the value that marks an entry as arrived */
   void *stream;
@@ -70,19 +78,23 @@ static int64_t now_ns(void) {
 static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t first, int64_t n) {
   uint64_t bank_a = (uint64_t)row[2], bank_b = (uint64_t)row[3];
   uint64_t dsts[2 * MAX_GROUP], srcs[2 * MAX_GROUP];
-  size_t sizes[2 * MAX_GROUP];
+  size_t sizes[2 * MAX_GROUP], count = 0;
+  int joined = s->joined && bank_b == bank_a + (uint64_t)s->row_a;
   for (int64_t j = 0; j < n; ++j) {
     uint64_t src = (uint64_t)row[4 + first + j], dst = (uint64_t)row[4 + s->max_entries + first + j];
-    dsts[2 * j] = s->pool_a + dst * s->row_a, srcs[2 * j] = bank_a + src * s->row_a, sizes[2 * j] = s->row_a;
-    dsts[2 * j + 1] = s->pool_b + dst * s->row_b, srcs[2 * j + 1] = bank_b + src * s->row_b;
-    sizes[2 * j + 1] = s->row_b;
+    dsts[count] = s->pool_a + dst * s->stride_a, srcs[count] = bank_a + src * s->stride_a;
+    sizes[count++] = joined ? (size_t)(s->row_a + s->row_b) : (size_t)s->row_a;
+    if (!joined) {
+      dsts[count] = s->pool_b + dst * s->stride_b, srcs[count] = bank_b + src * s->stride_b;
+      sizes[count++] = s->row_b;
+    }
   }
   if (s->batch) {
     copy_attributes in_order = {1, 0, 0, 0, 0, 0};
     size_t all = 0; /* the attributes apply from copy 0 on */
-    return s->batch(dsts, srcs, sizes, 2 * n, &in_order, &all, 1, s->stream);
+    return s->batch(dsts, srcs, sizes, count, &in_order, &all, 1, s->stream);
   }
-  for (int64_t k = 0; k < 2 * n; ++k) {
+  for (size_t k = 0; k < count; ++k) {
     int err = s->copy(dsts[k], (const void *)(uintptr_t)srcs[k], sizes[k], s->stream);
     if (err) return err;
   }

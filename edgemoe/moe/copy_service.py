@@ -75,7 +75,8 @@ class _Service(ctypes.Structure):
     _fields_ = [
         ("mailbox", ctypes.c_void_p), ("ring", ctypes.c_int64), ("width", ctypes.c_int64),
         ("max_entries", ctypes.c_int64), ("pool_a", ctypes.c_uint64), ("pool_b", ctypes.c_uint64),
-        ("row_a", ctypes.c_int64), ("row_b", ctypes.c_int64), ("counters", ctypes.c_uint64),
+        ("row_a", ctypes.c_int64), ("row_b", ctypes.c_int64), ("stride_a", ctypes.c_int64),
+        ("stride_b", ctypes.c_int64), ("joined", ctypes.c_int64), ("counters", ctypes.c_uint64),
         ("chunks", ctypes.c_uint64), ("stream", ctypes.c_void_p), ("copy", ctypes.c_void_p),
         ("write", ctypes.c_void_p), ("query", ctypes.c_void_p), ("batch", ctypes.c_void_p), ("group", ctypes.c_int64),
         ("served", ctypes.c_int64), ("error", ctypes.c_int), ("first_ns", ctypes.c_int64), ("issue_ns", ctypes.c_int64),
@@ -167,26 +168,42 @@ class CopyService:
         self.tick = torch.zeros((), dtype=torch.int64, device=device)  # lists posted so far
         self.counters, self.chunks = counters, chunks
         copy, write, query, batch = self.driver.functions
+        rows = [pool[0].nbytes for pool in pools]
+        self.strides = [pool.stride(0) * pool.element_size() for pool in pools]
+        joined = pools[1].data_ptr() == pools[0].data_ptr() + rows[0] and self.strides == [sum(rows)] * 2
         self._state = _Service(
             self.mailbox.data_ptr(), RING, self.mailbox.shape[1], max_entries, pools[0].data_ptr(),
-            pools[1].data_ptr(), pools[0][0].nbytes, pools[1][0].nbytes, counters.data_ptr(), chunks,
-            self.driver.stream.value, copy, write, query, batch if group > 0 else None, group, 0, 0,
+            pools[1].data_ptr(), *rows, *self.strides, joined, counters.data_ptr(), chunks, self.driver.stream.value,
+            copy, write, query, batch if group > 0 else None, group, 0, 0,
         )  # fmt: skip
         self._keep = pools  # the service copies into them
         library()  # built now: a missing C compiler fails the engine's start, not its first decode step
 
+    @property
+    def joined(self) -> bool:
+        """An expert's two rows are one run of memory in each slot, so an entry is one copy (where the banks are
+        laid out so too)."""
+        return bool(self._state.joined)
+
+    def _check(self, banks: tuple[torch.Tensor, ...]) -> None:
+        strides = [bank.stride(0) * bank.element_size() for bank in banks]
+        assert strides == self.strides, f"bank rows {strides} bytes apart, the pool's slots {self.strides}"
+
     def post(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, banks: tuple[torch.Tensor, ...]) -> None:
         """Post a copy list (one sync-free launch, for capture): `serve` then copies banks[k][src[i]] to pool k's slot
-        dst[i] for i < count and sets counters[i] to `chunks`. The counters must be zero (ensure zeroes them)."""
+        dst[i] for i < count and sets counters[i] to `chunks`. The counters must be zero (ensure zeroes them). Each
+        bank's rows must lie as far apart as its pool's slots (the service addresses both alike)."""
         from edgemoe.kernels.miss_copy import post_copy_list
 
         assert src.numel() <= self.max_entries, "a copy list longer than the mailbox row"
+        self._check(banks)
         post_copy_list(src, dst, count, self.tick, self.mailbox, banks, RING, self.max_entries)
         self._record()
 
     def target(self, banks: tuple[torch.Tensor, ...]) -> PostTarget:
         """Where a kernel that posts a list itself (`edgemoe.kernels.miss_copy.post_list`, inside `ensure`) writes it,
         for copies from `banks`; the caller launches that kernel next (it counts as a post, as `post` does)."""
+        self._check(banks)
         self._record()
         return PostTarget(self.tick, self.mailbox, banks[0].data_ptr(), banks[1].data_ptr(), RING, self.max_entries)
 

@@ -100,6 +100,15 @@ class OffloadedExperts(nn.Module):
         return out
 
 
+def split_rows(joined: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [N, 2I, H] and down [N, H, I] views of `joined` [N, 3 * I * H]: each row holds an expert's gate_up
+    weights, then its down weights, so one expert is one run of memory, in the host banks and in the slot pool
+    alike, and a miss is one copy (`edgemoe/moe/copy_service.c`)."""
+    split = 2 * inter * hidden
+    assert joined.shape[1] == 3 * inter * hidden and joined.stride(1) == 1
+    return joined[:, :split].unflatten(1, (2 * inter, hidden)), joined[:, split:].unflatten(1, (hidden, inter))
+
+
 def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.expert_params * dtype.itemsize
 
@@ -141,15 +150,13 @@ def cache_slots(
 def attach_expert_cache(
     model: nn.Module, slots: int, policy: str, collect_stats: bool, device: torch.device, dtype: torch.dtype
 ) -> ExpertCache:
-    """One cache and slot pool (S slots + a scratch slot) for all of `model`'s offloaded MoE layers."""
+    """One cache and slot pool (S slots + a scratch slot, each an expert's rows side by side: `split_rows`) for all
+    of `model`'s offloaded MoE layers."""
     cfg = model.config
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
     H, inter = cfg.hidden_size, cfg.moe_intermediate_size
     cache = ExpertCache(len(layers), cfg.num_experts, slots, policy, device, expert_bytes(cfg, dtype), collect_stats)
-    cache.attach_pool(
-        torch.empty(slots + 1, 2 * inter, H, dtype=dtype, device=device),
-        torch.empty(slots + 1, H, inter, dtype=dtype, device=device),
-    )
+    cache.attach_pool(*split_rows(torch.empty(slots + 1, 3 * inter * H, dtype=dtype, device=device), inter, H))
     for m in layers:
         m.cache = cache
     if device.type == "cuda" and layers:

@@ -1,7 +1,8 @@
 """The copy service on CUDA (`edgemoe.moe.copy_service`): captured decode steps post copy lists, and `replay` serves
 them by the copy engine. Ensure + post + the wait captured in a CUDA graph and replayed against the CPU cache and
-the banks' rows, bitwise; eager calls keep the SM copy and post nothing; the capture records the service, without
-host synchronisation; the engine's graphs run through the service (tokens as resident, eager and graphs)."""
+the banks' rows, bitwise, with an expert's two rows apart or side by side (one copy); eager calls keep the SM copy
+and post nothing; the capture records the service, without host synchronisation; the engine's graphs run through
+the service (tokens as resident, eager and graphs)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from edgemoe import LLM, SamplingParams
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.moe.expert_cache import POLICIES, ExpertCache
+from edgemoe.moe.offload import split_rows
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.gpu.test_expert_offload import ensure_copy_read, pinned_bank
 from tests.moe.test_expert_cache import random_trace
@@ -18,23 +20,35 @@ from tests.moe.test_expert_cache import random_trace
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def make_cache(L: int, E: int, S: int, policy: str, rows: tuple[tuple[int, int], ...]):
-    banks = [tuple(pinned_bank((E, *r), torch.bfloat16, 10 * i + k) for k, r in enumerate(rows)) for i in range(L)]
+def make_cache(L: int, E: int, S: int, policy: str, rows: tuple[tuple[int, int], ...], joined: bool = False):
+    """`joined`: each expert's two rows side by side in its bank row and slot (`split_rows`, the engine's layout)."""
     cache = ExpertCache(L, E, S, policy, "cuda", 10)
-    cache.attach_pool(*(torch.zeros(S + 1, *r, dtype=torch.bfloat16, device="cuda") for r in rows))
+    if joined:
+        (_, hidden), (_, inter) = rows
+        banks = [
+            split_rows(pinned_bank((E, 3 * inter * hidden), torch.bfloat16, 10 * i), inter, hidden) for i in range(L)
+        ]
+        cache.attach_pool(
+            *split_rows(torch.zeros(S + 1, 3 * inter * hidden, dtype=torch.bfloat16, device="cuda"), inter, hidden)
+        )
+    else:
+        banks = [tuple(pinned_bank((E, *r), torch.bfloat16, 10 * i + k) for k, r in enumerate(rows)) for i in range(L)]
+        cache.attach_pool(*(torch.zeros(S + 1, *r, dtype=torch.bfloat16, device="cuda") for r in rows))
     cache.start_copy_service()
     return cache, banks
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "two-rows"])
 @pytest.mark.parametrize("fused_post", [True, False], ids=["ensure-posts", "post-kernel"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("rows", [((16, 8), (8, 8)), ((1536, 2048), (2048, 768))])  # tiny; qwen3-30b-a3b's
-def test_graph_replays_post_and_wait(policy: str, rows: tuple, fused_post: bool, monkeypatch) -> None:
+def test_graph_replays_post_and_wait(policy: str, rows: tuple, fused_post: bool, joined: bool, monkeypatch) -> None:
     import edgemoe.kernels.ensure as ensure
 
     monkeypatch.setattr(ensure, "FUSED_POST", fused_post)
     L, E, S, tokens, top_k = 3, 12, 9, 2, 3
-    gpu, banks = make_cache(L, E, S, policy, rows)
+    gpu, banks = make_cache(L, E, S, policy, rows, joined)
+    assert gpu.copy_service.joined == joined  # joined: one copy an entry
     cpu = ExpertCache(L, E, S, policy, "cpu", 10)
     ids = torch.zeros(L, tokens, top_k, dtype=torch.long, device="cuda")  # static input of the graph
 
@@ -172,6 +186,7 @@ def test_engine_offload_runs_through_the_service() -> None:
         cache = llm.engine.expert_cache
         if cache is not None:
             served.append(cache.copy_service.served)
+            assert cache.copy_service.joined  # the engine's banks and slots: one copy a miss
         return out
 
     served: list[int] = []

@@ -1,7 +1,8 @@
 """The two-bank miss copy (`copy_rows_pair`, Triton's interpreter on CPU) against `copy_rows_reference` applied to each
 bank: rows of both banks of an expert (gate_up [2I, H] and down [H, I]) in one launch, rows of several chunks and of
-a partial last chunk in either bank, empty, partial and full copy lists, banks of different dtypes, and persistent grids
-of one program (every item in turn), a few, and more programs than items.
+a partial last chunk in either bank, empty, partial and full copy lists, banks of different dtypes, persistent grids
+of one program (every item in turn), a few, and more programs than items, and rows side by side in one allocation
+(the engine's layout, `split_rows`) in the banks, the pools or both.
 `copy_rows` (one bank) goes through the same kernel: tests/kernels/test_ensure_kernel.py."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
 from edgemoe.moe.expert_cache import copy_rows_reference
+from edgemoe.moe.offload import split_rows
 
 E, S, M = 9, 7, 5
 
@@ -107,3 +109,28 @@ def test_arrival_counters_count_every_item(programs: int) -> None:
         assert arrived.tolist() == [5] * count + [0] * (E - count)
         for pool, w in zip(pools, want):
             assert torch.equal(pool[:S], w[:S])
+
+
+@pytest.mark.parametrize(("joined_banks", "joined_pools"), [(True, True), (True, False), (False, True)])
+def test_rows_side_by_side(joined_banks: bool, joined_pools: bool) -> None:
+    """Rows any distance apart: the engine's banks and pools hold an expert's two rows in one run of memory
+    (`split_rows`: strided views); either side may be laid out so alone."""
+    gen = torch.Generator().manual_seed(20 + 2 * joined_banks + joined_pools)
+    inter, hidden = 3, 4  # gate_up rows [6, 4] = 3 chunks of 8, down rows [4, 3]: a partial second chunk
+    joined = torch.randn(E, 3 * inter * hidden, generator=gen)
+    banks = split_rows(joined, inter, hidden)
+    if not joined_banks:
+        banks = tuple(b.contiguous() for b in banks)
+    for count in (0, 2, M):
+        pools = split_rows(torch.randn(S + 1, 3 * inter * hidden, generator=gen), inter, hidden)
+        if not joined_pools:
+            pools = tuple(p.contiguous() for p in pools)
+        want = tuple(p.clone() for p in pools)
+        src, dst, n = random_list(count, gen)
+        for pool, bank in zip(want, banks):
+            copy_rows_reference(pool, bank, src, dst)
+        arrived = torch.zeros(E, dtype=torch.long)
+        copy_rows_pair(pools, banks, src, dst, n, arrived, block=8)
+        assert arrived.tolist() == [5] * count + [0] * (E - count)
+        for pool, w in zip(pools, want):
+            assert torch.equal(pool[:S], w[:S]), count

@@ -3,8 +3,9 @@ CUDA driver entry points it calls are ctypes callbacks over host memory (a memmo
 for `cuMemcpyBatchAsync`, a plain store for `cuStreamWriteValue64`, and for `cuEventQuery` a stand-in GPU that posts
 the next list, as `edgemoe.kernels.miss_copy.post_copy_list` writes it, once the last one's entries are marked
 arrived). Checked against `copy_rows_reference`: every listed row lands in its slot, each entry's counter is set once
-its rows are in, lists are served in order across the ring of mailbox rows, serving ends with the event, and a
-failing copy is reported while the waiters are still released."""
+its rows are in, lists are served in order across the ring of mailbox rows, serving ends with the event, a
+failing copy is reported while the waiters are still released, and an expert whose two rows are one run of memory
+(the engine's layout) is one copy."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from edgemoe.errors import EdgeMoEError
 from edgemoe.moe import copy_service
 from edgemoe.moe.copy_service import RING, CopyService
 from edgemoe.moe.expert_cache import copy_rows_reference
+from edgemoe.moe.offload import split_rows
 
 E, S, CHUNKS = 10, 6, 7
 NOT_READY = 600
@@ -97,24 +99,32 @@ def post(service: CopyService, src: torch.Tensor, dst: torch.Tensor, banks: tupl
     return seq
 
 
-def make(lists_of, fail_copy_at: int = -1, batched: bool = False, group: int = 1):
+def make(lists_of, fail_copy_at: int = -1, batched: bool = False, group: int = 1, joined: bool = False):
+    """`joined`: banks and pools hold an expert's two rows side by side (`split_rows`, the engine's layout)."""
     gen = torch.Generator().manual_seed(3)
-    banks = [(torch.randn(E, 6, 4, generator=gen), torch.randn(E, 4, 3, generator=gen)) for _ in range(3)]
-    pools = torch.zeros(S + 1, 6, 4), torch.zeros(S + 1, 4, 3)
+    if joined:
+        banks = [split_rows(torch.randn(E, 36, generator=gen), 3, 4) for _ in range(3)]
+        pools = split_rows(torch.zeros(S + 1, 36), 3, 4)
+    else:
+        banks = [(torch.randn(E, 6, 4, generator=gen), torch.randn(E, 4, 3, generator=gen)) for _ in range(3)]
+        pools = torch.zeros(S + 1, 6, 4), torch.zeros(S + 1, 4, 3)
     counters = torch.zeros(E, dtype=torch.int64)
     gpu = HostGPU(lists_of(banks), fail_copy_at, batched)
     gpu.service = CopyService(pools, counters, CHUNKS, E, group=group, driver=gpu)
     return gpu, pools, banks, counters
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["two-rows", "joined"])
 @pytest.mark.parametrize(("batched", "group"), [(False, 1), (True, 1), (True, 3)])
-def test_serve_copies_every_list_in_order_into_its_slots(batched: bool, group: int) -> None:
+def test_serve_copies_every_list_in_order_into_its_slots(batched: bool, group: int, joined: bool) -> None:
     gen = torch.Generator().manual_seed(4)
     steps = [(s % 3, 1 + s % 4) for s in range(3 * RING + 1)]  # around the ring of mailbox rows several times
     lists = [(torch.randperm(E, generator=gen)[:n], torch.randperm(S, generator=gen)[:n], layer) for layer, n in steps]
     gpu, pools, banks, counters = make(
-        lambda banks: [(src, dst, banks[layer]) for src, dst, layer in lists], batched=batched, group=group
-    )
+        lambda banks: [(src, dst, banks[layer]) for src, dst, layer in lists], batched=batched, group=group,
+        joined=joined,
+    )  # fmt: skip
+    assert gpu.service.joined == joined
     want = tuple(p.clone() for p in pools)
     for src, dst, layer in lists:
         for w, bank in zip(want, banks[layer]):
@@ -132,14 +142,34 @@ def test_serve_copies_every_list_in_order_into_its_slots(batched: bool, group: i
         assert torch.equal(pool, w)  # every row in its slot, later lists over earlier ones
     n_last = lists[-1][0].numel()
     assert counters[:n_last].tolist() == [CHUNKS] * n_last and not counters[n_last:].any()
-    assert gpu.copies == 2 * sum(n for _, n in steps)  # two rows an entry
+    per_entry = 1 if joined else 2  # joined: both rows in one copy
+    assert gpu.copies == per_entry * sum(n for _, n in steps)
     if batched:  # each list in groups of `group` entries, the last one shorter
-        want_batches = [2 * min(group, n - i) for _, n in steps for i in range(0, n, group)]
+        want_batches = [per_entry * min(group, n - i) for _, n in steps for i in range(0, n, group)]
         assert [count for count, *_ in gpu.batches] == want_batches
         assert {tuple(rest) for _, *rest in gpu.batches} == {(1, 0, 1)}  # one attribute from copy 0: stream order
     entries = [(a - counters.data_ptr()) // 8 for a, _, _ in gpu.writes]
     assert entries == [i for _, n in steps for i in range(n)]  # each list's entries, in order, once
     assert all(before == 0 and value == CHUNKS for _, before, value in gpu.writes)
+
+
+def test_joined_pools_copy_banks_of_other_layouts_row_by_row() -> None:
+    """Joined pools, and banks with the same row spacing that are not one run an expert (two layers' halves): two
+    copies an entry, still into the right slots. Banks spaced unlike the pool are refused before anything posts."""
+    gen = torch.Generator().manual_seed(5)
+    halves = [split_rows(torch.randn(E, 36, generator=gen), 3, 4) for _ in range(2)]
+    mixed = (halves[0][0], halves[1][1])
+    src, dst = torch.tensor([3, 0, 7]), torch.tensor([5, 1, 2])
+    gpu, pools, _, counters = make(lambda banks: [(src, dst, mixed)], batched=True, group=2, joined=True)
+    want = tuple(p.clone() for p in pools)
+    for w, bank in zip(want, mixed):
+        copy_rows_reference(w, bank, src, dst)
+    gpu.service.serve()
+    assert gpu.copies == 6 and [count for count, *_ in gpu.batches] == [4, 2]
+    for pool, w in zip(pools, want):
+        assert torch.equal(pool, w)
+    with pytest.raises(AssertionError, match="bytes apart"):
+        gpu.service.target((torch.zeros(E, 6, 4), torch.zeros(E, 4, 3)))
 
 
 def test_serve_returns_at_once_when_nothing_is_posted() -> None:

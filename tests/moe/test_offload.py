@@ -9,7 +9,8 @@ import torch
 from edgemoe import LLM, EdgeMoEError, SamplingParams
 from edgemoe.cli import main
 from edgemoe.models.random_checkpoint import make_model
-from edgemoe.moe.offload import OffloadedExperts
+from edgemoe.moe.expert_cache import copy_rows_reference
+from edgemoe.moe.offload import OffloadedExperts, split_rows
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -101,6 +102,34 @@ def test_host_banks_hold_the_checkpoint(tiny_models) -> None:
             assert torch.equal(a.mlp.experts.gate_up_proj, b.mlp.experts.gate_up_proj)
             assert torch.equal(a.mlp.experts.down_proj, b.mlp.experts.down_proj)
             assert not b.mlp.experts.gate_up_proj.is_pinned()  # pinned only for CUDA devices
+            assert_joined(b.mlp.experts.gate_up_proj, b.mlp.experts.down_proj)
+        cache = offloaded.model.layers[0].mlp.experts.cache
+        assert_joined(cache.w13, cache.w2)
+
+
+def assert_joined(w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Each expert's (or slot's) down row right after its gate_up row, and the next expert right after that: one
+    run of memory an expert (`split_rows`), which the copy service copies in one piece."""
+    row_a, row_b = w13[0].nbytes, w2[0].nbytes
+    assert w13[0].is_contiguous() and w2[0].is_contiguous()
+    for e in range(w13.shape[0]):
+        assert w13[e].data_ptr() == w13.data_ptr() + e * (row_a + row_b)
+        assert w2[e].data_ptr() == w13[e].data_ptr() + row_a
+
+
+def test_split_rows_views_one_allocation() -> None:
+    joined = torch.arange(3 * 3 * 4 * 5, dtype=torch.float32).view(5, 36)  # 5 experts, inter 3, hidden 4
+    w13, w2 = split_rows(joined, 3, 4)
+    assert w13.shape == (5, 6, 4) and w2.shape == (5, 4, 3)
+    assert_joined(w13, w2)
+    assert torch.equal(w13[2].flatten(), joined[2, :24]) and torch.equal(w2[2].flatten(), joined[2, 24:])
+    pool = torch.zeros(4, 36)
+    w13_pool, w2_pool = split_rows(pool, 3, 4)
+    copy_rows_reference(w13_pool, w13, torch.tensor([4, 1]), torch.tensor([0, 3]))
+    copy_rows_reference(w2_pool, w2, torch.tensor([4, 1]), torch.tensor([0, 3]))
+    assert torch.equal(pool[0], joined[4]) and torch.equal(pool[3], joined[1]) and not pool[1:3].any()
+    with pytest.raises(AssertionError):
+        split_rows(torch.zeros(5, 35), 3, 4)
 
 
 def test_vram_budget_sizes_the_cache(capfd) -> None:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# planned for the next device session (written in session 16, NOT run yet), on branch wip/offload-next (main + an
+# written in session 16, run in session 17 as device call 1 (2026-12-01) on branch wip/offload-next at e2b0714 (main + an
 # expert in one copy + the early down), with main's code beside it, carried as .carry:
 #   mkdir -p .carry/main_tree && git archive main 'edgemoe/*.py' edgemoe/engine edgemoe/kernels edgemoe/layers \
 #     edgemoe/models edgemoe/moe edgemoe/server benchmarks | tar -x -C .carry/main_tree      (~4 MB)
 # The copy probe (what one more copy costs), the GPU tests the branch touches, then offloaded decode: main, then
-# the branch (planned_call2.sh adds the branch with down after all of up, i.e. the one-copy layout alone).
-# Run as: bash benchmarks/h200_session16/planned_call1.sh   (carry: [".carry"])
+# the branch (call2.sh adds the branch with down after all of up, i.e. the one-copy layout alone).
+# Run as: bash benchmarks/h200_session17/call1.sh   (carry: [".carry"])
 set -u
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# planned for the next device session (written in session 16, NOT run yet), on wip/offload-next with main's code
-# in .carry/main_tree (see planned_call1.sh): the offloaded A/B's second round, with the one-copy layout alone
+# written in session 16, run in session 17 as device call 2 (2026-12-01) on branch wip/offload-next at e2b0714, with main's code
+# in .carry/main_tree (see call1.sh): the offloaded A/B's second round, with the one-copy layout alone
 # (--down-after-up) twice; resident decode
 # (which neither change should move) on both trees; and session 16's unrun resident A/B of the routed-expert
 # GEMVs (MoE down at 2 stages and 64 columns, up at 64 columns)

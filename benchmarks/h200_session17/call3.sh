@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# planned for the next device session (written in session 16, NOT run yet), on wip/offload-next with main's code
-# in .carry/main_tree (see planned_call1.sh): where each copy list's ~30 us go (`edgemoe bench --profile`'s
+# written in session 16, run in session 17 as device call 3 (2026-12-01) on wip/offload-next at 64393b3 (the early down reverted,
+# so 'next' is the one-copy layout alone; its files here are named joined), main's code in .carry/main_tree: where each copy list's ~30 us go (`edgemoe bench --profile`'s
 # copy-list line: first byte after the router, idle between copies, tail to down's end), offloaded lru at 50 %
 # (main against the branch) and 25 % (the branch); then all of tests/gpu on the branch
 set -u

@@ -1,19 +1,23 @@
 """`ExpertCache.ensure` on CUDA as one Triton launch, instead of ~60 small torch kernels and a sort of every slot.
 
 One program does the whole call, phase after phase, with a barrier wherever a phase reads what another thread of
-the program wrote to global memory: the clock; which experts the ids name; hits, misses and the copy list's
-experts; only if something misses, every slot's eviction key (kept in scratch as an int64 that orders like the
-float64 key, NaN first as in torch.sort) and the `count` largest, taken one at a time from per-block maxima held
-in registers (ties: the lower slot), so the S slots never sit in registers; the mapping update; the policy's
-update; stats. Sets in scratch (the experts `ids` names, this layer's hit slots) are marked with the new clock
-value, so they need no clearing: older marks are smaller (`ExpertCache.reset` zeroes them with the clock).
+the program wrote to global memory: every slot's eviction key (an int64 that orders like the float64 key, NaN first
+as in torch.sort); which experts the ids name (marked in scratch with the new clock value, so the marks need no
+clearing: older marks are smaller, and `ExpertCache.reset` zeroes them with the clock); hits, misses and the copy
+list's experts; only if something misses, the `count` largest keys among the slots this call does not hit; the
+mapping update; the policy's update; stats. The keys of a pool of up to BLOCK_S slots stay in registers and the
+victims are taken from them one by one; larger pools keep their keys in scratch and per-block maxima in registers.
 
 Two things shorten the decode step's critical path, which runs router -> ensure -> copy -> experts when a layer
 misses (benchmarks/RESULTS.md, issue #5):
-- Before its PDL wait, the kernel asks L2 for the layer's state (one bulk prefetch each of the layer's `slot_of`
-  row, `owner`, `hit_mark`, and `last_use` or the layer's `freq` and `last`). Earlier layers' calls wrote them, not
-  the router it waits for, and in decode the expert GEMVs between two calls have flushed them out of L2, so each
-  dependent phase would otherwise wait on HBM.
+- Before its PDL wait, the kernel computes every slot's key and asks L2 for the layer's `slot_of` row (and
+  `freq`, `last`) in bulk. Only earlier calls of this kernel write the clock and the cache state these read, not
+  the router it waits for, and each of those calls had finished before the kernel just before this one started
+  (each decode kernel lets the next start only after its own wait: `edgemoe.kernels.pdl`; host-side writes such
+  as `reset` are torch kernels, which keep the full dependency; the expert GEMV behind an SM miss copy starts
+  its successor early, but it started only once that copy, which waits for this kernel, had). So the pass over
+  every slot overlaps the router, and after the wait the victims are a few register reductions over keys already there:
+  this call's hits are passed over as they come up instead of being ranked last first.
 - In a step that hands its copies to the copy service (a captured step, given the banks by `ExpertCache.ensure`)
   the kernel posts the list to the service's mailbox itself as soon as the victims are chosen
   (`edgemoe.kernels.miss_copy.post_list`), so the host's copies start while the mapping, policy and stats updates
@@ -62,10 +66,10 @@ def _ordered(k):
 
 
 @triton.jit
-def _slot_keys(owner, hit_mark, last_use, freq, last, reuse, offs, now, layer, L: tl.constexpr, E: tl.constexpr,
+def _slot_keys(owner, last_use, freq, last, reuse, offs, now, layer, L: tl.constexpr, E: tl.constexpr,
                S: tl.constexpr, SCORED: tl.constexpr):  # fmt: skip
     """Ordered eviction keys of slots `offs` [BLOCK_S] (_TAKEN past S): the policy's `keys`, clamped, free slots
-    first, this layer's hits last."""
+    first. This call's hits are not known yet: `_choose_victims` passes over them."""
     inside = offs < S
     own = tl.load(owner + offs, mask=inside, other=-1)  # [BLOCK_S]
     if SCORED:
@@ -79,7 +83,6 @@ def _slot_keys(owner, hit_mark, last_use, freq, last, reuse, offs, now, layer, L
     key_max = tl.full([], _KEY_MAX, tl.float64)
     k = tl.where(k > key_max, key_max, k)  # torch's clamp: NaN stays NaN
     k = tl.where(own < 0, float("inf"), k)
-    k = tl.where(tl.load(hit_mark + offs, mask=inside, other=0) == now, float("-inf"), k)
     return tl.where(inside, _ordered(k), _TAKEN)
 
 
@@ -92,31 +95,51 @@ def _fold(x, offs, b, blocks, best, best_at):
 
 
 @triton.jit
-def _choose_victims(keys, hit_mark, dst, count, row, hit, owner, last_use, freq, last, reuse, now, layer,
-                    L: tl.constexpr, E: tl.constexpr, S: tl.constexpr, SCORED: tl.constexpr, BLOCK_S: tl.constexpr,
-                    NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr):  # fmt: skip
-    """dst[:count] = the `count` slots of largest key, in decreasing order (torch's stable descending sort)."""
-    tl.store(hit_mark + row, now, mask=hit)
-    tl.debug_barrier()
+def _key_pass(keys, owner, last_use, freq, last, reuse, now, layer, L: tl.constexpr, E: tl.constexpr,
+              S: tl.constexpr, SCORED: tl.constexpr, BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+              BLOCKS_P2: tl.constexpr):  # fmt: skip
+    """Every slot's key, before the router's ids are known -> (x, best, best_at). One block (NUM_BLOCKS == 1): x
+    holds all S keys, in registers. Several: the keys go to `keys`, and best / best_at [BLOCKS_P2] hold each
+    block's largest key and its lowest slot."""
     blocks = tl.arange(0, BLOCKS_P2)
-    best = tl.full([BLOCKS_P2], _TAKEN, tl.int64)  # [BLOCKS_P2] each block's largest key
-    best_at = tl.zeros([BLOCKS_P2], tl.int32)  # its slot
-    for b in range(NUM_BLOCKS):
-        offs = b * BLOCK_S + tl.arange(0, BLOCK_S)
-        x = _slot_keys(owner, hit_mark, last_use, freq, last, reuse, offs, now, layer, L, E, S, SCORED)
-        tl.store(keys + offs, x, mask=offs < S)
-        best, best_at = _fold(x, offs, b, blocks, best, best_at)
-    for i in range(count):
-        tl.debug_barrier()  # the keys (and _TAKEN marks) stored above are visible to every thread
-        top = tl.max(best, 0)
-        b = tl.min(tl.where(best == top, blocks, BLOCKS_P2), 0)  # ties: the lower block, so the lower slot
-        victim = tl.sum(tl.where(blocks == b, best_at, 0), 0)
-        tl.store(dst + i, victim)
-        tl.store(keys + victim, _TAKEN)
-        offs = b * BLOCK_S + tl.arange(0, BLOCK_S)
-        x = tl.load(keys + offs, mask=offs < S, other=_TAKEN)
-        x = tl.where(offs == victim, _TAKEN, x)  # the store above may not be visible to every thread yet
-        best, best_at = _fold(x, offs, b, blocks, best, best_at)
+    best = tl.full([BLOCKS_P2], _TAKEN, tl.int64)
+    best_at = tl.zeros([BLOCKS_P2], tl.int32)
+    x = _slot_keys(owner, last_use, freq, last, reuse, tl.arange(0, BLOCK_S), now, layer, L, E, S, SCORED)
+    if NUM_BLOCKS > 1:
+        for b in range(NUM_BLOCKS):
+            offs = b * BLOCK_S + tl.arange(0, BLOCK_S)
+            if b > 0:
+                x = _slot_keys(owner, last_use, freq, last, reuse, offs, now, layer, L, E, S, SCORED)
+            tl.store(keys + offs, x, mask=offs < S)
+            best, best_at = _fold(x, offs, b, blocks, best, best_at)
+    return x, best, best_at
+
+
+@triton.jit
+def _choose_victims(x, best, best_at, keys, dst, count, row, hit, S: tl.constexpr, BLOCK_S: tl.constexpr,
+                    NUM_BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr):  # fmt: skip
+    """dst[:count] = the `count` slots of largest key that this call does not hit (`row` where `hit`), in
+    decreasing order (torch's stable descending sort, hits last). Takes slots in key order from `_key_pass`'s
+    (x, best, best_at) and passes over hits: count plus at most the number of hits rounds."""
+    found = 0
+    while found < count:
+        if NUM_BLOCKS == 1:  # every key in registers
+            offs = tl.arange(0, BLOCK_S)
+            victim = tl.argmax(x, 0, tie_break_left=True)  # ties: the lower slot
+            x = tl.where(offs == victim, _TAKEN, x)
+        else:
+            tl.debug_barrier()  # the _TAKEN marks stored in earlier rounds are visible to every thread
+            top = tl.max(best, 0)
+            b = tl.min(tl.where(best == top, tl.arange(0, BLOCKS_P2), BLOCKS_P2), 0)  # ties: the lower block
+            victim = tl.sum(tl.where(tl.arange(0, BLOCKS_P2) == b, best_at, 0), 0)
+            tl.store(keys + victim, _TAKEN)
+            offs = b * BLOCK_S + tl.arange(0, BLOCK_S)
+            xb = tl.load(keys + offs, mask=offs < S, other=_TAKEN)
+            xb = tl.where(offs == victim, _TAKEN, xb)  # the store above may not be visible to every thread yet
+            best, best_at = _fold(xb, offs, b, tl.arange(0, BLOCKS_P2), best, best_at)
+        free = tl.sum((hit & (row == victim)).to(tl.int32), 0) == 0
+        tl.store(dst + found, victim, mask=free)
+        found += free.to(tl.int32)
 
 
 @triton.jit
@@ -170,23 +193,22 @@ def _update_scored(freq, last, reuse, layer, needed, e, E: tl.constexpr, FREQ: t
 
 @triton.jit(do_not_specialize=["n_ids", "M", "layer", "expert_bytes"])
 def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_use, freq, last, reuse, keys,
-            hit_mark, need_mark, arrived, tick, mailbox, bank_a, bank_b, n_ids, M, layer, expert_bytes,
+            need_mark, arrived, tick, mailbox, bank_a, bank_b, n_ids, M, layer, expert_bytes,
             L: tl.constexpr, E: tl.constexpr, S: tl.constexpr, SCORED: tl.constexpr, STATS: tl.constexpr,
             FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr, REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr,
             BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr,
             BLOCKS_P2: tl.constexpr, POST: tl.constexpr, RING: tl.constexpr, MAX_ENTRIES: tl.constexpr,
             PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    if PREFETCH:  # written by earlier layers' calls only: into L2 while the router runs (8-byte entries)
+    # Before the wait, while the router runs: only what earlier calls of this kernel wrote (see the docstring)
+    if PREFETCH:  # the layer's state (8-byte entries) into L2 for the phases after the wait
         prefetch_l2(slot_of + layer * E, E * 8)
-        prefetch_l2(owner, S * 8)
-        prefetch_l2(hit_mark, S * 8)
         if SCORED:
             prefetch_l2(freq + layer * E, E * 8)
             prefetch_l2(last + layer * E, E * 8)
-        else:
-            prefetch_l2(last_use, S * 8)
-    wait_for_inputs(PDL)
     now = tl.load(clock) + 1
+    x, best, best_at = _key_pass(keys, owner, last_use, freq, last, reuse, now, layer, L, E, S, SCORED, BLOCK_S,
+                                 NUM_BLOCKS, BLOCKS_P2)  # fmt: skip
+    wait_for_inputs(PDL)
     tl.debug_barrier()  # every thread has read the clock before it moves
     tl.store(clock, now)
     for n0 in range(0, n_ids, BLOCK_N):  # scatter, not compare: any number of ids costs O(ids + E)
@@ -207,8 +229,7 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
     tl.store(count_out, count)
     tl.store(arrived + e, 0, mask=e < M)  # the miss copy's arrival counters (edgemoe.kernels.miss_copy.Arrivals)
     if count > 0:
-        _choose_victims(keys, hit_mark, dst, count, row, hit, owner, last_use, freq, last, reuse, now, layer, L, E, S,
-                        SCORED, BLOCK_S, NUM_BLOCKS, BLOCKS_P2)  # fmt: skip
+        _choose_victims(x, best, best_at, keys, dst, count, row, hit, S, BLOCK_S, NUM_BLOCKS, BLOCKS_P2)
         if POST:  # the list is final: to the copy service now, so the host's copies start during the phases below
             tl.debug_barrier()  # every thread's stores of src and dst first
             post_list(src, dst, count.to(tl.int64), tick, mailbox, bank_a, bank_b, M, e, RING, MAX_ENTRIES)
@@ -247,8 +268,8 @@ def ensure_fused(
     M = min(flat.numel(), E)  # the most misses this call can have
     assert M <= S, "more distinct experts than slots: split them into waves"
     if cache.ensure_scratch is None:  # CPU caches (the interpreter's tests); CUDA caches allocate it up front
-        cache.ensure_scratch = torch.zeros(2 * S + 2 * E, dtype=torch.long, device=cache.device)
-    keys, hit_mark, need_mark, arrived = cache.ensure_scratch.split([S, S, E, E])
+        cache.ensure_scratch = torch.zeros(S + 2 * E, dtype=torch.long, device=cache.device)
+    keys, need_mark, arrived = cache.ensure_scratch.split([S, E, E])
     policy = cache.policy
     if isinstance(policy, Scored):
         last_use, freq, last, reuse = cache.owner, policy.freq, policy.last, policy.reuse  # last_use: unused
@@ -268,7 +289,7 @@ def ensure_fused(
     # fmt: off
     _ensure[(1,)](
         flat, slots, src, dst, count, cache.slot_of, cache.owner, cache.clock, cache.stats, last_use, freq, last,
-        reuse, keys, hit_mark, need_mark, arrived, target.tick, target.mailbox, target.bank_a, target.bank_b,
+        reuse, keys, need_mark, arrived, target.tick, target.mailbox, target.bank_a, target.bank_b,
         flat.numel(), M, layer, cache.expert_bytes,
         L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,

@@ -128,10 +128,10 @@ class ExpertCache:
         self.policy = POLICIES[policy](L, E, S, device)
         self.policy_name = policy
         self._experts = torch.arange(E, device=device)
-        # the fused CUDA `ensure`'s scratch: keys [S], clock marks [S + E], the miss copy's arrival counters [E];
+        # the fused CUDA `ensure`'s scratch: keys [S], clock marks [E], the miss copy's arrival counters [E];
         # here, so graph capture never allocates
         self.ensure_scratch = (
-            torch.zeros(2 * S + 2 * E, dtype=torch.long, device=device) if self.device.type == "cuda" else None
+            torch.zeros(S + 2 * E, dtype=torch.long, device=device) if self.device.type == "cuda" else None
         )
         self.w13: torch.Tensor | None = None  # [S + 1, 2 * inter, hidden]
         self.w2: torch.Tensor | None = None  # [S + 1, hidden, inter]
@@ -227,7 +227,7 @@ class ExpertCache:
         `ensure` (part of its scratch); None before a CPU cache's first fused `ensure`."""
         if self.ensure_scratch is None:
             return None
-        return self.ensure_scratch[2 * self.num_slots + self.num_experts :]
+        return self.ensure_scratch[self.num_slots + self.num_experts :]
 
     def arrivals(self, copy: Ensured):
         """CUDA: what the expert GEMV needs to wait for `copy`'s entries one by one instead of the whole copy

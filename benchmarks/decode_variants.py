@@ -22,8 +22,8 @@
   `--up-k N`: columns a loop step of the down and up GEMVs (the engine's: 128 and 128 at qwen3-30b-a3b);
   `--up-stages N`, `--down-stages N`: their loop steps in flight (the engine's: 4 and 1);
   `--down-ordinary-launch`: the down GEMV launched with an ordinary dependency instead of PDL.
-- `--no-ensure-prefetch`: `ensure` does not ask L2 for the layer's cache state before its PDL wait
-  (`ensure.PREFETCH`).
+- `--no-ensure-prefetch`: `ensure` does not ask L2 for the layer's `slot_of` row (and `freq`, `last`) before its
+  PDL wait (`ensure.PREFETCH`).
 - `--separate-post`: a post kernel after `ensure` posts the copy list to the copy service, instead of `ensure`
   itself once its victims are chosen (`ensure.FUSED_POST`).
 - `--attention-warps W`, `--attention-stages S`: the paged-attention partial kernel's warps and pipeline stages

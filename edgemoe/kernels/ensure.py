@@ -48,7 +48,7 @@ from edgemoe.moe.expert_cache import KEY_MAX, LRU, Ensured, ExpertCache, Scored
 BLOCK_S = 4096
 BLOCK_N = 256  # ids per step
 NUM_WARPS = 8
-PREFETCH = True  # the layer's cache state asked into L2 before the PDL wait (False: --no-ensure-prefetch)
+PREFETCH = True  # the layer's slot_of row (freq, last) asked into L2 before the PDL wait (False: --no-ensure-prefetch)
 FUSED_POST = True  # a posting step's list posted by the kernel itself (False: decode_variants.py --separate-post)
 
 _KEY_MAX = tl.constexpr(KEY_MAX)
@@ -295,7 +295,7 @@ def ensure_fused(
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
         BLOCKS_P2=triton.next_power_of_2(num_blocks), POST=post is not None, RING=target.ring,
-        MAX_ENTRIES=target.max_entries, PREFETCH=PREFETCH and use_pdl(flat.device) and S % 2 == 0 and E % 2 == 0,
+        MAX_ENTRIES=target.max_entries, PREFETCH=PREFETCH and use_pdl(flat.device) and E % 2 == 0,
         **launch_args(flat.device),  # (prefetch: sm_90+, 16-byte multiples of int64 entries)
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,  # no FMA: torch rounds mul and add apart
     )

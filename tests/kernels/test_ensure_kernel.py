@@ -85,6 +85,21 @@ def test_fused_ensure_more_seeds(policy: str) -> None:
         compare(want, got, random_trace(6, L, E, 2, 3, skew=0.8, seed=seed), block_s=4)
 
 
+@pytest.mark.parametrize("block_s", [1, 4])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_fused_ensure_passes_over_hits_ranked_first(policy: str, block_s: int) -> None:
+    """A hit in the slot the policy would evict first: the victim search (keys computed before the call's ids are
+    known) must pass over it. LRU: three experts fill three slots in one call, so their keys tie and the lowest
+    slot, expert 0's, ranks first; the next call needs expert 0 again and a new one. One block of keys (4) and a
+    block a slot (1)."""
+    want, got = (ExpertCache(1, 6, 3, policy, expert_bytes=7) for _ in range(2))
+    trace = torch.tensor([[[[0, 1, 2]]], [[[3, 0, 0]]], [[[4, 5, 3]]]])  # [steps, layers, tokens, top_k]
+    compare(want, got, trace[:2], block_s)
+    if policy == "lru":
+        assert int(got.slot_of[3]) == 1 and int(got.slot_of[0]) == 0  # slot 0 kept its hit, slot 1 taken
+    compare(want, got, trace[2:], block_s)
+
+
 @pytest.mark.parametrize("shape", [(9, 3, 5), (16, 8, 8)])
 def test_copy_rows_matches_reference(shape: tuple[int, ...]) -> None:
     E, S, M = shape[0], 7, 5

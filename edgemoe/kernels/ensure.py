@@ -16,8 +16,9 @@ misses (benchmarks/RESULTS.md, issue #5):
   (each decode kernel lets the next start only after its own wait: `edgemoe.kernels.pdl`; host-side writes such
   as `reset` are torch kernels, which keep the full dependency; the expert GEMV behind an SM miss copy starts
   its successor early, but it started only once that copy, which waits for this kernel, had). So the pass over
-  every slot overlaps the router, and after the wait the victims are a few register reductions over keys already there:
-  this call's hits are passed over as they come up instead of being ranked last first.
+  every slot overlaps the router, and after the wait each victim is one arg-max over keys already computed (in
+  registers up to BLOCK_S slots, from scratch beyond): this call's hits are passed over as they come up instead
+  of being ranked last first.
 - In a step that hands its copies to the copy service (a captured step, given the banks by `ExpertCache.ensure`)
   the kernel posts the list to the service's mailbox itself as soon as the victims are chosen
   (`edgemoe.kernels.miss_copy.post_list`), so the host's copies start while the mapping, policy and stats updates

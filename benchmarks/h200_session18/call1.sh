@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# planned for the next device session (written in session 17, NOT run yet), on branch wip/down-prefetch (main +
+# written in session 17, ran in session 18 as device call 1, on branch wip/down-prefetch (main +
 # down's w2 rows asked into L2 before its wait, offloaded steps only), with main's code beside it, carried as .carry:
 #   mkdir -p .carry/main_tree && git archive main 'edgemoe/*.py' edgemoe/engine edgemoe/kernels edgemoe/layers \
 #     edgemoe/models edgemoe/moe edgemoe/server benchmarks | tar -x -C .carry/main_tree      (~4 MB)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# planned for the next device session (written in session 17, NOT run yet), on branch wip/down-prefetch with
+# written in session 17, ran in session 18 as device call 3 (was planned_call2.sh) on main (135e6a2) itself, with
 # main's code in .carry/main_tree (see planned_call1.sh): all of tests/gpu on the branch (session 17 ran it at
 # 3276ecb, before ensure's key pass moved before its wait: 722d875 ran only the ensure and offload GPU tests);
 # resident decode on main; two zero-code offloaded A/Bs on main: the copy service's batches of one entry (one copy

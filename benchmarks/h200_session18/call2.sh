@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# planned for the next device session (written in session 17, NOT run yet), on branch wip/direct-first (main + up
+# written in session 17, ran in session 18 as device call 2 (was planned_call3.sh), on branch wip/direct-first (main + up
 # reading a one-token list's first gate_up rows from the pinned bank itself while the copy service copies the rest):
 # the GPU tests it touches, the copy-list profile at 50 % lru (its first byte is the copy engine's, which this does
 # not move: the SMs' reads are not in the trace; the step and the tail are what to read), then offloaded decode

@@ -12,6 +12,7 @@ stream of their own, vary with the misses).
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import statistics
 import tempfile
@@ -23,7 +24,8 @@ import torch
 
 GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
 MISS_COPY = "_copy_rows"  # the miss-copy kernel's name (edgemoe.kernels.miss_copy)
-ENSURE, DOWN = "_ensure", "_down"  # the expert cache's `ensure` and the routed experts' down GEMV (edgemoe.kernels)
+# the expert cache's `ensure` and the routed experts' up and down GEMVs (edgemoe.kernels)
+ENSURE, UP, DOWN = "_ensure", "_up", "_down"
 
 
 @dataclass(frozen=True)
@@ -154,30 +156,33 @@ def _copy_lists(chunks: list[list[GpuOp]], main: int) -> dict | None:
     decode steps. A layer's list is the memcpys that start from its `ensure`'s inputs being ready (the end of the
     kernel before it on its stream, the router; where a graph forks the routed branch onto a stream of its own, as
     with a shared expert beside it, that is the branch stream's previous kernel, and the delays read long) to the
-    next layer's. Medians over the lists (p90 for the first
-    byte) of: `first_byte_us`, from ready to the first copy's start (ensure up to its post, the post reaching the
-    host, the host's copy call, the copy engine's start); `ensure_us`, from ready to ensure's end; `copies`;
-    `gaps_us`, the link's idle time between the list's first copy start and last copy end; `tail_us`, from the
-    last copy's end to the end of the layer's down GEMV; per step: `lists`, `link_busy_us` (the union of copies),
-    `link_idle_us` (the rest of the step) and `gbs` (bytes over busy time, where the trace gives bytes). None when
-    no list was served."""
+    next layer's. Medians over the lists (p90 for the first byte) of: `first_byte_us`, from ready to the first
+    copy's start (ensure up to its post, the post reaching the host, the host's copy call, the copy engine's
+    start); `ensure_us`, from ready to ensure's end; `copies`; `gaps_us`, the link's idle time between the list's
+    first copy start and last copy end; `tail_us` and `up_tail_us`, from the last copy's end to the end of the
+    layer's (last) down and up GEMV; per step: `lists`, `link_busy_us` (the union of copies), `link_idle_us` (the
+    rest of the step) and `gbs` (bytes over busy time, where the trace gives bytes). None when no list was
+    served."""
     lists, per_step, busy, idle, nbytes = [], [], [], [], 0
     for step in chunks:
         streams: dict[int, list[GpuOp]] = {}
         for o in step:
             if o.kernel:
                 streams.setdefault(o.stream, []).append(o)
-        layers = []  # (ready, ensure, down or None)
+        layers = []  # (ready, ensure, down or None, up or None)
         for ks in streams.values():
             for i, k in enumerate(ks):
                 if _short(k.name).startswith(ENSURE):
-                    down = next((d for d in ks[i + 1 :] if _short(d.name).startswith(DOWN)), None)
-                    layers.append((ks[i - 1].end if i else k.start, k, down))
+                    layer = list(itertools.takewhile(lambda o: not _short(o.name).startswith(ENSURE), ks[i + 1 :]))
+                    # the layer's last down and up (one of each in the engine; a variant may split them)
+                    down = next((d for d in reversed(layer) if _short(d.name).startswith(DOWN)), None)
+                    up = next((u for u in reversed(layer) if _short(u.name).startswith(UP)), None)
+                    layers.append((ks[i - 1].end if i else k.start, k, down, up))
         layers.sort(key=lambda x: x[0])
         copies = sorted((o for o in step if not o.kernel and o.stream != main), key=lambda o: o.start)
-        bounds = [ready for ready, _, _ in layers[1:]] + [float("inf")] * bool(layers)
+        bounds = [ready for ready, *_ in layers[1:]] + [float("inf")] * bool(layers)
         n = 0
-        for (ready, ensure, down), until in zip(layers, bounds, strict=True):
+        for (ready, ensure, down, up), until in zip(layers, bounds, strict=True):
             mine = [c for c in copies if ready <= c.start < until]
             if not mine:
                 continue
@@ -190,6 +195,7 @@ def _copy_lists(chunks: list[list[GpuOp]], main: int) -> dict | None:
                     "copies": len(mine),
                     "gaps_us": (max(c.end for c in mine) - mine[0].start - spent) / 1e3,
                     "tail_us": None if down is None else (down.end - max(c.end for c in mine)) / 1e3,
+                    "up_tail_us": None if up is None else (up.end - max(c.end for c in mine)) / 1e3,
                 }
             )
         per_step.append(n)
@@ -212,6 +218,7 @@ def _copy_lists(chunks: list[list[GpuOp]], main: int) -> dict | None:
         "copies": med("copies"),
         "gaps_us": med("gaps_us"),
         "tail_us": med("tail_us"),
+        "up_tail_us": med("up_tail_us"),
         "link_busy_us": statistics.median(busy) / 1e3,
         "link_idle_us": statistics.median(idle) / 1e3,
         "gbs": nbytes / sum(busy) if nbytes else None,

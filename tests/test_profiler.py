@@ -155,10 +155,12 @@ def test_steps_split_on_the_busiest_stream_while_the_copy_service_varies() -> No
 def test_copy_lists_hand_worked_timeline() -> None:
     """Offloaded graph replays, three layers a step (ns, steps 1000 apart), on stream 7: route, `_ensure` (it starts
     early under PDL), `_up`, `_down`. Layer 0 misses twice: memcpys [40, 140) and [150, 180) on stream 5; layer 1
-    hits; layer 2 misses once, [400, 560). Its ensure's inputs are ready at the route's end (10, 230, 320)."""
+    hits; layer 2 misses once, [400, 560), and runs its up and down in two passes each (as a variant that splits
+    them would: the tails end at the second). Its ensure's inputs are ready at the route's end (10, 230, 320)."""
     step = [("route", 7, 0, 10), ("_ensure", 7, 5, 20), ("_up", 7, 12, 200), ("_down", 7, 190, 230)]
     step += [("route", 7, 230, 240), ("_ensure", 7, 235, 250), ("_up", 7, 245, 300), ("_down", 7, 300, 320)]
-    step += [("route", 7, 320, 330), ("_ensure", 7, 325, 345), ("_up", 7, 340, 600), ("_down", 7, 590, 640)]
+    step += [("route", 7, 320, 330), ("_ensure", 7, 325, 345), ("_up", 7, 340, 360), ("_down", 7, 350, 380)]
+    step += [("_up", 7, 370, 590), ("_down", 7, 585, 640)]
     step += [("lm_head", 7, 640, 700)]
     memcpys = [(40, 140, 1000), (150, 180, 500), (400, 560, 2000)]
     ops = [GpuOp(n, s, 1000 * i + a, 1000 * i + b, True) for i in range(3) for n, s, a, b in step]
@@ -170,6 +172,7 @@ def test_copy_lists_hand_worked_timeline() -> None:
     assert got["ensure_us"] == pytest.approx(0.0125)  # 20 - 10 and 345 - 330
     assert got["copies"] == 1.5 and got["gaps_us"] == pytest.approx(0.005)  # 2 copies with 10 idle, 1 with none
     assert got["tail_us"] == pytest.approx(0.065)  # 230 - 180 and 640 - 560
+    assert got["up_tail_us"] == pytest.approx(0.025)  # 200 - 180 and 590 - 560
     assert got["link_busy_us"] == pytest.approx(0.290) and got["link_idle_us"] == pytest.approx(0.410)
     assert got["gbs"] == pytest.approx(3500 / 290)  # bytes per ns: GB/s
     from edgemoe.bench import profile_lines
@@ -178,7 +181,8 @@ def test_copy_lists_hand_worked_timeline() -> None:
     line = profile_lines({"auto": summarize(sorted(us, key=lambda o: (o.start, o.end)), 3)})[1]
     assert line == (
         "    copy lists: 2 a step; first byte 50.0 us after the router (p90 70.0; ensure ends at 12.5); 1.5 copies a "
-        "list, 5.0 us idle between them; 65.0 us from the last byte to down's end; link busy 290 us, idle 410 us a "
+        "list, 5.0 us idle between them; 65.0 us from the last byte to down's end (25.0 to up's); link busy 290 us, "
+        "idle 410 us a "
         "step, 0.0 GB/s while copying"
     )
 

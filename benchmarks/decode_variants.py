@@ -18,6 +18,8 @@
   its loop steps in flight (the engine's: `dense_gemv.STAGES`; fewer stages, less shared memory a program).
 - `--ensure-block-s N`, `--ensure-warps W`: the fused `ensure`'s slots per step of its key pass and its warps
   (the engine's: `ensure.BLOCK_S`, `ensure.NUM_WARPS`).
+- `--up-rows N`, `--up-warps W`: gate (and up) rows a program of the MoE up GEMV and its warps (the engine's
+  `pick_blocks`: 16 and 8 at qwen3-30b-a3b).
 - `--down-rows N`: output rows a program of the MoE down GEMV (the engine's `pick_blocks`: 1); `--down-k N`,
   `--up-k N`: columns a loop step of the down and up GEMVs (the engine's: 128 and 128 at qwen3-30b-a3b);
   `--up-stages N`, `--down-stages N`: their loop steps in flight (the engine's: 4 and 1);
@@ -106,6 +108,8 @@ def main() -> int:
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--norm-gemv", choices=["auto", "off", "on", "ordinary"], default="auto")
     ap.add_argument("--norm-gemv-stages", type=int, default=dense_gemv.STAGES)
+    ap.add_argument("--up-rows", type=int, default=0, help="0: the engine's")
+    ap.add_argument("--up-warps", type=int, default=0, help="0: the engine's")
     ap.add_argument("--down-rows", type=int, default=0, help="0: the engine's")
     ap.add_argument("--down-k", type=int, default=0, help="0: the engine's")
     ap.add_argument("--up-k", type=int, default=0, help="0: the engine's")
@@ -134,7 +138,7 @@ def main() -> int:
     paged_attention.WARPS, paged_attention.STAGES = a.attention_warps, a.attention_stages  # read at each call
     if a.norm_gemv_stages < 1:
         raise SystemExit("--norm-gemv-stages must be >= 1")
-    for flag in ("down_rows", "down_k", "up_k"):
+    for flag in ("up_rows", "up_warps", "down_rows", "down_k", "up_k"):
         if getattr(a, flag) < 0 or getattr(a, flag) & (getattr(a, flag) - 1):
             raise SystemExit(f"--{flag.replace('_', '-')} must be a power of two (0: the engine's)")
     if a.gemv == "plain":
@@ -164,6 +168,7 @@ def main() -> int:
     if min(a.up_stages, a.down_stages) < 0:
         raise SystemExit("--up-stages and --down-stages must be >= 1 (0: the engine's)")
     overrides = ("down_n", a.down_rows), ("down_k", a.down_k), ("up_k", a.up_k), ("up_stages", a.up_stages)
+    overrides += ("up_n", a.up_rows), ("up_warps", a.up_warps)
     blocks = {k: v for k, v in (*overrides, ("down_stages", a.down_stages)) if v}
     if blocks:
         pick = moe_gemv.pick_blocks

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# planned for the next device session (written in session 18, NOT run yet), on main, no carry: zero engine code.
+# 1. The copy-list profile at 50 % lru with the new split of the tail (last byte -> up's end, -> down's end: 16.0 us
+#    to down's end in session 18's call 1), for the engine and for up at 8 rows a program, 4 warps, 8 stages
+#    (`--up-rows 8 --up-warps 4 --up-stages 8`: 768 programs, 8 an SM by shared memory, the same 32 KB in flight a
+#    program and the same per-row layout as the engine's 16 x 8 warps x 4 stages in an offline sm_90 build, so the
+#    same bits; the last listed expert's up then spreads over 96 programs of 65 KB instead of 48 of 131 KB).
+# 2. Resident decode for the engine and the two 8-row variants (8 and 6 stages).
+# 3. Offloaded decode alternating the engine and the 8-row variant, twice.
+# Predicted: up's share of the tail halves (~3 us less a list: +0.8 % at 50 %), resident up nearer its bytes
+# (14.1 -> ~13 us a layer: +2 %). Run as: LIMIT=<seconds> bash benchmarks/h200_session18/planned_call1.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+T0=$(date +%s)
+W=/tmp/w; mkdir -p $W
+LIMIT=${LIMIT:-450}  # seconds this call may use; a step starts only if its budget fits
+save() { cp $OUT/log.txt $W/ 2>/dev/null; tar czf $OUT/call1.tgz -C $W .; }  # after every step: a kill loses nothing
+trap save EXIT
+log() { echo "$1 rc $2 $(( $(date +%s) - T0 )) s" | tee -a $OUT/log.txt; save; }
+fits() { [ $(( $(date +%s) - T0 + $1 )) -le $LIMIT ] || { log "skipped_$2" -; false; }; }
+OFF="--geometry qwen3-30b-a3b --context 4096 --moe-cache-fraction 0.25,0.5 --moe-policy lru,scored --routing-trace synthetic --mode graph --steps 16 --warmup 8 --prefill 0"
+RES="--geometry qwen3-30b-a3b --context 4096 --moe-strategy resident --mode graph --steps 32 --warmup 8 --prefill 0"
+P="--geometry qwen3-30b-a3b --context 4096 --moe-policy lru --routing-trace synthetic --mode graph --steps 16 --warmup 8 --prefill 0 --profile 4 --moe-cache-fraction 0.5"
+UP8="--up-rows 8 --up-warps 4 --up-stages 8"
+run() { name=$1 need=$2 args=$3; shift 3; fits $need $name || return
+  timeout $(( need + 30 )) python3 benchmarks/decode_variants.py "$@" -- $args --json $W/$name.json > $W/$name.txt 2>&1
+  rc=$?; log "$name" $rc; grep -E "achieved/bound|copy lists|  _up|  _down" $W/$name.txt | head -6 | tee -a $OUT/log.txt; }
+run prof_main 65 "$P"
+run prof_up8 65 "$P" $UP8
+run res_main 25 "$RES"
+run res_up8 25 "$RES" $UP8
+run res_up8s6 25 "$RES" --up-rows 8 --up-warps 4 --up-stages 6
+run off_main_1 75 "$OFF"
+run off_up8_1 75 "$OFF" $UP8
+run off_main_2 75 "$OFF"
+run off_up8_2 75 "$OFF" $UP8

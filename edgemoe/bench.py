@@ -220,7 +220,7 @@ def run_bench(a: argparse.Namespace) -> dict:
         raise EdgeMoEError("edgemoe bench --device cuda needs a CUDA GPU")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[a.dtype]
     print(f"building {a.geometry} ({a.layers or 'all'} layers, {a.dtype}) ...", file=sys.stderr)
-    per_run = a.warmup + a.steps + 2 + len(UPLOAD_VARIANTS) * (a.profile + 3)  # positions one decode() advances
+    per_run = a.warmup + a.steps + 2 + len(UPLOAD_VARIANTS) * (a.profile + 4)  # positions one decode() advances
     total_steps = 2 * per_run
     resident = a.moe_strategy == "resident"
     model = build_model(a.geometry, a.layers, device, dtype, max(a.context, a.prefill) + total_steps + 1, resident)
@@ -343,13 +343,17 @@ UPLOAD_VARIANTS["none+warm-replay"] = ("none", True)
 
 
 def profile_uploads(step, steps: int) -> dict:
-    """Per upload policy (a fresh capture each), `steps` replays recorded and summarised."""
+    """Per upload policy (a fresh capture each), `steps` replays recorded and summarised. Each policy's recording
+    follows one of a single replay, discarded: in offloaded steps the policy profiled first (`auto`) read 10-15 %
+    slower than `none` in every profile of sessions 17-18 (benchmarks/RESULTS.md), most likely the profiler's
+    set-up in its first session slowing the copy service's driver calls, so every policy now gets the same start."""
     from edgemoe.profiler import record, summarize
 
     out = {}
     for name, (upload, warm) in UPLOAD_VARIANTS.items():
         graph = capture(step, upload, warm)
         graph.replay()  # the first launch (uploads where the policy did not)
+        record(graph.replay, 1)
         out[name] = summarize(record(graph.replay, steps), steps)
         del graph
     return out

@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# planned for the next device session (written in session 18, NOT run yet), on main, no carry: zero engine code.
-# 1. The copy-list profile at 50 % lru with the new split of the tail (last byte -> up's end, -> down's end: 16.0 us
-#    to down's end in session 18's call 1), for the engine and for up at 8 rows a program, 4 warps, 8 stages
-#    (`--up-rows 8 --up-warps 4 --up-stages 8`: 768 programs, 8 an SM by shared memory, the same 32 KB in flight a
-#    program and the same per-row layout as the engine's 16 x 8 warps x 4 stages in an offline sm_90 build, so the
-#    same bits; the last listed expert's up then spreads over 96 programs of 65 KB instead of 48 of 131 KB).
-# 2. Resident decode for the engine and the two 8-row variants (8 and 6 stages).
-# 3. Offloaded decode alternating the engine and the 8-row variant, twice.
-# Predicted: up's share of the tail halves (~3 us less a list: +0.8 % at 50 %), resident up nearer its bytes
-# (14.1 -> ~13 us a layer: +2 %). Run as: LIMIT=<seconds> bash benchmarks/h200_session18/planned_call1.sh
+# planned for the next device session (written in session 18, NOT run yet), on branch wip/late-trigger (main + where
+# the streamed up after a posting ensure lets down be scheduled: moe_gemv.UP_TRIGGER, decode_variants.py
+# --up-trigger start|end|listed-end; the engine's default, start, unchanged), no carry. Then planned_call2.sh.
+# 0. The GPU tests the branch touches (the copy-service graph test over the three triggers); stops if they fail.
+# 1. The copy-list profile at 50 % lru with the tail's new split (last byte -> up's end, -> down's end: 16.0 us to
+#    down's end in session 18's call 1), for the engine and for down let in after the listed programs.
+# 2. Resident decode for the engine and for up at 8 rows a program, 4 warps, 8 (and 6) stages (`--up-rows 8
+#    --up-warps 4 --up-stages 8`: 768 programs, 8 an SM by shared memory, the same 32 KB in flight a program and the
+#    same per-row layout as the engine's 16 rows x 8 warps x 4 stages in an offline sm_90 build, so the same bits;
+#    the last listed expert's up then spreads over 96 programs of 65 KB instead of 48 of 131 KB).
+# 3. Offloaded decode: the engine, the 8-row up, down after the listed programs.
+# Predicted: 8-row up: up's share of the tail halves (~3 us less a list: +0.8 % at 50 %), resident up nearer its
+# bytes (14.1 -> ~13 us a layer: +2 %). listed-end: if down's 2,048 programs waiting resident through the copy slow
+# the last listed expert's up (session 18's split: 10.6 us from the last byte to up's end), ~3 us less a list
+# (+0.8 %); if their wait is free, -0.6 % (down's launch after the last up). Run as:
+#   LIMIT=560 bash benchmarks/h200_session18/planned_call1.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 T0=$(date +%s)
 W=/tmp/w; mkdir -p $W
-LIMIT=${LIMIT:-450}  # seconds this call may use; a step starts only if its budget fits
+LIMIT=${LIMIT:-560}  # seconds this call may use; a step starts only if its budget fits
 save() { cp $OUT/log.txt $W/ 2>/dev/null; tar czf $OUT/call1.tgz -C $W .; }  # after every step: a kill loses nothing
 trap save EXIT
 log() { echo "$1 rc $2 $(( $(date +%s) - T0 )) s" | tee -a $OUT/log.txt; save; }
@@ -25,12 +31,15 @@ UP8="--up-rows 8 --up-warps 4 --up-stages 8"
 run() { name=$1 need=$2 args=$3; shift 3; fits $need $name || return
   timeout $(( need + 30 )) python3 benchmarks/decode_variants.py "$@" -- $args --json $W/$name.json > $W/$name.txt 2>&1
   rc=$?; log "$name" $rc; grep -E "achieved/bound|copy lists|  _up|  _down" $W/$name.txt | head -6 | tee -a $OUT/log.txt; }
+timeout 130 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 tests/gpu/test_copy_service_gpu.py \
+  tests/gpu/test_streamed_experts_gpu.py tests/kernels/test_moe_gemv.py > $W/gpu_tests.txt 2>&1
+rc=$?; log tests $rc; tail -2 $W/gpu_tests.txt | tee -a $OUT/log.txt
+[ $rc -eq 0 ] || { grep -E "^FAILED" $W/gpu_tests.txt | head -20 | tee -a $OUT/log.txt; exit 1; }
 run prof_main 65 "$P"
-run prof_up8 65 "$P" $UP8
+run prof_late 65 "$P" --up-trigger listed-end
 run res_main 25 "$RES"
 run res_up8 25 "$RES" $UP8
 run res_up8s6 25 "$RES" --up-rows 8 --up-warps 4 --up-stages 6
 run off_main_1 75 "$OFF"
 run off_up8_1 75 "$OFF" $UP8
-run off_main_2 75 "$OFF"
-run off_up8_2 75 "$OFF" $UP8
+run off_late_1 75 "$OFF" --up-trigger listed-end

@@ -485,14 +485,13 @@ def profile_lines(profile: dict) -> list[str]:
     if first and "copy_lists" in first:
         c = first["copy_lists"]
         tail = "-" if c["tail_us"] is None else f"{c['tail_us']:.1f}"
-        up = "-" if c.get("up_tail_us") is None else f"{c['up_tail_us']:.1f}"
+        up = "-" if c["up_tail_us"] is None else f"{c['up_tail_us']:.1f}"
         rate = "" if c["gbs"] is None else f", {c['gbs']:.1f} GB/s while copying"
         lines.append(
             f"    copy lists: {c['lists']:.0f} a step; first byte {c['first_byte_us']:.1f} us after the router (p90 "
             f"{c['first_byte_p90_us']:.1f}; ensure ends at {c['ensure_us']:.1f}); {c['copies']:.1f} copies a list, "
             f"{c['gaps_us']:.1f} us idle between them; {tail} us from the last byte to down's end ({up} to up's); "
-            f"link busy "
-            f"{c['link_busy_us']:.0f} us, idle {c['link_idle_us']:.0f} us a step{rate}"
+            f"link busy {c['link_busy_us']:.0f} us, idle {c['link_idle_us']:.0f} us a step{rate}"
         )
     if first:
         lines.append(f"    {'kernel':<44}{'calls':>7}{'us/call':>10}{'adds us/step':>14}")

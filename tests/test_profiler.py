@@ -182,8 +182,7 @@ def test_copy_lists_hand_worked_timeline() -> None:
     assert line == (
         "    copy lists: 2 a step; first byte 50.0 us after the router (p90 70.0; ensure ends at 12.5); 1.5 copies a "
         "list, 5.0 us idle between them; 65.0 us from the last byte to down's end (25.0 to up's); link busy 290 us, "
-        "idle 410 us a "
-        "step, 0.0 GB/s while copying"
+        "idle 410 us a step, 0.0 GB/s while copying"
     )
 
 

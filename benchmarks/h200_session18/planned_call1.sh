@@ -15,22 +15,8 @@
 # the last listed expert's up (session 18's split: 10.6 us from the last byte to up's end), ~3 us less a list
 # (+0.8 %); if their wait is free, -0.6 % (down's launch after the last up). Run as:
 #   LIMIT=560 bash benchmarks/h200_session18/planned_call1.sh
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-T0=$(date +%s)
-W=/tmp/w; mkdir -p $W
-LIMIT=${LIMIT:-560}  # seconds this call may use; a step starts only if its budget fits
-save() { cp $OUT/log.txt $W/ 2>/dev/null; tar czf $OUT/call1.tgz -C $W .; }  # after every step: a kill loses nothing
-trap save EXIT
-log() { echo "$1 rc $2 $(( $(date +%s) - T0 )) s" | tee -a $OUT/log.txt; save; }
-fits() { [ $(( $(date +%s) - T0 + $1 )) -le $LIMIT ] || { log "skipped_$2" -; false; }; }
-OFF="--geometry qwen3-30b-a3b --context 4096 --moe-cache-fraction 0.25,0.5 --moe-policy lru,scored --routing-trace synthetic --mode graph --steps 16 --warmup 8 --prefill 0"
-RES="--geometry qwen3-30b-a3b --context 4096 --moe-strategy resident --mode graph --steps 32 --warmup 8 --prefill 0"
-P="--geometry qwen3-30b-a3b --context 4096 --moe-policy lru --routing-trace synthetic --mode graph --steps 16 --warmup 8 --prefill 0 --profile 4 --moe-cache-fraction 0.5"
-UP8="--up-rows 8 --up-warps 4 --up-stages 8"
-run() { name=$1 need=$2 args=$3; shift 3; fits $need $name || return
-  timeout $(( need + 30 )) python3 benchmarks/decode_variants.py "$@" -- $args --json $W/$name.json > $W/$name.txt 2>&1
-  rc=$?; log "$name" $rc; grep -E "achieved/bound|copy lists|  _up|  _down" $W/$name.txt | head -6 | tee -a $OUT/log.txt; }
+CALL=call1 LIMIT=${LIMIT:-560}
+. "$(dirname "$0")/planned_common.sh"
 timeout 130 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 tests/gpu/test_copy_service_gpu.py \
   tests/gpu/test_streamed_experts_gpu.py tests/kernels/test_moe_gemv.py > $W/gpu_tests.txt 2>&1
 rc=$?; log tests $rc; tail -2 $W/gpu_tests.txt | tee -a $OUT/log.txt

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# planned for the next device session (written in session 18, NOT run yet), on branch wip/late-trigger (main + where
-# the streamed up after a posting ensure lets down be scheduled: moe_gemv.UP_TRIGGER, decode_variants.py
-# --up-trigger start|end|listed-end; the engine's default, start, unchanged), no carry. Then planned_call2.sh.
+# written in session 18 (as planned_call1.sh), ran in session 19 as device call 1 on branch wip/late-trigger (81d507c:
+# main 6c51c68 + where the streamed up after a posting ensure lets down be scheduled: moe_gemv.UP_TRIGGER,
+# decode_variants.py --up-trigger start|end|listed-end; the engine's default, start, unchanged), no carry. Its
+# outputs: call1_*. (Session 18's planned_call2.sh, a second round of the same A/B, was not run: nothing here won.)
 # 0. The GPU tests the branch touches (the copy-service graph test over the three triggers); stops if they fail.
 # 1. The copy-list profile at 50 % lru with the tail's new split (last byte -> up's end, -> down's end: 16.0 us to
 #    down's end in session 18's call 1), for the engine and for down let in after the listed programs.
@@ -14,9 +15,9 @@
 # bytes (14.1 -> ~13 us a layer: +2 %). listed-end: if down's 2,048 programs waiting resident through the copy slow
 # the last listed expert's up (session 18's split: 10.6 us from the last byte to up's end), ~3 us less a list
 # (+0.8 %); if their wait is free, -0.6 % (down's launch after the last up). Run as:
-#   LIMIT=560 bash benchmarks/h200_session18/planned_call1.sh
+#   LIMIT=560 bash benchmarks/h200_session19/call1.sh
 CALL=call1 LIMIT=${LIMIT:-560}
-. "$(dirname "$0")/planned_common.sh"
+. "$(dirname "$0")/common.sh"
 timeout 130 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 tests/gpu/test_copy_service_gpu.py \
   tests/gpu/test_streamed_experts_gpu.py tests/kernels/test_moe_gemv.py > $W/gpu_tests.txt 2>&1
 rc=$?; log tests $rc; tail -2 $W/gpu_tests.txt | tee -a $OUT/log.txt

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# sourced by planned_call1.sh and planned_call2.sh (written in session 18): the shared set-up, after CALL=<name>.
+# sourced by this folder's callN.sh (written in session 18): the shared set-up, after CALL=<name>.
 # Outputs go to /tmp/$CALL (one folder a call: a second call on the same machine does not pack the first's) and
 # are packed into $OUT/$CALL.tgz after every step, so a kill loses nothing; a step starts only if its time fits
 # LIMIT (the device seconds the call may use).

@@ -18,10 +18,8 @@
 #   LIMIT=560 bash benchmarks/h200_session19/call1.sh
 CALL=call1 LIMIT=${LIMIT:-560}
 . "$(dirname "$0")/common.sh"
-timeout 130 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 tests/gpu/test_copy_service_gpu.py \
-  tests/gpu/test_streamed_experts_gpu.py tests/kernels/test_moe_gemv.py > $W/gpu_tests.txt 2>&1
-rc=$?; log tests $rc; tail -2 $W/gpu_tests.txt | tee -a $OUT/log.txt
-[ $rc -eq 0 ] || { grep -E "^FAILED" $W/gpu_tests.txt | head -20 | tee -a $OUT/log.txt; exit 1; }
+gpu_tests 130 tests/gpu/test_copy_service_gpu.py \
+  tests/gpu/test_streamed_experts_gpu.py tests/kernels/test_moe_gemv.py
 run prof_main 65 "$P"
 run prof_late 65 "$P" --up-trigger listed-end
 run res_main 25 "$RES"

@@ -15,11 +15,9 @@
 #   LIMIT=560 bash benchmarks/h200_session19/call2.sh
 CALL=call2 LIMIT=${LIMIT:-560}
 . "$(dirname "$0")/common.sh"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 tests/gpu/test_copy_service_gpu.py \
+gpu_tests 200 tests/gpu/test_copy_service_gpu.py \
   tests/gpu/test_streamed_experts_gpu.py tests/gpu/test_moe_gemv_gpu.py tests/kernels/test_moe_gemv.py \
-  tests/gpu/test_expert_offload.py > $W/gpu_tests.txt 2>&1
-rc=$?; log tests $rc; tail -2 $W/gpu_tests.txt | tee -a $OUT/log.txt
-[ $rc -eq 0 ] || { grep -E "^FAILED|Error" $W/gpu_tests.txt | head -20 | tee -a $OUT/log.txt; exit 1; }
+  tests/gpu/test_expert_offload.py
 run prof_staged 65 "$P"
 run off_staged_1 75 "$OFF"
 run off_one_1 75 "$OFF" --no-staged-copy

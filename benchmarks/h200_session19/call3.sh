@@ -17,10 +17,8 @@
 # The GPU tests themselves all passed (58). Steps 1-2 then ran as call 4 (call4.sh), on the same machine.
 CALL=call3 LIMIT=${LIMIT:-480}
 . "$(dirname "$0")/common.sh"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 tests/gpu/test_copy_service_gpu.py \
-  tests/kernels/test_miss_copy.py tests/gpu/test_expert_offload.py > $W/gpu_tests.txt 2>&1
-rc=$?; log tests $rc; tail -2 $W/gpu_tests.txt | tee -a $OUT/log.txt
-[ $rc -eq 0 ] || { grep -E "^FAILED|Error" $W/gpu_tests.txt | head -20 | tee -a $OUT/log.txt; exit 1; }
+gpu_tests 200 tests/gpu/test_copy_service_gpu.py \
+  tests/kernels/test_miss_copy.py tests/gpu/test_expert_offload.py
 run prof_head256 65 "$P" --copy-head-kib 256
 run off_head256 75 "$OFF" --copy-head-kib 256
 run off_none_1 75 "$OFF"

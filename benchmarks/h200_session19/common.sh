@@ -19,3 +19,7 @@ UP8="--up-rows 8 --up-warps 4 --up-stages 8"
 run() { name=$1 need=$2 args=$3; shift 3; fits $need $name || return
   timeout $(( need + 30 )) python3 benchmarks/decode_variants.py "$@" -- $args --json $W/$name.json > $W/$name.txt 2>&1
   rc=$?; log "$name" $rc; grep -E "achieved/bound|copy lists|  _up|  _down" $W/$name.txt | head -6 | tee -a $OUT/log.txt; }
+gpu_tests() { limit=$1; shift  # the GPU tests a call touches, within $limit seconds; the call stops if they fail
+  timeout $limit python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 "$@" > $W/gpu_tests.txt 2>&1
+  rc=$?; log tests $rc; tail -2 $W/gpu_tests.txt | tee -a $OUT/log.txt
+  [ $rc -eq 0 ] || { grep -E "^FAILED|Error" $W/gpu_tests.txt | head -20 | tee -a $OUT/log.txt; exit 1; }; }

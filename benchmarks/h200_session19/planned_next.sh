@@ -22,10 +22,8 @@
 #   LIMIT=560 bash benchmarks/h200_session19/planned_next.sh
 CALL=next LIMIT=${LIMIT:-560}
 . "$(dirname "$0")/common.sh"
-timeout 120 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 tests/gpu/test_dense_gemv_gpu.py \
-  tests/gpu/test_norm_gemv_gpu.py > $W/gpu_tests.txt 2>&1
-rc=$?; log tests $rc; tail -2 $W/gpu_tests.txt | tee -a $OUT/log.txt
-[ $rc -eq 0 ] || { grep -E "^FAILED|Error" $W/gpu_tests.txt | head -20 | tee -a $OUT/log.txt; exit 1; }
+gpu_tests 120 tests/gpu/test_dense_gemv_gpu.py \
+  tests/gpu/test_norm_gemv_gpu.py
 P25="${P/--moe-cache-fraction 0.5/--moe-cache-fraction 0.25}"
 run res_no_pdl_prof 60 "$RES --profile 4" --no-pdl
 run res_prof 50 "$RES --profile 4"

@@ -33,6 +33,8 @@
 - `--dense-config OUTxIN=nB_kK_wW_sS` (repeatable): the dense GEMV of that weight shape (e.g. qwen3-30b-a3b's o,
   `2048x4096`) with BLOCK_N B, BLOCK_K K, W warps and S stages instead of the engine's (`dense_gemv.pick_block_n`,
   `BLOCK_K`, `WARPS`, `STAGES`).
+- `--smem-carveout P`: every Triton kernel's preferred shared-memory carveout set to P percent (benchmarks/
+  smem_carveout.py), before its first launch.
 - `--pin-core N`: the main thread (it replays the graphs and serves their copy lists) kept on core N, from after
   CUDA has started (the driver's own threads, started with it, keep every core).
 
@@ -124,6 +126,7 @@ def main() -> int:
     ap.add_argument("--attention-stages", type=int, default=paged_attention.STAGES)
     ap.add_argument("--pin-core", type=int, default=None)
     ap.add_argument("--dense-config", action="append", default=[], metavar="OUTxIN=nB_kK_wW_sS")
+    ap.add_argument("--smem-carveout", type=int, default=None, metavar="PERCENT")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `edgemoe bench`")
     a = ap.parse_args()
     if a.copy_programs_per_sm < 1:
@@ -165,6 +168,12 @@ def main() -> int:
         if a.norm_gemv == "ordinary":
             dense_gemv.norm_gemv = ordinary_launches(dense_gemv, dense_gemv.norm_gemv)
     dense_gemv.STAGES = a.norm_gemv_stages  # norm_gemv reads it at each call; gemv's default was bound at import
+    if a.smem_carveout is not None:
+        if not 0 <= a.smem_carveout <= 100:
+            raise SystemExit(f"--smem-carveout is a percentage, 0-100; got {a.smem_carveout}")
+        from smem_carveout import install  # benchmarks/smem_carveout.py (this folder)
+
+        install(a.smem_carveout)
     if min(a.up_stages, a.down_stages) < 0:
         raise SystemExit("--up-stages and --down-stages must be >= 1 (0: the engine's)")
     overrides = ("down_n", a.down_rows), ("down_k", a.down_k), ("up_k", a.up_k), ("up_stages", a.up_stages)

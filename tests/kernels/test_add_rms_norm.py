@@ -15,6 +15,9 @@ from edgemoe import LLM, SamplingParams
 from edgemoe.kernels.norm_rope import add_rms_norm, rms_norm
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.models.decoder import MoEForCausalLM
+from tests.kernels import interpreter_only
+
+pytestmark = interpreter_only
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

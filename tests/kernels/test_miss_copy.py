@@ -13,10 +13,9 @@ import torch
 from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
 from edgemoe.moe.expert_cache import copy_rows_reference
 from edgemoe.moe.offload import split_rows
+from tests.kernels import interpreter_only
 
-# its launches take CPU tensors, which only Triton's interpreter (set up without CUDA, tests/conftest.py) accepts;
-# on a CUDA machine tests/gpu/test_miss_copy_gpu.py runs the kernel
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only (CPU tensors); see tests/gpu")
+pytestmark = interpreter_only
 
 E, S, M = 9, 7, 5
 

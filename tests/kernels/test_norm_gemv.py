@@ -13,7 +13,10 @@ pytest.importorskip("triton")
 
 from edgemoe.kernels.dense_gemv import MAX_NORM_HIDDEN, gemv, norm_gemv, norm_warps  # noqa: E402
 from edgemoe.kernels.norm_rope import add_rms_norm  # noqa: E402
+from tests.kernels import interpreter_only  # noqa: E402
 from tests.kernels.test_dense_gemv import assert_within_bound  # noqa: E402
+
+pytestmark = interpreter_only
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]

@@ -15,6 +15,9 @@ import torch
 from edgemoe.kernels.norm_rope import attention_prologue, rms_norm
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
+from tests.kernels import interpreter_only
+
+pytestmark = interpreter_only
 
 EPS = 1e-6
 HALF = [torch.bfloat16, torch.float16]

@@ -16,7 +16,10 @@ pytest.importorskip("triton")
 
 from edgemoe.kernels.norm_rope import add_rms_norm  # noqa: E402
 from edgemoe.kernels.router import MAX_NORM_HIDDEN, norm_route, route_logits  # noqa: E402
+from tests.kernels import interpreter_only  # noqa: E402
 from tests.kernels.test_router import assert_logits_close  # noqa: E402
+
+pytestmark = interpreter_only
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]

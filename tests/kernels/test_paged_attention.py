@@ -15,6 +15,9 @@ import torch
 from edgemoe.engine.context import ForwardContext
 from edgemoe.kernels.paged_attention import MAX_SPLITS, STAND_IN_SMS, choose_splits, paged_decode_attention
 from edgemoe.layers.attention import PagedAttention
+from tests.kernels import interpreter_only
+
+pytestmark = interpreter_only
 
 SPLITS, BLOCK_N = 4, 16  # tests only: at 128 tokens, 4 splits of 2 tiles
 LENS = [1, 16, 32, 33, 97, 128]  # one token (3 empty splits), one tile, two, one past, ragged, the full width

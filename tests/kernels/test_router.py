@@ -24,6 +24,9 @@ pytest.importorskip("triton")
 
 from edgemoe.kernels.router import fused_route, gate_logits, route_logits  # noqa: E402
 from edgemoe.moe.router import route  # noqa: E402
+from tests.kernels import interpreter_only  # noqa: E402
+
+pytestmark = interpreter_only
 
 DTYPES = [torch.float32, torch.bfloat16]
 ULPS = {torch.float32: 4, torch.bfloat16: 1}  # from `route` (CPU softmax); kernel_order_route: 0

@@ -16,7 +16,10 @@ its complexity. This probe decides that before any such kernel is written.
 Answer (H200, session 15, benchmarks/RESULTS.md): no. The engine's launches took 6.61 µs a GEMV (0.59 of HBM);
 the persistent launch 7.61-8.04 at 4 rows a task and 4 programs an SM, 11.4-12.5 at 2, 6.95 at 8 rows and 4 an
 SM; loading 512-1024 weight columns before the wait changed nothing beyond ±0.4 µs. Under PDL a boundary costs
-less than a counter hand-off between tasks does here.
+less than a counter hand-off between tasks does here. Session 20 (static kernel below): 6.27-6.40 µs with 1024
+columns preloaded, 6.68 without, against the engine's launches at 6.34-6.37 once every kernel shares one
+shared-memory carveout (benchmarks/smem_carveout.py; without, the engine's two GEMV builds alternating here read
+8.8): a tie. A hand-off costs what a PDL boundary does in both designs.
 
 The persistent kernel: programs take tasks (GEMV i, row block b) in order from an atomic queue, so a task's inputs
 belong to tasks already taken by running programs and it cannot deadlock, at any grid size (the interpreter runs

@@ -233,8 +233,16 @@ class Chain:
             self.ys.stride(0), total, block_n, BLOCK_K, STAGES, prefetch_k, num_warps=WARPS,
             **launch_args(self.w.device),
         )  # fmt: skip
-        last = self.dim_b if self.layers % 2 == 0 else self.dim_a
-        return self.ys[self.layers, :last]
+        return self.last_y()
+
+    def last_y(self) -> torch.Tensor:
+        """The chain's output, a view of its buffer: dim_b entries after an even number of GEMVs, dim_a after odd."""
+        return self.ys[self.layers, : self.dim_b if self.layers % 2 == 0 else self.dim_a]
+
+    def static_programs(self, block_a: int, block_b: int) -> int:
+        """The static kernel's grid: one program a row block of the GEMV with the most blocks (the fewest
+        programs that leave none with two blocks of one GEMV; all must be resident at once)."""
+        return max(triton.cdiv(self.dim_a, block_a), triton.cdiv(self.dim_b, block_b))
 
     def static(self, block_a: int, block_b: int, prefetch_k: int, programs: int) -> torch.Tensor:
         """One launch of the statically assigned kernel -> the last y (a view of its buffer)."""
@@ -243,8 +251,7 @@ class Chain:
             self.dim_a, self.dim_b, block_a, block_b, BLOCK_K, STAGES, prefetch_k, 1 << 22,
             num_warps=WARPS, **launch_args(self.w.device),
         )  # fmt: skip
-        last = self.dim_b if self.layers % 2 == 0 else self.dim_a
-        return self.ys[self.layers, :last]
+        return self.last_y()
 
 
 def reference(chain: Chain) -> torch.Tensor:
@@ -255,13 +262,17 @@ def reference(chain: Chain) -> torch.Tensor:
     return y
 
 
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest error of a chain's output against the float64 chain, relative to its largest entry."""
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
 def check(chain: Chain, block_n: int, prefetch_k: int, programs: int) -> float:
     """Max error of the persistent chain's output (fp32 accumulation, each y rounded once) against the float64
     chain, relative to its largest entry. Twice: the second launch runs on the other set of counters."""
     ref = reference(chain)
     for _ in range(2):
-        got = chain.persistent(block_n, prefetch_k, programs).double()
-        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        err = relative_error(chain.persistent(block_n, prefetch_k, programs), ref)
         if not err < 2**-5:  # one rounding a layer is 2^-8 relative in bf16; 2^-5 after 8 layers is a wrong kernel
             raise AssertionError(f"persistent chain (block_n {block_n}, prefetch {prefetch_k}) is off by {err:.1e}")
         nxt = chain.epoch.item() % 2
@@ -275,9 +286,8 @@ def check_static(chain: Chain, block_a: int, block_b: int, prefetch_k: int, prog
     then every counter at its count."""
     ref = reference(chain)
     for _ in range(2):
-        got = chain.static(block_a, block_b, prefetch_k, programs).double()
-        err = ((got - ref).abs().max() / ref.abs().max()).item()
-        if not err < 2**-5:
+        err = relative_error(chain.static(block_a, block_b, prefetch_k, programs), ref)
+        if not err < 2**-5:  # as `check`'s
             raise AssertionError(f"static chain ({block_a}/{block_b} rows, prefetch {prefetch_k}) is off by {err:.1e}")
     launches = chain.static_epoch.item()
     shapes = [(chain.dim_b, block_b) if i % 2 else (chain.dim_a, block_a) for i in range(chain.layers)]
@@ -320,7 +330,7 @@ def main() -> None:
                     err = check(chain, a.block_n, pk, programs)
             print(f"{layers} layers {dims}: persistent chain within {err:.1e} of the float64 chain")
             # all programs resident at once: on CPU the interpreter runs programs in turn, so one program
-            programs = triton.cdiv(max(dims), min(block_a, block_b)) if cuda else 1
+            programs = chain.static_programs(block_a, block_b) if cuda else 1
             for pk in prefetch if cuda else (0, 16, 64):
                 err = check_static(chain, block_a, block_b, pk, programs)
             print(f"{layers} layers {dims}: static chain within {err:.1e} of the float64 chain")
@@ -352,7 +362,7 @@ def main() -> None:
             report(f"persistent x{programs}/SM, prefetch {pk}", lambda p=programs, k=pk: chain.persistent(
                 a.block_n, k, p * sms))  # fmt: skip
             results[f"persistent x{programs}/SM, prefetch {pk}"]["error"] = err
-    programs = max(triton.cdiv(2048, block_a), triton.cdiv(4096, block_b))  # one block a GEMV each at (4, 8)
+    programs = chain.static_programs(block_a, block_b)  # 512 at (4, 8): one block of each GEMV a program
     for pk in prefetch:
         err = check_static(chain, block_a, block_b, pk, programs)
         name = f"static, {programs} programs, prefetch {pk}"

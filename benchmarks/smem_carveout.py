@@ -4,9 +4,10 @@ so before any CUDA-graph capture).
 
 Why (session 20, benchmarks/RESULTS.md): in benchmarks/persistent_chain.py's chain of dependent GEMVs, two
 alternating builds of the engine's GEMV (different steps or rows, so different shared memory) took 8.8 µs a GEMV
-under PDL, one build alternating with itself 6.3-6.6. One suspect is the driver choosing each kernel's L1 /
+under PDL, one build alternating with itself 6.3-6.6. The suspect was the driver choosing each kernel's L1 /
 shared split from its own needs, so that an SM must drain before a kernel with another split can start there, which
-PDL's early launch cannot hide. If so, one preference for all kernels removes those drains. Used by
+PDL's early launch cannot hide; with one preference for all kernels (50 % or 100 %) the two builds took 6.34-6.37.
+Resident decode did not gain from it (385.6-385.9 tok/s against 386.5-386.6). Used by
 `benchmarks/decode_variants.py --smem-carveout` and, through EDGEMOE_SMEM_CARVEOUT, by the call scripts.
 """
 

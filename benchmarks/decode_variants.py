@@ -14,8 +14,10 @@
   (under PDL a kernel's time includes its wait for the one before); also what GPUs before Hopper run.
 - `--norm-gemv`: the pre-attention add + RMSNorm inside the qkv GEMV (`edgemoe.kernels.dense_gemv.norm_gemv`):
   `auto` the engine's choice (only without PDL), `off` never, `on` always (launched with PDL where there is
-  PDL), `ordinary` always, launched with an ordinary dependency on the kernel before. `--norm-gemv-stages N`:
-  its loop steps in flight (the engine's: `dense_gemv.STAGES`; fewer stages, less shared memory a program).
+  PDL), `ordinary` always, launched with an ordinary dependency on the kernel before, `on-spacer` always, after
+  a one-program kernel that only waits for the MoE down GEMV (`spaced`: qkv's programs are then placed on the SMs
+  once down has finished, not while its last programs run). `--norm-gemv-stages N`: its loop steps in flight
+  (the engine's: `dense_gemv.STAGES`; fewer stages, less shared memory a program).
 - `--ensure-block-s N`, `--ensure-warps W`: the fused `ensure`'s slots per step of its key pass and its warps
   (the engine's: `ensure.BLOCK_S`, `ensure.NUM_WARPS`).
 - `--up-rows N`, `--up-warps W`: gate (and up) rows a program of the MoE up GEMV and its warps (the engine's
@@ -23,7 +25,8 @@
 - `--down-rows N`: output rows a program of the MoE down GEMV (the engine's `pick_blocks`: 1); `--down-k N`,
   `--up-k N`: columns a loop step of the down and up GEMVs (the engine's: 128 and 128 at qwen3-30b-a3b);
   `--up-stages N`, `--down-stages N`: their loop steps in flight (the engine's: 4 and 1);
-  `--down-ordinary-launch`: the down GEMV launched with an ordinary dependency instead of PDL.
+  `--down-ordinary-launch`: the down GEMV launched with an ordinary dependency instead of PDL; `--down-spacer`:
+  after a one-program kernel that only waits for up (its programs placed once up has finished).
 - `--no-ensure-prefetch`: `ensure` does not ask L2 for the layer's `slot_of` row (and `freq`, `last`) before its
   PDL wait (`ensure.PREFETCH`).
 - `--separate-post`: a post kernel after `ensure` posts the copy list to the copy service, instead of `ensure`
@@ -50,6 +53,8 @@ import sys
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 import edgemoe.kernels.dense_gemv as dense_gemv
 import edgemoe.kernels.ensure as ensure
@@ -59,6 +64,7 @@ import edgemoe.kernels.paged_attention as paged_attention
 import edgemoe.kernels.pdl as pdl
 import edgemoe.moe.copy_service as copy_service
 from edgemoe.cli import main as edgemoe_main
+from edgemoe.kernels.pdl import wait_for_inputs
 from edgemoe.models.decoder import SelfAttention
 from edgemoe.moe.expert_cache import ExpertCache
 
@@ -73,6 +79,22 @@ def ordinary_launches(module, fn: Callable) -> Callable:
             return fn(*a, **k)
         finally:
             module.launch_args = args
+
+    return run
+
+
+@triton.jit
+def _spacer(PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+
+
+def spaced(fn: Callable) -> Callable:
+    """`fn` after a one-program kernel that only waits for the kernel before it (PDL): `fn`'s programs are then
+    placed on the SMs once that kernel has finished, not while its last programs still run."""
+
+    def run(x, *a, **k):
+        _spacer[(1,)](**pdl.launch_args(x.device))
+        return fn(x, *a, **k)
 
     return run
 
@@ -108,7 +130,11 @@ def main() -> int:
     ap.add_argument("--copy-batch-group", type=int, default=copy_service.BATCH_GROUP)
     ap.add_argument("--copy-programs-per-sm", type=int, default=miss_copy.PROGRAMS_PER_SM)
     ap.add_argument("--no-pdl", action="store_true")
-    ap.add_argument("--norm-gemv", choices=["auto", "off", "on", "ordinary"], default="auto")
+    ap.add_argument(
+        "--norm-gemv",
+        choices=["auto", "off", "on", "on-spacer", "ordinary"],
+        default="auto",
+    )
     ap.add_argument("--norm-gemv-stages", type=int, default=dense_gemv.STAGES)
     ap.add_argument("--up-rows", type=int, default=0, help="0: the engine's")
     ap.add_argument("--up-warps", type=int, default=0, help="0: the engine's")
@@ -118,6 +144,7 @@ def main() -> int:
     ap.add_argument("--up-stages", type=int, default=0, help="0: the engine's")
     ap.add_argument("--down-stages", type=int, default=0, help="0: the engine's")
     ap.add_argument("--down-ordinary-launch", action="store_true")
+    ap.add_argument("--down-spacer", action="store_true")
     ap.add_argument("--ensure-block-s", type=int, default=ensure.BLOCK_S)
     ap.add_argument("--ensure-warps", type=int, default=ensure.NUM_WARPS)
     ap.add_argument("--no-ensure-prefetch", action="store_true")
@@ -154,7 +181,7 @@ def main() -> int:
         pdl.use_pdl = lambda device: False  # launch_args looks it up at each launch
     if a.norm_gemv == "off":
         SelfAttention.fuses_norm = lambda *args: False
-    elif a.norm_gemv in ("on", "ordinary"):
+    elif a.norm_gemv != "auto":
         fuses_norm, use_pdl = SelfAttention.fuses_norm, pdl.use_pdl
 
         def forced(self, x, residual, norm):  # the engine's conditions, as on a GPU without PDL
@@ -167,6 +194,8 @@ def main() -> int:
         SelfAttention.fuses_norm = forced
         if a.norm_gemv == "ordinary":
             dense_gemv.norm_gemv = ordinary_launches(dense_gemv, dense_gemv.norm_gemv)
+        if a.norm_gemv == "on-spacer":
+            dense_gemv.norm_gemv = spaced(dense_gemv.norm_gemv)
     dense_gemv.STAGES = a.norm_gemv_stages  # norm_gemv reads it at each call; gemv's default was bound at import
     if a.smem_carveout is not None:
         if not 0 <= a.smem_carveout <= 100:
@@ -182,6 +211,8 @@ def main() -> int:
     if blocks:
         pick = moe_gemv.pick_blocks
         moe_gemv.pick_blocks = lambda h, i: dataclasses.replace(pick(h, i), **blocks)
+    if a.down_spacer:
+        moe_gemv.down_proj = spaced(moe_gemv.down_proj)
     if a.down_ordinary_launch:
         moe_gemv.down_proj = ordinary_launches(moe_gemv, moe_gemv.down_proj)
     if a.dense_config:

@@ -130,11 +130,7 @@ def main() -> int:
     ap.add_argument("--copy-batch-group", type=int, default=copy_service.BATCH_GROUP)
     ap.add_argument("--copy-programs-per-sm", type=int, default=miss_copy.PROGRAMS_PER_SM)
     ap.add_argument("--no-pdl", action="store_true")
-    ap.add_argument(
-        "--norm-gemv",
-        choices=["auto", "off", "on", "on-spacer", "ordinary"],
-        default="auto",
-    )
+    ap.add_argument("--norm-gemv", choices=["auto", "off", "on", "on-spacer", "ordinary"], default="auto")
     ap.add_argument("--norm-gemv-stages", type=int, default=dense_gemv.STAGES)
     ap.add_argument("--up-rows", type=int, default=0, help="0: the engine's")
     ap.add_argument("--up-warps", type=int, default=0, help="0: the engine's")

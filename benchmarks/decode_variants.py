@@ -32,7 +32,10 @@
 - `--separate-post`: a post kernel after `ensure` posts the copy list to the copy service, instead of `ensure`
   itself once its victims are chosen (`ensure.FUSED_POST`).
 - `--attention-warps W`, `--attention-stages S`: the paged-attention partial kernel's warps and pipeline stages
-  (the engine's: `paged_attention.WARPS`, `paged_attention.STAGES`).
+  (the engine's: `paged_attention.WARPS`, `paged_attention.STAGES`); `--attention-prefetch-tiles N`: tiles of K and
+  V a partial program asks into L2 before its PDL wait (`paged_attention.PREFETCH_TILES`).
+- `--prologue-early-trigger`: the attention prologue lets paged attention be scheduled before it waits for qkv
+  (`norm_rope.PROLOGUE_EARLY_TRIGGER`), so that attention's early reads overlap the qkv GEMV, not the prologue.
 - `--dense-config OUTxIN=nB_kK_wW_sS` (repeatable): the dense GEMV of that weight shape (e.g. qwen3-30b-a3b's o,
   `2048x4096`) with BLOCK_N B, BLOCK_K K, W warps and S stages instead of the engine's (`dense_gemv.pick_block_n`,
   `BLOCK_K`, `WARPS`, `STAGES`).
@@ -60,6 +63,7 @@ import edgemoe.kernels.dense_gemv as dense_gemv
 import edgemoe.kernels.ensure as ensure
 import edgemoe.kernels.miss_copy as miss_copy
 import edgemoe.kernels.moe_gemv as moe_gemv
+import edgemoe.kernels.norm_rope as norm_rope
 import edgemoe.kernels.paged_attention as paged_attention
 import edgemoe.kernels.pdl as pdl
 import edgemoe.moe.copy_service as copy_service
@@ -147,6 +151,8 @@ def main() -> int:
     ap.add_argument("--separate-post", action="store_true")
     ap.add_argument("--attention-warps", type=int, default=paged_attention.WARPS)
     ap.add_argument("--attention-stages", type=int, default=paged_attention.STAGES)
+    ap.add_argument("--attention-prefetch-tiles", type=int, default=paged_attention.PREFETCH_TILES)
+    ap.add_argument("--prologue-early-trigger", action="store_true")
     ap.add_argument("--pin-core", type=int, default=None)
     ap.add_argument("--dense-config", action="append", default=[], metavar="OUTxIN=nB_kK_wW_sS")
     ap.add_argument("--smem-carveout", type=int, default=None, metavar="PERCENT")
@@ -162,6 +168,10 @@ def main() -> int:
     if a.attention_warps < 1 or a.attention_warps & (a.attention_warps - 1) or a.attention_stages < 1:
         raise SystemExit("--attention-warps must be a power of two and --attention-stages >= 1")
     paged_attention.WARPS, paged_attention.STAGES = a.attention_warps, a.attention_stages  # read at each call
+    if a.attention_prefetch_tiles < 0:
+        raise SystemExit("--attention-prefetch-tiles must be >= 0")
+    paged_attention.PREFETCH_TILES = a.attention_prefetch_tiles
+    norm_rope.PROLOGUE_EARLY_TRIGGER = a.prologue_early_trigger
     if a.norm_gemv_stages < 1:
         raise SystemExit("--norm-gemv-stages must be >= 1")
     for flag in ("up_rows", "up_warps", "down_rows", "down_k", "up_k"):

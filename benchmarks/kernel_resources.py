@@ -39,12 +39,12 @@ ALIGNED = {"width", "num_splits", "heads", "stride_qs", "stride_qh", "stride_ks"
 REGISTERS_PER_SM = 65536
 
 
-def build(block_n: int, warps: int, stages: int):
+def build(block_n: int, warps: int, stages: int, prefetch_tiles: int = 0):
     """The partial kernel at qwen3-30b-a3b's shape (8 query heads a KV head, head_dim 128, bf16, 16-token KV
     blocks, PDL), compiled for sm_90."""
     kernel = paged_attention._partial
     consts = dict(GROUP=8, G_PAD=16, D=128, BS=16, BLOCK_N=block_n, SINGLE=False, DOT_TY=tl.bfloat16,
-                  PRECISION="tf32", PDL=True)  # fmt: skip
+                  PRECISION="tf32", PREFETCH_N=prefetch_tiles * block_n, ROW_BYTES=256, PDL=True)  # fmt: skip
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in names}
     aligned = [i for i, n in enumerate(names) if n in ALIGNED or TYPES.get(n, "").startswith("*")]

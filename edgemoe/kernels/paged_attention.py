@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+from edgemoe.kernels.pdl import launch_args, prefetch_rows_l2, use_pdl, wait_for_inputs
 
 PROGRAMS_PER_SM = 4  # the partial kernel's target: several resident programs per SM hide its load latency
 MAX_SPLITS = 256  # bounds the partials workspace and the reduce's serial work
@@ -41,6 +41,9 @@ BLOCK_N = 64  # tokens per tile
 # the partial kernel's warps and pipeline stages (its plain `range` loop keeps STAGES - 1 tiles' loads ahead; 3 is
 # Triton's default); benchmarks/decode_variants.py --attention-warps / --attention-stages change them for A/B
 WARPS, STAGES = 4, 3
+# tiles of K and V a partial program asks into L2 before its PDL wait (0: none; benchmarks/decode_variants.py
+# --attention-prefetch-tiles N); sm_90+ only, where PDL runs
+PREFETCH_TILES = 0
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -122,6 +125,8 @@ def _partial(
     SINGLE: tl.constexpr,
     DOT_TY: tl.constexpr,
     PRECISION: tl.constexpr,
+    PREFETCH_N: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -133,18 +138,25 @@ def _partial(
     end = tl.minimum(start + span, ctx_len)  # past the context: no iterations
     if not SINGLE and start >= ctx_len:
         return  # a split past the context reads and writes nothing: it need not wait (its exit lets the reduce launch)
+    seq64 = seq.to(tl.int64)
+    table = block_tables + seq64 * stride_bt
+    k_base = k_cache + kvh * stride_kh
+    v_base = v_cache + kvh * stride_vh
+    if PREFETCH_N > 0:  # the split's first tokens of K and V into L2 before the wait (step inputs and earlier steps'
+        # cache rows; the newest token is the prologue's to write, so it is left out)
+        tp = start + tl.arange(0, PREFETCH_N)
+        ahead = tp < tl.minimum(end, ctx_len - 1)
+        slot_p = tl.load(table + tp // BS, mask=ahead, other=0).to(tl.int64) * BS + tp % BS
+        prefetch_rows_l2(k_base + slot_p * stride_ks, tl.where(ahead, ROW_BYTES, 0))
+        prefetch_rows_l2(v_base + slot_p * stride_vs, tl.where(ahead, ROW_BYTES, 0))
     wait_for_inputs(PDL)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     n = tl.arange(0, BLOCK_N)
     rows = g < GROUP  # real query heads (the tile is padded to tl.dot's minimum of 16 rows)
     head = kvh * GROUP + g  # [G_PAD] query heads sharing this KV head (enable_gqa's repeat_interleave order)
-    seq64 = seq.to(tl.int64)
     q_ptr = q + seq64 * stride_qs + head[:, None] * stride_qh + d[None, :]
     q_tile = tl.load(q_ptr, mask=rows[:, None], other=0.0).to(DOT_TY)  # [G_PAD, D]
-    table = block_tables + seq64 * stride_bt
-    k_base = k_cache + kvh * stride_kh
-    v_base = v_cache + kvh * stride_vh
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -292,12 +304,18 @@ def paged_decode_attention(
     interpreted_bf16 = not k_cache.is_cuda and k_cache.dtype == torch.bfloat16
     dot_ty = tl.float32 if interpreted_bf16 else _DTYPES[k_cache.dtype]
     precision = "ieee" if dot_ty == tl.float32 else "tf32"  # (tf32: the default, ignored for 16-bit operands)
+    row_bytes = dim * k_cache.element_size()
+    # bulk requests: 16-byte rows; a power-of-two count of tokens
+    prefetch = PREFETCH_TILES * block_n if use_pdl(q.device) and row_bytes % 16 == 0 else 0
+    if prefetch & (prefetch - 1):
+        raise ValueError(f"PREFETCH_TILES * block_n must be a power of two, got {prefetch}")
     _partial[(seqs, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, m_part, l_part, acc_part,
         scale * math.log2(math.e), width, splits, min_tiles, heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, num_warps=num_warps or WARPS,
+        group, g_pad, dim, block_size, block_n, single, dot_ty, precision, prefetch, row_bytes,
+        num_warps=num_warps or WARPS,
         num_stages=stages or STAGES, **launch_args(q.device),
     )  # fmt: skip
     if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers

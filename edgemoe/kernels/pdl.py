@@ -29,6 +29,30 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
+def trigger_dependents(PDL: tl.constexpr):
+    """Let the next kernel be scheduled now, before this one waits (`wait_for_inputs` triggers again, harmlessly):
+    three kernels may then be in flight, the next one doing what it does before its own wait while this one waits
+    for the one before. For a short kernel whose successor has step inputs to read early (the attention prologue)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(ptrs, nbytes):
+    """Ask L2 for `nbytes` (multiples of 16; 0: nothing) from each of `ptrs` (16-byte aligned): one bulk request per
+    element, from the thread that holds it (`prefetch_l2`'s instruction; sm_90+). Elements that a small tensor repeats
+    over several threads are asked for more than once, which costs only the requests."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs.to(tl.int64), nbytes.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def prefetch_l2(ptr, nbytes):
     """Ask L2 for `nbytes` (a multiple of 16) from `ptr` (16-byte aligned), in one bulk request that the program's
     first thread hands to its SM's TMA unit (`cp.async.bulk.prefetch.L2`; compute capability 9.0 and newer, where

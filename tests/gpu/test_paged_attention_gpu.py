@@ -175,3 +175,70 @@ def test_cuda_graph_replays_new_lengths_and_tables(dtype, seqs: int) -> None:
         graph.replay()
         expected = attn._decode_torch(q, decode_ctx(tables, lens))
         torch.testing.assert_close(out, expected, **TOL[dtype], msg=lambda m, r=round_lens: f"lens {r}: {m}")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL and the prefetch: sm_90+"
+)
+@pytest.mark.parametrize("seqs", [1, 4])
+def test_early_trigger_and_kv_prefetch_change_nothing(monkeypatch, seqs: int) -> None:
+    """Replayed from a CUDA graph as decode runs them (the qkv GEMV -> the attention prologue -> paged attention),
+    with new x, caches, tables and lengths each round: the prologue letting attention be scheduled before it waits
+    for qkv (three kernels in flight), and attention asking L2 for 0, 1, 2 or 4 tiles of K/V before its own wait,
+    give bitwise the output and caches of neither, which match the reference. A prologue that let attention read q
+    or the newest K/V row before they were written would show here as a wrong output."""
+    from edgemoe.kernels import norm_rope, paged_attention
+    from edgemoe.kernels.dense_gemv import gemv
+    from edgemoe.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, dim, bs, width, hidden = 32, 4, 128, 16, 8192, 2048
+    num_blocks = seqs * width // bs
+    k_cache = torch.empty((num_blocks + 1) * bs, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.empty_like(k_cache)
+    rope = RotaryEmbedding(dim, width, 1e6)
+    rope.build("cuda")
+    x = torch.empty(1, hidden, dtype=torch.bfloat16, device="cuda")
+    w_qkv = (torch.randn((heads + 2 * kv_heads) * dim, hidden, device="cuda") / hidden**0.5).bfloat16()
+    norm_w = (1 + 0.1 * torch.randn(dim, device="cuda")).bfloat16()
+    tables = torch.full((seqs, width // bs), num_blocks, dtype=torch.long, device="cuda")
+    lens = torch.ones(seqs, dtype=torch.long, device="cuda")
+    positions = torch.zeros(seqs, dtype=torch.long, device="cuda")
+    slots = torch.zeros(seqs, dtype=torch.long, device="cuda")
+    sizes = [heads * dim, kv_heads * dim, kv_heads * dim]
+
+    def step() -> torch.Tensor:
+        qkv = gemv(x, w_qkv).expand(seqs, -1)  # every sequence the same projection: one GEMV as in batch-1 decode
+        q, k, v = (t.view(seqs, -1, dim) for t in qkv.split(sizes, dim=-1))
+        q = norm_rope.attention_prologue(q, k, v, positions, rope.cos_sin, k_cache, v_cache, slots, norm_w, norm_w)
+        return paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, bs)
+
+    graphs = {}
+    for early in (False, True):
+        for tiles in (0, 1, 2, 4):  # read when the kernels are launched, so at capture
+            monkeypatch.setattr(norm_rope, "PROLOGUE_EARLY_TRIGGER", early)
+            monkeypatch.setattr(paged_attention, "PREFETCH_TILES", tiles)
+            graphs[early, tiles] = capture_graph(step)
+    gen = torch.Generator().manual_seed(1)
+    for r, round_lens in enumerate(([1, 129, 4096, 8192], [4096] * 4, [700, 8191, 64, 3000])):
+        round_lens = round_lens[-seqs:]
+        fill_tables(tables, round_lens, bs, num_blocks, gen)
+        lens.copy_(torch.tensor(round_lens))
+        positions.copy_(lens - 1)
+        slots.copy_(tables[torch.arange(seqs, device="cuda"), positions // bs] * bs + positions % bs)
+        outs, caches = {}, {}
+        for key, (graph, out) in graphs.items():
+            for i, t in enumerate((x, k_cache, v_cache)):  # the same values for every variant
+                t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(10 * r + i)))
+            graph.replay()
+            outs[key], caches[key] = out.clone(), (k_cache.clone(), v_cache.clone())
+        for key in outs:
+            assert torch.equal(outs[key], outs[False, 0]), f"lens {round_lens}, early/tiles {key}"
+            assert all(torch.equal(a, b) for a, b in zip(caches[key], caches[False, 0])), f"caches, {key}"
+        q, k, v = (t.view(1, -1, dim) for t in gemv(x, w_qkv).split(sizes, dim=-1))
+        q, k = norm_rope.rms_norm(q, norm_w, 1e-6), norm_rope.rms_norm(k, norm_w, 1e-6)
+        for i in range(seqs):  # the reference: torch's rotary, the newest row written by hand
+            qi, ki = rope(positions[i : i + 1], q, k)
+            k_ref, v_ref = caches[False, 0]
+            assert torch.equal(k_ref[slots[i]], ki[0]) and torch.equal(v_ref[slots[i]], v[0])
+            expected = plain_attention(qi, k_ref, v_ref, tables[i : i + 1], lens[i : i + 1], bs)
+            torch.testing.assert_close(outs[False, 0][i : i + 1].double(), expected, atol=2e-2, rtol=2e-2)

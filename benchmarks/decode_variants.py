@@ -33,9 +33,11 @@
   itself once its victims are chosen (`ensure.FUSED_POST`).
 - `--attention-warps W`, `--attention-stages S`: the paged-attention partial kernel's warps and pipeline stages
   (the engine's: `paged_attention.WARPS`, `paged_attention.STAGES`); `--attention-prefetch-tiles N`: tiles of K and
-  V a partial program asks into L2 before its PDL wait (`paged_attention.PREFETCH_TILES`).
-- `--prologue-early-trigger`: the attention prologue lets paged attention be scheduled before it waits for qkv
-  (`norm_rope.PROLOGUE_EARLY_TRIGGER`), so that attention's early reads overlap the qkv GEMV, not the prologue.
+  V a partial program asks into L2 before its PDL wait (`paged_attention.PREFETCH_TILES`, the engine's 1; 0: none);
+  `--attention-min-tiles N`: tiles a split holds at least (0: the engine's `paged_attention.min_split_tiles`).
+- `--no-prologue-early-trigger`: the attention prologue triggers paged attention only after its own wait for qkv,
+  instead of before it (`norm_rope.PROLOGUE_EARLY_TRIGGER`, the engine's), so attention's early reads overlap only
+  the prologue.
 - `--dense-config OUTxIN=nB_kK_wW_sS` (repeatable): the dense GEMV of that weight shape (e.g. qwen3-30b-a3b's o,
   `2048x4096`) with BLOCK_N B, BLOCK_K K, W warps and S stages instead of the engine's (`dense_gemv.pick_block_n`,
   `BLOCK_K`, `WARPS`, `STAGES`).
@@ -152,7 +154,8 @@ def main() -> int:
     ap.add_argument("--attention-warps", type=int, default=paged_attention.WARPS)
     ap.add_argument("--attention-stages", type=int, default=paged_attention.STAGES)
     ap.add_argument("--attention-prefetch-tiles", type=int, default=paged_attention.PREFETCH_TILES)
-    ap.add_argument("--prologue-early-trigger", action="store_true")
+    ap.add_argument("--attention-min-tiles", type=int, default=0, help="0: the engine's")
+    ap.add_argument("--no-prologue-early-trigger", action="store_true")
     ap.add_argument("--pin-core", type=int, default=None)
     ap.add_argument("--dense-config", action="append", default=[], metavar="OUTxIN=nB_kK_wW_sS")
     ap.add_argument("--smem-carveout", type=int, default=None, metavar="PERCENT")
@@ -171,7 +174,11 @@ def main() -> int:
     if a.attention_prefetch_tiles < 0:
         raise SystemExit("--attention-prefetch-tiles must be >= 0")
     paged_attention.PREFETCH_TILES = a.attention_prefetch_tiles
-    norm_rope.PROLOGUE_EARLY_TRIGGER = a.prologue_early_trigger
+    norm_rope.PROLOGUE_EARLY_TRIGGER = not a.no_prologue_early_trigger
+    if a.attention_min_tiles < 0:
+        raise SystemExit("--attention-min-tiles must be >= 0")
+    if a.attention_min_tiles:
+        paged_attention.min_split_tiles = lambda *_: a.attention_min_tiles  # looked up at each call
     if a.norm_gemv_stages < 1:
         raise SystemExit("--norm-gemv-stages must be >= 1")
     for flag in ("up_rows", "up_warps", "down_rows", "down_k", "up_k"):

@@ -29,8 +29,8 @@ from edgemoe.kernels.pdl import launch_args, trigger_dependents, wait_for_inputs
 
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # the attention prologue lets paged attention be scheduled before it waits for the qkv projection, so that attention's
-# reads of step inputs and older K/V rows overlap qkv, not the ~1 us prologue (measured on an H200, resident qwen3 decode
-# at 4K with PREFETCH_TILES 1: +0.7 %, benchmarks/RESULTS.md session 22; benchmarks/decode_variants.py
+# reads of step inputs and older K/V rows overlap qkv, not the ~1 us prologue (measured on an H200, resident qwen3
+# decode at 4K with PREFETCH_TILES 1: +0.5-0.7 %, benchmarks/RESULTS.md session 22; benchmarks/decode_variants.py
 # --no-prologue-early-trigger is the control)
 PROLOGUE_EARLY_TRIGGER = True
 

@@ -352,6 +352,7 @@ def paged_decode_attention(
         if l2_next is None or not l2_next.is_contiguous() or not use_pdl(q.device) or l2_next.data_ptr() % 16:
             when, l2_next = 0, out
         nbytes = l2_next.numel() * l2_next.element_size() // 16 * 16
+        when = when if nbytes else 0  # under 16 bytes: nothing to ask for
         chunk = -(-nbytes // (seqs * heads * 16)) * 16 if when else 16  # each program's share, whole 16-byte units
         chunk = -(-chunk // L2_REQUEST) * L2_REQUEST if chunk > L2_REQUEST else triton.next_power_of_2(chunk)
         _reduce[(seqs, heads)](

@@ -34,9 +34,7 @@
 - `--attention-warps W`, `--attention-stages S`: the paged-attention partial kernel's warps and pipeline stages
   (the engine's: `paged_attention.WARPS`, `paged_attention.STAGES`); `--attention-prefetch-tiles N`: tiles of K and
   V a partial program asks into L2 before its PDL wait (`paged_attention.PREFETCH_TILES`, the engine's 1; 0: none);
-  `--attention-min-tiles N`: tiles a split holds at least (0: the engine's `paged_attention.min_split_tiles`);
-  `--reduce-l2-next off|before|after`: the attention reduce kernel asks L2 for the o projection's weight, before or
-  after its PDL wait (`paged_attention.REDUCE_L2_NEXT`).
+  `--attention-min-tiles N`: tiles a split holds at least (0: the engine's `paged_attention.min_split_tiles`).
 - `--no-prologue-early-trigger`: the attention prologue triggers paged attention only after its own wait for qkv,
   instead of before it (`norm_rope.PROLOGUE_EARLY_TRIGGER`, the engine's), so attention's early reads overlap only
   the prologue.
@@ -158,7 +156,6 @@ def main() -> int:
     ap.add_argument("--attention-prefetch-tiles", type=int, default=paged_attention.PREFETCH_TILES)
     ap.add_argument("--attention-min-tiles", type=int, default=0, help="0: the engine's")
     ap.add_argument("--no-prologue-early-trigger", action="store_true")
-    ap.add_argument("--reduce-l2-next", choices=["off", "before", "after"], default=paged_attention.REDUCE_L2_NEXT)
     ap.add_argument("--pin-core", type=int, default=None)
     ap.add_argument("--dense-config", action="append", default=[], metavar="OUTxIN=nB_kK_wW_sS")
     ap.add_argument("--smem-carveout", type=int, default=None, metavar="PERCENT")
@@ -178,7 +175,6 @@ def main() -> int:
         raise SystemExit("--attention-prefetch-tiles must be >= 0")
     paged_attention.PREFETCH_TILES = a.attention_prefetch_tiles
     norm_rope.PROLOGUE_EARLY_TRIGGER = not a.no_prologue_early_trigger
-    paged_attention.REDUCE_L2_NEXT = a.reduce_l2_next
     if a.attention_min_tiles < 0:
         raise SystemExit("--attention-min-tiles must be >= 0")
     if a.attention_min_tiles:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from edgemoe.kernels.pdl import launch_args, prefetch_l2, prefetch_rows_l2, use_pdl, wait_for_inputs
+from edgemoe.kernels.pdl import launch_args, prefetch_rows_l2, use_pdl, wait_for_inputs
 
 PROGRAMS_PER_SM = 4  # the partial kernel's target: several resident programs per SM hide its load latency
 MAX_SPLITS = 256  # bounds the partials workspace and the reduce's serial work
@@ -46,11 +46,6 @@ WARPS, STAGES = 4, 3
 # qkv GEMV: on an H200 (resident qwen3 decode at 4K, two-tile splits) 1 tile +0.7 %, 2 tiles +0.1 %, and without the
 # early trigger 2 tiles -2.1 % (benchmarks/RESULTS.md session 22)
 PREFETCH_TILES = 1
-# where the reduce kernel asks L2 for the bytes of the weight read next (`paged_decode_attention`'s `l2_next`, the o
-# projection's): "off", "before" or "after" its PDL wait, so that o's weight starts moving while attention finishes
-# (benchmarks/decode_variants.py --reduce-l2-next); sm_90+ only
-REDUCE_L2_NEXT = "off"
-L2_REQUEST = 1 << 16  # bytes a bulk L2 request asks for
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -202,16 +197,6 @@ def _partial(
 
 
 @triton.jit
-def _ask_l2_share(ptr, nbytes, p, CHUNK: tl.constexpr, REQ: tl.constexpr):
-    # program p's share of `nbytes` from `ptr`: bytes [p * CHUNK, (p + 1) * CHUNK), in bulk requests of REQ bytes
-    for off in tl.static_range(0, CHUNK, REQ):
-        start = p.to(tl.int64) * CHUNK + off
-        n = tl.minimum(nbytes - start, REQ)
-        if n > 0:
-            prefetch_l2(ptr + start, n.to(tl.int32))
-
-
-@triton.jit
 def _reduce(
     m_part,
     l_part,
@@ -228,23 +213,14 @@ def _reduce(
     BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    next_ptr,
-    next_bytes,
-    NEXT_WHEN: tl.constexpr,
-    NEXT_CHUNK: tl.constexpr,
-    L2_REQ: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq, h = tl.program_id(0), tl.program_id(1)
-    if NEXT_WHEN == 1:
-        _ask_l2_share(next_ptr, next_bytes, seq * heads + h, NEXT_CHUNK, L2_REQ)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)  # a step input: read before the wait
     used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, min_tiles, BLOCK_N))  # splits the partial kernel wrote
     base = (seq.to(tl.int64) * heads + h) * num_splits
     d = tl.arange(0, D)
     wait_for_inputs(PDL)
-    if NEXT_WHEN == 2:
-        _ask_l2_share(next_ptr, next_bytes, seq * heads + h, NEXT_CHUNK, L2_REQ)
     if SPLITS_PAD <= BLOCK_S:  # every split's max, sum and accumulator loaded at once: one round trip to memory
         i = tl.arange(0, SPLITS_PAD)
         m_i = tl.load(m_part + base + i, mask=i < used, other=float("-inf"))
@@ -284,15 +260,13 @@ def paged_decode_attention(
     block_n: int = BLOCK_N,
     num_warps: int | None = None,
     stages: int | None = None,
-    l2_next: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [seqs, heads, head_dim]; k_cache, v_cache: [num_slots, kv_heads, head_dim] (slot = block * block_size +
     offset); block_tables: [seqs, max_blocks] int64 (entries past a sequence's context are never read);
     context_lens: [seqs] int64 on the device -> [seqs, heads, head_dim] in q's dtype. head_dim a power of two >= 16
     (others: ValueError, use the torch path); heads a multiple of kv_heads. `splits` (None: `choose_splits`'s),
     `block_n`, `num_warps` and `stages` (None: WARPS, STAGES) are for tests (the interpreter) and
-    benchmarks/paged_attention.py's sweep. `l2_next`: the weight the next kernel reads (the o projection's), which
-    the reduce kernel asks into L2 where `REDUCE_L2_NEXT` says (a contiguous, 16-byte-aligned tensor, sm_90+)."""
+    benchmarks/paged_attention.py's sweep."""
     seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if dim < 16 or dim & (dim - 1):
@@ -348,16 +322,8 @@ def paged_decode_attention(
     )  # fmt: skip
     if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers
         splits_pad = triton.next_power_of_2(splits)
-        when = {"off": 0, "before": 1, "after": 2}[REDUCE_L2_NEXT]
-        if l2_next is None or not l2_next.is_contiguous() or not use_pdl(q.device) or l2_next.data_ptr() % 16:
-            when, l2_next = 0, out
-        nbytes = l2_next.numel() * l2_next.element_size() // 16 * 16
-        when = when if nbytes else 0  # under 16 bytes: nothing to ask for
-        chunk = -(-nbytes // (seqs * heads * 16)) * 16 if when else 16  # each program's share, whole 16-byte units
-        chunk = -(-chunk // L2_REQUEST) * L2_REQUEST if chunk > L2_REQUEST else triton.next_power_of_2(chunk)
         _reduce[(seqs, heads)](
             m_part, l_part, acc_part, context_lens, out, width, splits, min_tiles, heads, out.stride(0), out.stride(1),
-            dim, block_n, splits_pad, min(64, splits_pad), l2_next, nbytes, when, chunk, min(chunk, L2_REQUEST),
-            num_warps=4, **launch_args(q.device),
+            dim, block_n, splits_pad, min(64, splits_pad), num_warps=4, **launch_args(q.device),
         )  # fmt: skip
     return out

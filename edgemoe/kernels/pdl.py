@@ -4,8 +4,10 @@ reads anything a kernel of the step writes: it waits (`griddepcontrol.wait`: the
 writes are visible), then lets the next kernel be scheduled. What no kernel of the step writes (the step's inputs,
 copied in before its first kernel, such as positions, KV slots and context lengths, and fixed tables) may be read before
 the wait, so that those round trips overlap the previous kernel (paged attention, the attention prologue). Two kernels
-at most are resident at once (the next is scheduled only once every program of this one has passed its wait), and a
-kernel launched without PDL after ours, or ours after a torch or cuBLAS kernel, keeps the ordinary full dependency.
+at most are resident at once (the next is scheduled only once every program of this one has passed its wait), except
+after the attention prologue, which triggers paged attention before its own wait (`trigger_dependents`), so that
+attention's K/V requests into L2 overlap the qkv GEMV; and a kernel launched without PDL after ours, or ours after a
+torch or cuBLAS kernel, keeps the ordinary full dependency.
 CUDA-graph capture keeps these programmatic edges, so within a decode step the next kernel's launch and scheduling
 overlap the current one's work instead of following it. Under Triton's interpreter (CPU tests) and on older GPUs it is
 off: the same kernels, ordinary launches.
@@ -25,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 def wait_for_inputs(PDL: tl.constexpr):
     if PDL:
         gdc_wait()  # the previous kernel's writes are visible past this point
-        gdc_launch_dependents()  # after the wait: never more than two kernels in flight
+        gdc_launch_dependents()  # after the wait: two kernels in flight (`trigger_dependents`: three)
 
 
 @triton.jit

@@ -33,12 +33,11 @@ class PagedAttention(nn.Module):
         self.v_cache.index_copy_(0, slots, v.to(self.v_cache.dtype))
         return self.attend(q)
 
-    def attend(self, q: torch.Tensor, l2_next: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
         """`forward` once the cache holds this step's k and v (on CUDA `attention_prologue` writes them, fused with
-        norm and rotary). q: [tokens, heads, head_dim] -> [tokens, heads * head_dim]. `l2_next`: the weight read
-        next (the o projection's), a hint for the decode kernel (`paged_decode_attention`)."""
+        norm and rotary). q: [tokens, heads, head_dim] -> [tokens, heads * head_dim]"""
         ctx = get_context()
-        out = self._prefill(q, ctx) if ctx.is_prefill else self._decode(q, ctx, l2_next)
+        out = self._prefill(q, ctx) if ctx.is_prefill else self._decode(q, ctx)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,19 +46,12 @@ class PagedAttention(nn.Module):
         slots = (block_tables[:, :, None] * self.block_size + offsets).flatten(1)  # [seqs, keys]
         return self.k_cache[slots].transpose(1, 2), self.v_cache[slots].transpose(1, 2)
 
-    def _decode(self, q: torch.Tensor, ctx, l2_next: torch.Tensor | None = None) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
         if q.is_cuda and self.fused_decode:
             from edgemoe.kernels.paged_attention import paged_decode_attention  # CPU-only machines lack triton
 
             return paged_decode_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                ctx.block_tables,
-                ctx.context_lens,
-                self.scale,
-                self.block_size,
-                l2_next=l2_next,
+                q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale, self.block_size
             )
         return self._decode_torch(q, ctx)
 

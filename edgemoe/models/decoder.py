@@ -53,7 +53,7 @@ class SelfAttention(nn.Module):
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q, k, v = q.view(-1, self.nq, self.d), k.view(-1, self.nkv, self.d), v.view(-1, self.nkv, self.d)
         if q.is_cuda:
-            return self.o_proj(self.attn.attend(self._prologue(q, k, v, positions), self.o_proj.weight))
+            return self.o_proj(self.attn.attend(self._prologue(q, k, v, positions)))
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)

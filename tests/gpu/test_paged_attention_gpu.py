@@ -242,27 +242,3 @@ def test_early_trigger_and_kv_prefetch_change_nothing(monkeypatch, seqs: int) ->
             assert torch.equal(k_ref[slots[i]], ki[0]) and torch.equal(v_ref[slots[i]], v[0])
             expected = plain_attention(qi, k_ref, v_ref, tables[i : i + 1], lens[i : i + 1], bs)
             torch.testing.assert_close(outs[False, 0][i : i + 1].double(), expected, atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="L2 bulk requests: sm_90+"
-)
-@pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize("next_shape", [(2048, 4096), (1000, 777), (3,)])  # o's shape, a ragged one, a tiny one
-def test_reduce_asking_l2_for_the_next_weight_changes_nothing(monkeypatch, when: str, next_shape) -> None:
-    """The reduce kernel's L2 requests for the next kernel's weight (`l2_next`) leave the output bitwise the same,
-    and the weight itself unchanged, at qwen3's shape at batch 1 and 4."""
-    from edgemoe.kernels import paged_attention
-
-    for lens in ([4096], [4096, 1, 3001, 17]):
-        q, k, v, tables, ctx_lens = paged_case(lens, 32, 4, 128, 16, 40960, torch.bfloat16, seed=len(lens))
-        weight = torch.randn(next_shape, device="cuda").bfloat16()
-        kept = weight.clone()
-        monkeypatch.setattr(paged_attention, "REDUCE_L2_NEXT", "off")
-        plain = paged_attention.paged_decode_attention(q, k, v, tables, ctx_lens, 128**-0.5, 16, l2_next=weight)
-        monkeypatch.setattr(paged_attention, "REDUCE_L2_NEXT", when)
-        asked = paged_attention.paged_decode_attention(q, k, v, tables, ctx_lens, 128**-0.5, 16, l2_next=weight)
-        torch.cuda.synchronize()
-        assert torch.equal(asked, plain) and torch.equal(weight, kept)
-        expected = plain_attention(q, k, v, tables, ctx_lens, 16)
-        torch.testing.assert_close(asked.double(), expected, **TOL[torch.bfloat16])

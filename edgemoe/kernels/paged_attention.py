@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from edgemoe.kernels.pdl import launch_args, prefetch_rows_l2, use_pdl, wait_for_inputs
+from edgemoe.kernels.pdl import launch_args, prefetch_rows_l2, wait_for_inputs
 
 PROGRAMS_PER_SM = 4  # the partial kernel's target: several resident programs per SM hide its load latency
 MAX_SPLITS = 256  # bounds the partials workspace and the reduce's serial work
@@ -307,8 +307,9 @@ def paged_decode_attention(
     dot_ty = tl.float32 if interpreted_bf16 else _DTYPES[k_cache.dtype]
     precision = "ieee" if dot_ty == tl.float32 else "tf32"  # (tf32: the default, ignored for 16-bit operands)
     row_bytes = dim * k_cache.element_size()
+    launch = launch_args(q.device)
     # bulk requests: 16-byte rows; a power-of-two count of tokens
-    prefetch = PREFETCH_TILES * block_n if use_pdl(q.device) and row_bytes % 16 == 0 else 0
+    prefetch = PREFETCH_TILES * block_n if launch["PDL"] and row_bytes % 16 == 0 else 0
     if prefetch & (prefetch - 1):
         raise ValueError(f"PREFETCH_TILES * block_n must be a power of two, got {prefetch}")
     _partial[(seqs, kv_heads, splits)](
@@ -317,13 +318,12 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         group, g_pad, dim, block_size, block_n, single, dot_ty, precision, prefetch, row_bytes,
-        num_warps=num_warps or WARPS,
-        num_stages=stages or STAGES, **launch_args(q.device),
+        num_warps=num_warps or WARPS, num_stages=stages or STAGES, **launch,
     )  # fmt: skip
     if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers
         splits_pad = triton.next_power_of_2(splits)
         _reduce[(seqs, heads)](
             m_part, l_part, acc_part, context_lens, out, width, splits, min_tiles, heads, out.stride(0), out.stride(1),
-            dim, block_n, splits_pad, min(64, splits_pad), num_warps=4, **launch_args(q.device),
+            dim, block_n, splits_pad, min(64, splits_pad), num_warps=4, **launch,
         )  # fmt: skip
     return out

@@ -171,8 +171,8 @@ def main() -> int:
     if a.attention_warps < 1 or a.attention_warps & (a.attention_warps - 1) or a.attention_stages < 1:
         raise SystemExit("--attention-warps must be a power of two and --attention-stages >= 1")
     paged_attention.WARPS, paged_attention.STAGES = a.attention_warps, a.attention_stages  # read at each call
-    if a.attention_prefetch_tiles < 0:
-        raise SystemExit("--attention-prefetch-tiles must be >= 0")
+    if a.attention_prefetch_tiles < 0 or a.attention_prefetch_tiles & (a.attention_prefetch_tiles - 1):
+        raise SystemExit("--attention-prefetch-tiles must be 0 or a power of two")
     paged_attention.PREFETCH_TILES = a.attention_prefetch_tiles
     norm_rope.PROLOGUE_EARLY_TRIGGER = not a.no_prologue_early_trigger
     if a.attention_min_tiles < 0:

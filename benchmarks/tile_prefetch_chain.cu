@@ -1,0 +1,194 @@
+// A chain of dependent GEMVs, y[i + 1] = W[i] @ y[i], in one persistent launch whose weights stream into a ring of
+// shared-memory chunks ahead of the dependency: benchmarks/tile_prefetch_chain.py builds, checks and times it (the
+// docstring there says why). Built there through NVRTC (cupy); here it also builds with
+//     nvcc -arch=sm_90 -cubin --resource-usage benchmarks/tile_prefetch_chain.cu -o /tmp/chain.cubin
+//
+// One block an SM (the ring takes most of its shared memory), all resident at once. Block c owns a fixed slice of
+// rows of every GEMV: rows [c * N / G, (c + 1) * N / G) of GEMV i's N, with G blocks. Its weights are contiguous
+// (row-major), so the slice streams as chunks of whole rows, CHUNK_BYTES at most.
+//   - Producer (one thread of the last warp): for every GEMV in order and every chunk of the block's slice, waits
+//     for a free ring slot, then asks the copy engine for the chunk (cp.async.bulk, completing on the slot's
+//     mbarrier). Weights do not depend on y, so with `mode` 0 it runs ahead into GEMV i + 1 while GEMV i's
+//     dependency is still being resolved on other SMs: the point of the probe. With `mode` 1 it first waits, as the
+//     consumers do, until GEMV i - 1 is stored everywhere (the control: a grid barrier between GEMVs). `mode` 2
+//     skips every dependency wait (wrong outputs): the kernel's streaming ceiling.
+//   - Consumers (CONSUMER_WARPS warps): per GEMV, wait until every block stored its rows of y[i] (a counter), copy
+//     y[i] into shared memory, then for each chunk wait for its slot, each warp takes 1024 consecutive weights (one
+//     row's segment, since K is a multiple of 1024), dots them with y, writes the sum per (row, segment), and frees
+//     the slot. After the last chunk: sum the segments of each row in order (fixed order: deterministic), round to
+//     bf16, store, then one release increment of ready[i + 1].
+// Counters only grow: launch e waits for ready[i] >= (e + 1) * G; the last block to finish bumps `epoch`. A wait
+// gives up after `max_spins` polls and raises `*failed` (wrong outputs that the caller's check reports, not a hang).
+#include <cuda_bf16.h>
+#include <cstdint>
+
+constexpr int CHUNK_BYTES = 16384;
+constexpr int CHUNK_ELEMS = CHUNK_BYTES / 2;
+constexpr int CONSUMER_WARPS = 8;
+constexpr int SEGMENT = CHUNK_ELEMS / CONSUMER_WARPS;  // 1024 weights a warp a chunk
+constexpr int MAX_STAGES = 12;
+constexpr int MAX_K = 4096;
+constexpr int MAX_PARTIALS = 1024;  // floats: (rows of a slice) x (K / SEGMENT)
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void bar_init(uint64_t *bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(uint64_t *bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    }
+}
+
+__device__ __forceinline__ void bar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Spin until *counter >= target; false after max_spins polls.
+__device__ __forceinline__ bool wait_count(const uint32_t *counter, uint32_t target, int max_spins) {
+    for (int spins = 0; spins < max_spins; ++spins)
+        if (load_acquire(counter) >= target) return true;
+    return false;
+}
+
+__device__ __forceinline__ void consumers_sync() {  // named barrier 1: the consumer warps only
+    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_WARPS * 32) : "memory");
+}
+
+struct Gemv {  // GEMV i of the chain, seen from block c of G
+    int n, k, row0, rows, rows_per_chunk, chunks;
+    const __nv_bfloat16 *w;  // this block's first row
+};
+
+__device__ __forceinline__ Gemv gemv_of(const __nv_bfloat16 *w, int i, int dim_a, int dim_b, int c, int g) {
+    Gemv m;
+    m.n = (i & 1) ? dim_b : dim_a;
+    m.k = (i & 1) ? dim_a : dim_b;
+    m.row0 = static_cast<int>(static_cast<int64_t>(c) * m.n / g);
+    m.rows = static_cast<int>(static_cast<int64_t>(c + 1) * m.n / g) - m.row0;
+    m.rows_per_chunk = CHUNK_ELEMS / m.k;
+    m.chunks = (m.rows + m.rows_per_chunk - 1) / m.rows_per_chunk;
+    m.w = w + static_cast<int64_t>(i) * dim_a * dim_b + static_cast<int64_t>(m.row0) * m.k;
+    return m;
+}
+
+extern "C" __global__ void __launch_bounds__((CONSUMER_WARPS + 1) * 32, 1)
+chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, uint32_t *done, uint32_t *epoch,
+      uint32_t *failed, int layers, int dim_a, int dim_b, int stride_y, int stages, int mode, int max_spins) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char *ring = smem;                                                      // stages x CHUNK_BYTES
+    __nv_bfloat16 *y_s = reinterpret_cast<__nv_bfloat16 *>(smem + MAX_STAGES * CHUNK_BYTES);  // MAX_K
+    float *partial = reinterpret_cast<float *>(y_s + MAX_K);                           // MAX_PARTIALS
+    uint64_t *full = reinterpret_cast<uint64_t *>(partial + MAX_PARTIALS);             // MAX_STAGES
+    uint64_t *empty = full + MAX_STAGES;                                                // MAX_STAGES
+    __shared__ uint32_t launch;
+
+    const int c = blockIdx.x, g = gridDim.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            bar_init(&full[s], 1);                // the producer's expect_tx arrival (+ the copy's bytes)
+            bar_init(&empty[s], CONSUMER_WARPS);  // one arrival a consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        launch = *reinterpret_cast<volatile uint32_t *>(epoch);
+    }
+    __syncthreads();
+    const uint32_t target = (launch + 1) * static_cast<uint32_t>(g);  // ready[i] once GEMV i - 1 is stored
+
+    if (warp == CONSUMER_WARPS) {  // the producer
+        if (lane != 0) return;
+        uint32_t seq = 0;
+        for (int i = 0; i < layers; ++i) {
+            const Gemv m = gemv_of(w, i, dim_a, dim_b, c, g);
+            if (mode == 1 && i > 0 && !wait_count(ready + i, target, max_spins)) atomicExch(failed, 1u);
+            for (int ch = 0; ch < m.chunks; ++ch, ++seq) {
+                const int s = seq % stages;
+                const uint32_t round = seq / stages;
+                if (round > 0) bar_wait(&empty[s], (round - 1) & 1);
+                const int rows = min(m.rows_per_chunk, m.rows - ch * m.rows_per_chunk);
+                bulk_load(ring + s * CHUNK_BYTES, m.w + static_cast<int64_t>(ch) * m.rows_per_chunk * m.k,
+                          static_cast<uint32_t>(rows * m.k * 2), &full[s]);
+            }
+        }
+        return;
+    }
+
+    // the consumers
+    uint32_t seq = 0;
+    for (int i = 0; i < layers; ++i) {
+        const Gemv m = gemv_of(w, i, dim_a, dim_b, c, g);
+        const int segments = m.k / SEGMENT;
+        if (mode != 2 && i > 0 && threadIdx.x == 0 && !wait_count(ready + i, target, max_spins)) atomicExch(failed, 1u);
+        consumers_sync();  // y[i] is stored everywhere (thread 0's acquire, then this barrier)
+        const uint4 *y_g = reinterpret_cast<const uint4 *>(ys + static_cast<int64_t>(i) * stride_y);
+        for (int v = threadIdx.x; v < m.k / 8; v += CONSUMER_WARPS * 32)
+            reinterpret_cast<uint4 *>(y_s)[v] = __ldcg(y_g + v);  // L2: other SMs wrote it
+        consumers_sync();
+        for (int ch = 0; ch < m.chunks; ++ch, ++seq) {
+            const int s = seq % stages;
+            bar_wait(&full[s], (seq / stages) & 1);
+            const int rows = min(m.rows_per_chunk, m.rows - ch * m.rows_per_chunk);
+            const int first = warp * SEGMENT;  // this warp's weights in the chunk
+            const int row = first / m.k, col0 = first % m.k;
+            if (row < rows) {
+                const uint4 *wv = reinterpret_cast<const uint4 *>(ring + s * CHUNK_BYTES) + first / 8;
+                const uint4 *yv = reinterpret_cast<const uint4 *>(y_s + col0);
+                float acc = 0.f;
+#pragma unroll
+                for (int j = 0; j < SEGMENT / 256; ++j) {  // 8 weights a lane a step, 256 a warp
+                    const uint4 a = wv[j * 32 + lane], b = yv[j * 32 + lane];
+                    const __nv_bfloat162 *a2 = reinterpret_cast<const __nv_bfloat162 *>(&a);
+                    const __nv_bfloat162 *b2 = reinterpret_cast<const __nv_bfloat162 *>(&b);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const float2 fa = __bfloat1622float2(a2[q]), fb = __bfloat1622float2(b2[q]);
+                        acc = fmaf(fa.x, fb.x, acc);
+                        acc = fmaf(fa.y, fb.y, acc);
+                    }
+                }
+#pragma unroll
+                for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+                if (lane == 0) partial[(ch * m.rows_per_chunk + row) * segments + col0 / SEGMENT] = acc;
+            }
+            __syncwarp();
+            if (lane == 0) bar_arrive(&empty[s]);
+        }
+        consumers_sync();  // every partial written
+        __nv_bfloat16 *y_next = ys + static_cast<int64_t>(i + 1) * stride_y + m.row0;
+        for (int r = threadIdx.x; r < m.rows; r += CONSUMER_WARPS * 32) {
+            float sum = 0.f;
+            for (int sg = 0; sg < segments; ++sg) sum += partial[r * segments + sg];
+            y_next[r] = __float2bfloat16(sum);
+        }
+        consumers_sync();  // every row stored, then one release for the block
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(ready + i + 1, 1u);
+        }
+    }
+    if (threadIdx.x == 0 && atomicAdd(done, 1u) == target - 1) {
+        __threadfence();
+        *reinterpret_cast<volatile uint32_t *>(epoch) = launch + 1;  // the last block: every block has read it
+    }
+}

@@ -5,19 +5,20 @@
 //
 // One block an SM (the ring takes most of its shared memory), all resident at once. Block c owns a fixed slice of
 // rows of every GEMV: rows [c * N / G, (c + 1) * N / G) of GEMV i's N, with G blocks. Its weights are contiguous
-// (row-major), so the slice streams as chunks of whole rows, CHUNK_BYTES at most.
+// (row-major), so the slice streams as chunks of whole rows, CHUNK_BYTES at most. K is 2048 or 4096 (a template
+// argument, so that a lane keeps its 8 or 16 steps of y in registers).
 //   - Producer (one thread of the last warp): for every GEMV in order and every chunk of the block's slice, waits
 //     for a free ring slot, then asks the copy engine for the chunk (cp.async.bulk, completing on the slot's
 //     mbarrier). Weights do not depend on y, so with `mode` 0 it runs ahead into GEMV i + 1 while GEMV i's
 //     dependency is still being resolved on other SMs: the point of the probe. With `mode` 1 it first waits, as the
 //     consumers do, until GEMV i - 1 is stored everywhere (the control: a grid barrier between GEMVs). `mode` 2
 //     skips every dependency wait (wrong outputs): the kernel's streaming ceiling.
-//   - Consumers (CONSUMER_WARPS warps): per GEMV, wait until every block stored its rows of y[i] (a counter), copy
-//     y[i] into shared memory, then for each chunk wait for its slot, each warp takes 1024 consecutive weights (one
-//     row's segment, since K is a multiple of 1024), dots them with y, writes the sum per (row, segment), and frees
-//     the slot. After the last chunk: sum the segments of each row in order (fixed order: deterministic), round to
-//     bf16, store, then one release increment of ready[i + 1].
-// Counters only grow: launch e waits for ready[i] >= (e + 1) * G; the last block to finish bumps `epoch`. A wait
+//   - Consumers (CONSUMER_WARPS warps): per GEMV, one thread waits until every warp of every block stored its rows of
+//     y[i] (a counter), then each warp reads y[i] from L2 into registers and takes chunks w, w + CONSUMER_WARPS, ...
+//     of the slice: waits for the chunk's slot, dots each row with y (fp32, in a fixed order: deterministic), frees
+//     the slot, and stores the rows; then one release increment of ready[i + 1] a warp. No block-wide step between
+//     a GEMV's input and its output but the one barrier after the wait.
+// Counters only grow: launch e waits for ready[i] >= (e + 1) * G * CONSUMER_WARPS; the last block to finish bumps `epoch`. A wait
 // gives up after `max_spins` polls and raises `*failed` (wrong outputs that the caller's check reports, not a hang).
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -25,10 +26,7 @@
 constexpr int CHUNK_BYTES = 16384;
 constexpr int CHUNK_ELEMS = CHUNK_BYTES / 2;
 constexpr int CONSUMER_WARPS = 8;
-constexpr int SEGMENT = CHUNK_ELEMS / CONSUMER_WARPS;  // 1024 weights a warp a chunk
 constexpr int MAX_STAGES = 12;
-constexpr int MAX_K = 4096;
-constexpr int MAX_PARTIALS = 1024;  // floats: (rows of a slice) x (K / SEGMENT)
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -92,15 +90,65 @@ __device__ __forceinline__ Gemv gemv_of(const __nv_bfloat16 *w, int i, int dim_a
     return m;
 }
 
+__device__ __forceinline__ void release_add(uint32_t *p) {  // the stores before it are visible to an acquire of p
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+}
+
+// One warp's chunks of GEMV m (K columns): y[i] from L2 into registers (8 columns a lane a step of 256), then for
+// each chunk: wait for its slot, dot each of its rows with y, lane 0 stores the rows, free the slot.
+template <int K>
+__device__ __forceinline__ void consume(const unsigned char *ring, uint64_t *full, uint64_t *empty, const Gemv &m,
+                                        const __nv_bfloat16 *y, __nv_bfloat16 *y_next, uint32_t base, int stages,
+                                        int warp, int lane) {
+    constexpr int STEPS = K / 256, ROWS = CHUNK_ELEMS / K;
+    if (warp >= m.chunks) return;
+    uint4 yv[STEPS];
+#pragma unroll
+    for (int j = 0; j < STEPS; ++j) yv[j] = __ldcg(reinterpret_cast<const uint4 *>(y) + j * 32 + lane);
+    for (int ch = warp; ch < m.chunks; ch += CONSUMER_WARPS) {
+        const uint32_t seq = base + ch;
+        const int s = seq % stages;
+        bar_wait(&full[s], (seq / stages) & 1);
+        const int rows = min(ROWS, m.rows - ch * ROWS);
+        const uint4 *wv = reinterpret_cast<const uint4 *>(ring + s * CHUNK_BYTES);
+        float acc[ROWS], odd[ROWS];  // two chains a row: the FMA latency halved
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            acc[r] = odd[r] = 0.f;
+            if (r < rows) {
+#pragma unroll
+                for (int j = 0; j < STEPS; ++j) {
+                    const uint4 a = wv[r * STEPS * 32 + j * 32 + lane];
+                    const __nv_bfloat162 *a2 = reinterpret_cast<const __nv_bfloat162 *>(&a);
+                    const __nv_bfloat162 *b2 = reinterpret_cast<const __nv_bfloat162 *>(&yv[j]);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const float2 fa = __bfloat1622float2(a2[q]), fb = __bfloat1622float2(b2[q]);
+                        acc[r] = fmaf(fa.x, fb.x, acc[r]);
+                        odd[r] = fmaf(fa.y, fb.y, odd[r]);
+                    }
+                }
+            }
+            acc[r] += odd[r];
+        }
+        __syncwarp();
+        if (lane == 0) bar_arrive(&empty[s]);  // the slot's weights are in registers now
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+        if (lane == 0)
+            for (int r = 0; r < rows; ++r) y_next[ch * ROWS + r] = __float2bfloat16(acc[r]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__((CONSUMER_WARPS + 1) * 32, 1)
 chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, uint32_t *done, uint32_t *epoch,
       uint32_t *failed, int layers, int dim_a, int dim_b, int stride_y, int stages, int mode, int max_spins) {
     extern __shared__ __align__(128) unsigned char smem[];
-    unsigned char *ring = smem;                                                      // stages x CHUNK_BYTES
-    __nv_bfloat16 *y_s = reinterpret_cast<__nv_bfloat16 *>(smem + MAX_STAGES * CHUNK_BYTES);  // MAX_K
-    float *partial = reinterpret_cast<float *>(y_s + MAX_K);                           // MAX_PARTIALS
-    uint64_t *full = reinterpret_cast<uint64_t *>(partial + MAX_PARTIALS);             // MAX_STAGES
-    uint64_t *empty = full + MAX_STAGES;                                                // MAX_STAGES
+    unsigned char *ring = smem;                                                // MAX_STAGES x CHUNK_BYTES
+    uint64_t *full = reinterpret_cast<uint64_t *>(smem + MAX_STAGES * CHUNK_BYTES);  // MAX_STAGES
+    uint64_t *empty = full + MAX_STAGES;                                          // MAX_STAGES
     __shared__ uint32_t launch;
 
     const int c = blockIdx.x, g = gridDim.x;
@@ -108,13 +156,14 @@ chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, u
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
             bar_init(&full[s], 1);                // the producer's expect_tx arrival (+ the copy's bytes)
-            bar_init(&empty[s], CONSUMER_WARPS);  // one arrival a consumer warp
+            bar_init(&empty[s], 1);  // the arrival of the warp that read it
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         launch = *reinterpret_cast<volatile uint32_t *>(epoch);
     }
     __syncthreads();
-    const uint32_t target = (launch + 1) * static_cast<uint32_t>(g);  // ready[i] once GEMV i - 1 is stored
+    const uint32_t blocks = (launch + 1) * static_cast<uint32_t>(g);  // `done` once every block has finished
+    const uint32_t target = blocks * CONSUMER_WARPS;  // ready[i] once every warp stored its rows of y[i]
 
     if (warp == CONSUMER_WARPS) {  // the producer
         if (lane != 0) return;
@@ -134,60 +183,25 @@ chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, u
         return;
     }
 
-    // the consumers
-    uint32_t seq = 0;
+    // the consumers: warp w takes chunks w, w + CONSUMER_WARPS, ... of each GEMV (whole rows)
+    uint32_t base = 0;  // chunks of the GEMVs before this one, in the producer's sequence
     for (int i = 0; i < layers; ++i) {
         const Gemv m = gemv_of(w, i, dim_a, dim_b, c, g);
-        const int segments = m.k / SEGMENT;
-        if (mode != 2 && i > 0 && threadIdx.x == 0 && !wait_count(ready + i, target, max_spins)) atomicExch(failed, 1u);
+        if (mode != 2 && i > 0 && threadIdx.x == 0 && !wait_count(ready + i, target, max_spins))
+            atomicExch(failed, 1u);
         consumers_sync();  // y[i] is stored everywhere (thread 0's acquire, then this barrier)
-        const uint4 *y_g = reinterpret_cast<const uint4 *>(ys + static_cast<int64_t>(i) * stride_y);
-        for (int v = threadIdx.x; v < m.k / 8; v += CONSUMER_WARPS * 32)
-            reinterpret_cast<uint4 *>(y_s)[v] = __ldcg(y_g + v);  // L2: other SMs wrote it
-        consumers_sync();
-        for (int ch = 0; ch < m.chunks; ++ch, ++seq) {
-            const int s = seq % stages;
-            bar_wait(&full[s], (seq / stages) & 1);
-            const int rows = min(m.rows_per_chunk, m.rows - ch * m.rows_per_chunk);
-            const int first = warp * SEGMENT;  // this warp's weights in the chunk
-            const int row = first / m.k, col0 = first % m.k;
-            if (row < rows) {
-                const uint4 *wv = reinterpret_cast<const uint4 *>(ring + s * CHUNK_BYTES) + first / 8;
-                const uint4 *yv = reinterpret_cast<const uint4 *>(y_s + col0);
-                float acc = 0.f;
-#pragma unroll
-                for (int j = 0; j < SEGMENT / 256; ++j) {  // 8 weights a lane a step, 256 a warp
-                    const uint4 a = wv[j * 32 + lane], b = yv[j * 32 + lane];
-                    const __nv_bfloat162 *a2 = reinterpret_cast<const __nv_bfloat162 *>(&a);
-                    const __nv_bfloat162 *b2 = reinterpret_cast<const __nv_bfloat162 *>(&b);
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const float2 fa = __bfloat1622float2(a2[q]), fb = __bfloat1622float2(b2[q]);
-                        acc = fmaf(fa.x, fb.x, acc);
-                        acc = fmaf(fa.y, fb.y, acc);
-                    }
-                }
-#pragma unroll
-                for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-                if (lane == 0) partial[(ch * m.rows_per_chunk + row) * segments + col0 / SEGMENT] = acc;
-            }
-            __syncwarp();
-            if (lane == 0) bar_arrive(&empty[s]);
-        }
-        consumers_sync();  // every partial written
+        const __nv_bfloat16 *y = ys + static_cast<int64_t>(i) * stride_y;
         __nv_bfloat16 *y_next = ys + static_cast<int64_t>(i + 1) * stride_y + m.row0;
-        for (int r = threadIdx.x; r < m.rows; r += CONSUMER_WARPS * 32) {
-            float sum = 0.f;
-            for (int sg = 0; sg < segments; ++sg) sum += partial[r * segments + sg];
-            y_next[r] = __float2bfloat16(sum);
-        }
-        consumers_sync();  // every row stored, then one release for the block
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(ready + i + 1, 1u);
-        }
+        if (m.k == 4096)
+            consume<4096>(ring, full, empty, m, y, y_next, base, stages, warp, lane);
+        else
+            consume<2048>(ring, full, empty, m, y, y_next, base, stages, warp, lane);
+        base += m.chunks;
+        __syncwarp();
+        if (lane == 0) release_add(ready + i + 1);  // this warp's rows of y[i + 1] are stored
     }
-    if (threadIdx.x == 0 && atomicAdd(done, 1u) == target - 1) {
+    consumers_sync();  // every warp has read `launch`'s counters for the last time
+    if (threadIdx.x == 0 && atomicAdd(done, 1u) == blocks - 1) {
         __threadfence();
         *reinterpret_cast<volatile uint32_t *>(epoch) = launch + 1;  // the last block: every block has read it
     }

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,19 +42,16 @@ import persistent_chain as pc  # noqa: E402
 
 SOURCE = Path(__file__).with_suffix(".cu")
 # the .cu's constants, mirrored for the host-side checks and the shared-memory size
-CHUNK_BYTES, SEGMENT, MAX_STAGES, MAX_K, MAX_PARTIALS = 16384, 1024, 12, 4096, 1024
-SHARED_BYTES = MAX_STAGES * CHUNK_BYTES + 2 * MAX_K + 4 * MAX_PARTIALS + 16 * MAX_STAGES
+CHUNK_BYTES, MAX_STAGES, CONSUMER_WARPS, WIDTHS = 16384, 12, 8, (2048, 4096)
+SHARED_BYTES = MAX_STAGES * CHUNK_BYTES + 16 * MAX_STAGES
 MODES = {"ahead": 0, "gated": 1, "streaming": 2}
 
 
-def slice_limits(dim_a: int, dim_b: int, blocks: int) -> None:
-    """The .cu's assumptions about the shapes, as one-line errors: every K a multiple of a warp's segment and at
-    most MAX_K, a row within a chunk, a block's partial sums within MAX_PARTIALS."""
-    for n, k in ((dim_a, dim_b), (dim_b, dim_a)):
-        if k % SEGMENT or k > MAX_K:
-            raise SystemExit(f"a GEMV of {k} columns: the kernel needs a multiple of {SEGMENT}, at most {MAX_K}")
-        if (-(-n // blocks)) * (k // SEGMENT) > MAX_PARTIALS:
-            raise SystemExit(f"[{n}, {k}] over {blocks} blocks: more than {MAX_PARTIALS} partial sums a block")
+def slice_limits(dim_a: int, dim_b: int) -> None:
+    """The .cu's assumption about the shapes, as a one-line error: every GEMV's K is one of its built widths."""
+    for k in (dim_a, dim_b):
+        if k not in WIDTHS:
+            raise SystemExit(f"a GEMV of {k} columns: the kernel is built for {' or '.join(map(str, WIDTHS))}")
 
 
 def build() -> Path:
@@ -77,7 +75,7 @@ class RingChain:
         import cupy as cp
 
         self.cp, self.chain, self.blocks = cp, chain, blocks
-        slice_limits(chain.dim_a, chain.dim_b, blocks)
+        slice_limits(chain.dim_a, chain.dim_b)
         module = cp.RawModule(path=str(build()))
         self.kernel = module.get_function("chain")
         self.kernel.max_dynamic_shared_size_bytes = SHARED_BYTES
@@ -92,9 +90,16 @@ class RingChain:
         c = self.chain
         ptrs = [np.uint64(t.data_ptr()) for t in (c.w, c.ys, self.ready, self.done, self.epoch, self.failed)]
         ints = [np.int32(v) for v in (c.layers, c.dim_a, c.dim_b, c.ys.stride(0), stages, MODES[mode], max_spins)]
-        with self.cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            self.kernel((self.blocks,), (9 * 32,), (*ptrs, *ints), shared_mem=SHARED_BYTES)
+        with self.stream():
+            self.kernel((self.blocks,), ((CONSUMER_WARPS + 1) * 32,), (*ptrs, *ints), shared_mem=SHARED_BYTES)
         return c.last_y()
+
+    def stream(self):
+        """Torch's current stream as CuPy's, so that a capture records the launch (CuPy 14 calls ExternalStream
+        deprecated; its replacement needs a stream protocol torch 2.11's streams lack)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return self.cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
     def check(self, stages: int, mode: str) -> float:
         """Two launches against the float64 chain (the second waits on counters one launch higher); then every
@@ -105,7 +110,10 @@ class RingChain:
             if not err < 2**-5:  # as persistent_chain.check's
                 raise AssertionError(f"ring chain ({stages} stages, {mode}) is off by {err:.1e}")
         launches = self.epoch.item()
-        if self.ready[1:].tolist() != [launches * self.blocks] * self.chain.layers or self.failed.item():
+        if (
+            self.ready[1:].tolist() != [launches * self.blocks * CONSUMER_WARPS] * self.chain.layers
+            or self.failed.item()
+        ):
             raise AssertionError(f"ring chain counters {self.ready.tolist()} after {launches} launches")
         return err
 

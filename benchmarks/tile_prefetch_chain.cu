@@ -1,32 +1,42 @@
-// A chain of dependent GEMVs, y[i + 1] = W[i] @ y[i], in one persistent launch whose weights stream into a ring of
-// shared-memory chunks ahead of the dependency: benchmarks/tile_prefetch_chain.py builds, checks and times it (the
-// docstring there says why). Built there through NVRTC (cupy); here it also builds with
-//     nvcc -arch=sm_90 -cubin --resource-usage benchmarks/tile_prefetch_chain.cu -o /tmp/chain.cubin
+// A chain of dependent GEMVs, y[i + 1] = W[i] @ y[i], in one persistent launch whose weights stream into shared
+// memory ahead of the dependency: benchmarks/tile_prefetch_chain.py builds, checks and times it (the docstring there
+// says why). Builds with
+//     nvcc -arch=sm_90 -cubin --resource-usage [-DCHUNK_BYTES=8192] benchmarks/tile_prefetch_chain.cu -o chain.cubin
 //
 // One block an SM (the ring takes most of its shared memory), all resident at once. Block c owns a fixed slice of
 // rows of every GEMV: rows [c * N / G, (c + 1) * N / G) of GEMV i's N, with G blocks. Its weights are contiguous
 // (row-major), so the slice streams as chunks of whole rows, CHUNK_BYTES at most. K is 2048 or 4096 (a template
-// argument, so that a lane keeps its 8 or 16 steps of y in registers).
-//   - Producer (one thread of the last warp): for every GEMV in order and every chunk of the block's slice, waits
-//     for a free ring slot, then asks the copy engine for the chunk (cp.async.bulk, completing on the slot's
-//     mbarrier). Weights do not depend on y, so with `mode` 0 it runs ahead into GEMV i + 1 while GEMV i's
-//     dependency is still being resolved on other SMs: the point of the probe. With `mode` 1 it first waits, as the
-//     consumers do, until GEMV i - 1 is stored everywhere (the control: a grid barrier between GEMVs). `mode` 2
-//     skips every dependency wait (wrong outputs): the kernel's streaming ceiling.
-//   - Consumers (CONSUMER_WARPS warps): per GEMV, one thread waits until every warp of every block stored its rows of
-//     y[i] (a counter), then each warp reads y[i] from L2 into registers and takes chunks w, w + CONSUMER_WARPS, ...
-//     of the slice: waits for the chunk's slot, dots each row with y (fp32, in a fixed order: deterministic), frees
-//     the slot, and stores the rows; then one release increment of ready[i + 1] a warp. No block-wide step between
-//     a GEMV's input and its output but the one barrier after the wait.
-// Counters only grow: launch e waits for ready[i] >= (e + 1) * G * CONSUMER_WARPS; the last block to finish bumps `epoch`. A wait
-// gives up after `max_spins` polls and raises `*failed` (wrong outputs that the caller's check reports, not a hang).
+// argument, so that a lane keeps its steps of y in registers).
+//   - Chunk ch of a GEMV belongs to consumer warp ch % CONSUMER_WARPS, which has its own `depth` ring slots, used in
+//     turn: each slot has one reader that takes its fills in order, so an mbarrier's phase parity never aliases.
+//   - Producer (the last warp): for every GEMV in order and every chunk of the block's slice, waits until the
+//     owner's next slot is free, then loads the chunk into it: `loader` 0, one thread asks the copy engine
+//     (cp.async.bulk, completing on the slot's mbarrier with a byte count); 1, the warp's 32 lanes each copy 16-byte
+//     pieces (cp.async, then an arrival on the mbarrier once a lane's copies land). Weights do not depend on y, so
+//     with `mode` 0 it runs ahead into GEMV i + 1 while GEMV i's dependency is still being resolved on other SMs:
+//     the point of the probe. With `mode` 1 it first waits, as the consumers do, until GEMV i - 1 is stored
+//     everywhere (the control: a grid-wide hand-off between GEMVs that HBM waits on). `mode` 2 skips every
+//     dependency wait (wrong outputs): the kernel's streaming ceiling.
+//   - Consumers (CONSUMER_WARPS warps): per GEMV, thread 0 waits until every warp of every block stored its rows of
+//     y[i] (a counter); after one barrier each warp reads y[i] from L2 into registers, and for each of its chunks
+//     waits for the slot, dots each row with y (fp32, fixed order: deterministic), frees the slot and stores the
+//     rows; then one release increment of ready[i + 1] a warp.
+// Counters only grow: launch e waits for ready[i] >= (e + 1) * G * CONSUMER_WARPS; the last block to finish bumps
+// `epoch`. A wait gives up after `max_spins` polls and raises `*failed` (wrong outputs that the caller's check
+// reports, not a hang). With `trace` non-null, %globaltimer stamps (ns) go to trace[c][kind][event]: kind 0 the
+// producer's issue of each chunk, 1 a consumer's wait for it done, 2 thread 0's dependency wait done for each GEMV,
+// 3 each warp's release of each GEMV.
 #include <cuda_bf16.h>
 #include <cstdint>
 
-constexpr int CHUNK_BYTES = 16384;
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES 16384
+#endif
 constexpr int CHUNK_ELEMS = CHUNK_BYTES / 2;
 constexpr int CONSUMER_WARPS = 8;
-constexpr int MAX_STAGES = 12;
+constexpr int RING_BYTES = 196608;  // 192 KB of the 227 an H100 / H200 block may have
+constexpr int MAX_SLOTS = RING_BYTES / CHUNK_BYTES;
+constexpr int TRACE_EVENTS = 512;  // a kind's stamps a block
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -56,10 +66,30 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
+// One lane's share of a chunk by 16-byte cp.async (pieces lane, lane + 32, ...), then an arrival on `bar` once they
+// have landed (noinc: the barrier counts the 32 lanes' arrivals).
+__device__ __forceinline__ void lanes_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar, int lane) {
+    const uint32_t d = smem_addr(dst);
+    const char *s = static_cast<const char *>(src);
+    for (uint32_t off = lane * 16; off < bytes; off += 32 * 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + off), "l"(s + off) : "memory");
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 __device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
     uint32_t v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+__device__ __forceinline__ void release_add(uint32_t *p) {  // the stores before it are visible to an acquire of p
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+}
+
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
 
 // Spin until *counter >= target; false after max_spins polls.
@@ -90,25 +120,23 @@ __device__ __forceinline__ Gemv gemv_of(const __nv_bfloat16 *w, int i, int dim_a
     return m;
 }
 
-__device__ __forceinline__ void release_add(uint32_t *p) {  // the stores before it are visible to an acquire of p
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
-}
-
-// One warp's chunks of GEMV m (K columns): y[i] from L2 into registers (8 columns a lane a step of 256), then for
-// each chunk: wait for its slot, dot each of its rows with y, lane 0 stores the rows, free the slot.
+// Warp w's chunks of GEMV m (K columns): y[i] from L2 into registers (8 columns a lane a step of 256), then for each
+// chunk: wait for its slot, dot each of its rows with y, free the slot, lane 0 stores the rows. `taken`: the chunks
+// this warp has taken so far in the launch (its slots' fills, in order).
 template <int K>
 __device__ __forceinline__ void consume(const unsigned char *ring, uint64_t *full, uint64_t *empty, const Gemv &m,
-                                        const __nv_bfloat16 *y, __nv_bfloat16 *y_next, uint32_t base, int stages,
-                                        int warp, int lane) {
+                                        const __nv_bfloat16 *y, __nv_bfloat16 *y_next, uint32_t &taken, int depth,
+                                        int warp, int lane, uint64_t *trace, uint32_t seq0) {
     constexpr int STEPS = K / 256, ROWS = CHUNK_ELEMS / K;
+    static_assert(ROWS >= 1, "a row must fit a chunk");
     if (warp >= m.chunks) return;
     uint4 yv[STEPS];
 #pragma unroll
     for (int j = 0; j < STEPS; ++j) yv[j] = __ldcg(reinterpret_cast<const uint4 *>(y) + j * 32 + lane);
-    for (int ch = warp; ch < m.chunks; ch += CONSUMER_WARPS) {
-        const uint32_t seq = base + ch;
-        const int s = seq % stages;
-        bar_wait(&full[s], (seq / stages) & 1);
+    for (int ch = warp; ch < m.chunks; ch += CONSUMER_WARPS, ++taken) {
+        const int s = warp * depth + taken % depth;
+        bar_wait(&full[s], (taken / depth) & 1);
+        if (trace && lane == 0) trace[TRACE_EVENTS + seq0 + ch] = now_ns();
         const int rows = min(ROWS, m.rows - ch * ROWS);
         const uint4 *wv = reinterpret_cast<const uint4 *>(ring + s * CHUNK_BYTES);
         float acc[ROWS], odd[ROWS];  // two chains a row: the FMA latency halved
@@ -144,19 +172,21 @@ __device__ __forceinline__ void consume(const unsigned char *ring, uint64_t *ful
 
 extern "C" __global__ void __launch_bounds__((CONSUMER_WARPS + 1) * 32, 1)
 chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, uint32_t *done, uint32_t *epoch,
-      uint32_t *failed, int layers, int dim_a, int dim_b, int stride_y, int stages, int mode, int max_spins) {
+      uint32_t *failed, uint64_t *trace, int layers, int dim_a, int dim_b, int stride_y, int depth, int mode,
+      int loader, int max_spins) {
     extern __shared__ __align__(128) unsigned char smem[];
-    unsigned char *ring = smem;                                                // MAX_STAGES x CHUNK_BYTES
-    uint64_t *full = reinterpret_cast<uint64_t *>(smem + MAX_STAGES * CHUNK_BYTES);  // MAX_STAGES
-    uint64_t *empty = full + MAX_STAGES;                                          // MAX_STAGES
+    unsigned char *ring = smem;                                               // MAX_SLOTS x CHUNK_BYTES
+    uint64_t *full = reinterpret_cast<uint64_t *>(smem + MAX_SLOTS * CHUNK_BYTES);  // MAX_SLOTS
+    uint64_t *empty = full + MAX_SLOTS;                                          // MAX_SLOTS
     __shared__ uint32_t launch;
 
     const int c = blockIdx.x, g = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (trace) trace += static_cast<int64_t>(c) * 4 * TRACE_EVENTS;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) {
-            bar_init(&full[s], 1);                // the producer's expect_tx arrival (+ the copy's bytes)
-            bar_init(&empty[s], 1);  // the arrival of the warp that read it
+        for (int s = 0; s < CONSUMER_WARPS * depth; ++s) {
+            bar_init(&full[s], loader == 0 ? 1 : 32);  // the expect_tx arrival (+ the bytes), or the 32 lanes'
+            bar_init(&empty[s], 1);                     // the owner warp's arrival
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         launch = *reinterpret_cast<volatile uint32_t *>(epoch);
@@ -166,41 +196,56 @@ chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, u
     const uint32_t target = blocks * CONSUMER_WARPS;  // ready[i] once every warp stored its rows of y[i]
 
     if (warp == CONSUMER_WARPS) {  // the producer
-        if (lane != 0) return;
+        if (loader == 0 && lane != 0) return;
+        uint32_t given[CONSUMER_WARPS] = {};  // chunks handed to each warp so far
         uint32_t seq = 0;
         for (int i = 0; i < layers; ++i) {
             const Gemv m = gemv_of(w, i, dim_a, dim_b, c, g);
             if (mode == 1 && i > 0 && !wait_count(ready + i, target, max_spins)) atomicExch(failed, 1u);
             for (int ch = 0; ch < m.chunks; ++ch, ++seq) {
-                const int s = seq % stages;
-                const uint32_t round = seq / stages;
-                if (round > 0) bar_wait(&empty[s], (round - 1) & 1);
+                const int owner = ch % CONSUMER_WARPS;
+                uint32_t n = 0;
+#pragma unroll
+                for (int o = 0; o < CONSUMER_WARPS; ++o) n = o == owner ? given[o] : n;  // no local memory
+                const int s = owner * depth + n % depth;
+                if (n >= static_cast<uint32_t>(depth)) bar_wait(&empty[s], (n / depth - 1) & 1);
+#pragma unroll
+                for (int o = 0; o < CONSUMER_WARPS; ++o) given[o] += o == owner;
+                if (trace && lane == 0 && seq < TRACE_EVENTS) trace[seq] = now_ns();
                 const int rows = min(m.rows_per_chunk, m.rows - ch * m.rows_per_chunk);
-                bulk_load(ring + s * CHUNK_BYTES, m.w + static_cast<int64_t>(ch) * m.rows_per_chunk * m.k,
-                          static_cast<uint32_t>(rows * m.k * 2), &full[s]);
+                const void *src = m.w + static_cast<int64_t>(ch) * m.rows_per_chunk * m.k;
+                const uint32_t bytes = static_cast<uint32_t>(rows * m.k * 2);
+                if (loader == 0)
+                    bulk_load(ring + s * CHUNK_BYTES, src, bytes, &full[s]);
+                else
+                    lanes_load(ring + s * CHUNK_BYTES, src, bytes, &full[s], lane);
             }
         }
         return;
     }
 
-    // the consumers: warp w takes chunks w, w + CONSUMER_WARPS, ... of each GEMV (whole rows)
-    uint32_t base = 0;  // chunks of the GEMVs before this one, in the producer's sequence
+    // the consumers
+    uint32_t taken = 0, seq0 = 0;
     for (int i = 0; i < layers; ++i) {
         const Gemv m = gemv_of(w, i, dim_a, dim_b, c, g);
         if (mode != 2 && i > 0 && threadIdx.x == 0 && !wait_count(ready + i, target, max_spins))
             atomicExch(failed, 1u);
+        if (trace && threadIdx.x == 0 && i < TRACE_EVENTS) trace[2 * TRACE_EVENTS + i] = now_ns();
         consumers_sync();  // y[i] is stored everywhere (thread 0's acquire, then this barrier)
         const __nv_bfloat16 *y = ys + static_cast<int64_t>(i) * stride_y;
         __nv_bfloat16 *y_next = ys + static_cast<int64_t>(i + 1) * stride_y + m.row0;
+        uint64_t *stamps = trace && seq0 + m.chunks <= TRACE_EVENTS ? trace : nullptr;
         if (m.k == 4096)
-            consume<4096>(ring, full, empty, m, y, y_next, base, stages, warp, lane);
+            consume<4096>(ring, full, empty, m, y, y_next, taken, depth, warp, lane, stamps, seq0);
         else
-            consume<2048>(ring, full, empty, m, y, y_next, base, stages, warp, lane);
-        base += m.chunks;
+            consume<2048>(ring, full, empty, m, y, y_next, taken, depth, warp, lane, stamps, seq0);
+        seq0 += m.chunks;
         __syncwarp();
         if (lane == 0) release_add(ready + i + 1);  // this warp's rows of y[i + 1] are stored
+        const int e = i * CONSUMER_WARPS + warp;
+        if (trace && lane == 0 && e < TRACE_EVENTS) trace[3 * TRACE_EVENTS + e] = now_ns();
     }
-    consumers_sync();  // every warp has read `launch`'s counters for the last time
+    consumers_sync();
     if (threadIdx.x == 0 && atomicAdd(done, 1u) == blocks - 1) {
         __threadfence();
         *reinterpret_cast<volatile uint32_t *>(epoch) = launch + 1;  // the last block: every block has read it

@@ -2,20 +2,24 @@
 kernel boundary (or a counter hand-off) leaves? A CUDA C++ persistent chain (`tile_prefetch_chain.cu`) against the
 engine's launches and session 20's Triton static kernel, on the chain of `persistent_chain.py`, in one run.
 
-    python benchmarks/tile_prefetch_chain.py [--layers 8] [--stages 2,4,8,12] [--reps 200] [--json OUT]
+    python benchmarks/tile_prefetch_chain.py [--layers 8] [--chunks-kb 16,8] [--loaders tma,lanes]
+                                             [--modes gated,ahead,streaming] [--trace] [--reps 200] [--json OUT]
 
 Why (issue #5, benchmarks/RESULTS.md, sessions 15-22): resident decode stops at ~0.6 of the HBM roofline, and a
 chain of 16.8 MB GEMVs takes ~6.3 µs a GEMV against 3.9 µs of bytes, whether its GEMVs are PDL launches or one
 persistent Triton kernel with counters between them. What is left is the time from a GEMV's last weight load to
 the next GEMV's first, at every hand-off: HBM idles there. A Triton program can only hold a few KB of next weights
 in registers across its wait (session 20: 1,024 columns preloaded, -0.4 µs). The kernel here gives the weights
-their own producer: one thread an SM streams the block's rows of every GEMV, in order, into a ring of up to 12
-chunks of 16 KB (192 KB an SM, 25 MB over 132 SMs: more than one whole GEMV), each completing on an mbarrier; the
-consumer warps wait on the counter, read y, and find the weights already there. If HBM never idles, a GEMV costs
-its bytes: the layer megakernel that issue #5's 0.7 needs would be built this way.
+their own producer warp: it streams the block's rows of every GEMV, in order, into 192 KB of shared-memory slots
+an SM (25 MB over 132 SMs: more than one whole GEMV), each completing on an mbarrier, by the copy engine
+(`--loaders tma`) or by 16-byte cp.async (`lanes`); each consumer warp owns `depth` slots of 16 or 8 KB
+(`--chunks-kb`). The consumers wait on the counter, read y, and find the weights already there. If HBM never idles,
+a GEMV costs its bytes: the layer megakernel that issue #5's 0.7 needs would be built this way. `--trace` stamps
+one launch of the fastest variants (%globaltimer) and prints, per GEMV, when its weights were asked for, when its
+input was seen, when its chunks were taken and when it was done.
 
 Variants, each checked against the float64 chain (two launches) before it is timed:
-- `ahead`: the producer runs ahead across GEMVs, limited only by the ring (the design under test);
+- `ahead`: the producer runs ahead across GEMVs, limited only by the slots (the design under test);
 - `gated`: the producer also waits for GEMV i - 1 before asking for GEMV i's weights (the control: the same kernel
   with a grid-wide hand-off that HBM waits on, as launches and the Triton kernels have);
 - `streaming`: no dependency waits at all (wrong outputs, not checked): the kernel's own bandwidth ceiling.
@@ -42,56 +46,71 @@ import persistent_chain as pc  # noqa: E402
 
 SOURCE = Path(__file__).with_suffix(".cu")
 # the .cu's constants, mirrored for the host-side checks and the shared-memory size
-CHUNK_BYTES, MAX_STAGES, CONSUMER_WARPS, WIDTHS = 16384, 12, 8, (2048, 4096)
-SHARED_BYTES = MAX_STAGES * CHUNK_BYTES + 16 * MAX_STAGES
+RING_BYTES, CONSUMER_WARPS, WIDTHS, TRACE_EVENTS = 196608, 8, (2048, 4096), 512
 MODES = {"ahead": 0, "gated": 1, "streaming": 2}
+LOADERS = {"tma": 0, "lanes": 1}  # cp.async.bulk by one thread; 16-byte cp.async by a warp's 32 lanes
 
 
-def slice_limits(dim_a: int, dim_b: int) -> None:
-    """The .cu's assumption about the shapes, as a one-line error: every GEMV's K is one of its built widths."""
+def slice_limits(dim_a: int, dim_b: int, chunk: int) -> None:
+    """The .cu's assumptions about the shapes, as a one-line error: every GEMV's K is one of its built widths and
+    a row fits a chunk."""
     for k in (dim_a, dim_b):
-        if k not in WIDTHS:
-            raise SystemExit(f"a GEMV of {k} columns: the kernel is built for {' or '.join(map(str, WIDTHS))}")
+        if k not in WIDTHS or 2 * k > chunk:
+            raise SystemExit(f"a GEMV of {k} columns: the kernel takes {' or '.join(map(str, WIDTHS))}, a row within a"
+                             f" {chunk // 1024} KB chunk")  # fmt: skip
 
 
-def build() -> Path:
-    """The .cu built by nvcc for sm_90 into a temporary cubin -> its path (a one-line exit if it cannot be)."""
+def build(chunk: int) -> Path:
+    """The .cu built by nvcc for sm_90 with `chunk`-byte chunks into a temporary cubin -> its path (a one-line exit
+    if it cannot be)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise SystemExit("benchmarks/tile_prefetch_chain.py needs nvcc (the CUDA toolkit) to build its kernel")
-    out = Path(tempfile.mkdtemp()) / "tile_prefetch_chain.cubin"
-    proc = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "--resource-usage", str(SOURCE), "-o", str(out)],
-                          capture_output=True, text=True)  # fmt: skip
+    out = Path(tempfile.mkdtemp()) / f"tile_prefetch_chain_{chunk}.cubin"
+    cmd = [nvcc, "-arch=sm_90", "-cubin", "--resource-usage", f"-DCHUNK_BYTES={chunk}", str(SOURCE), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"nvcc failed on {SOURCE.name}: {proc.stderr.strip().splitlines()[-1:]}")
-    print(" ".join(line.split(":", 1)[-1].strip() for line in proc.stderr.splitlines() if "registers" in line))
+    usage = [line.split(":", 1)[-1].strip() for line in proc.stderr.splitlines() if "registers" in line]
+    print(f"{chunk // 1024} KB chunks: {' '.join(usage)}")
     return out
 
 
 class RingChain:
-    """The CUDA kernel over a `persistent_chain.Chain`'s weights and buffers, with its own counters."""
+    """The CUDA kernel, built for `chunk`-byte chunks, over a `persistent_chain.Chain`'s weights and buffers, with
+    its own counters."""
 
-    def __init__(self, chain: pc.Chain, blocks: int) -> None:
+    def __init__(self, chain: pc.Chain, blocks: int, chunk: int) -> None:
         import cupy as cp
 
-        self.cp, self.chain, self.blocks = cp, chain, blocks
-        slice_limits(chain.dim_a, chain.dim_b)
-        module = cp.RawModule(path=str(build()))
-        self.kernel = module.get_function("chain")
-        self.kernel.max_dynamic_shared_size_bytes = SHARED_BYTES
+        slice_limits(chain.dim_a, chain.dim_b, chunk)
+        self.cp, self.chain, self.blocks, self.chunk = cp, chain, blocks, chunk
+        self.slots = RING_BYTES // chunk
+        self.shared = self.slots * chunk + 16 * self.slots
+        self.kernel = cp.RawModule(path=str(build(chunk))).get_function("chain")
+        self.kernel.max_dynamic_shared_size_bytes = self.shared
         dev = chain.w.device
         self.ready = torch.zeros(chain.layers + 1, dtype=torch.int32, device=dev)
         self.done = torch.zeros(1, dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
         self.failed = torch.zeros(1, dtype=torch.int32, device=dev)
 
-    def __call__(self, stages: int, mode: str, max_spins: int = 1 << 22) -> torch.Tensor:
+    def depths(self) -> list[int]:
+        """The ring depths (slots a consumer warp) that fit in RING_BYTES."""
+        return list(range(1, self.slots // CONSUMER_WARPS + 1))
+
+    def __call__(self, depth: int, mode: str, loader: str, trace: torch.Tensor | None = None,
+                 max_spins: int = 1 << 22) -> torch.Tensor:  # fmt: skip
         """One launch -> the chain's last y (a view of its buffer)."""
+        if depth not in self.depths():
+            raise ValueError(f"depth {depth}: {self.chunk // 1024} KB chunks allow {self.depths()}")
         c = self.chain
-        ptrs = [np.uint64(t.data_ptr()) for t in (c.w, c.ys, self.ready, self.done, self.epoch, self.failed)]
-        ints = [np.int32(v) for v in (c.layers, c.dim_a, c.dim_b, c.ys.stride(0), stages, MODES[mode], max_spins)]
+        tensors = (c.w, c.ys, self.ready, self.done, self.epoch, self.failed)
+        ptrs = [np.uint64(t.data_ptr()) for t in tensors] + [np.uint64(0 if trace is None else trace.data_ptr())]
+        ints = [np.int32(v) for v in (c.layers, c.dim_a, c.dim_b, c.ys.stride(0), depth, MODES[mode],
+                                      LOADERS[loader], max_spins)]  # fmt: skip
         with self.stream():
-            self.kernel((self.blocks,), ((CONSUMER_WARPS + 1) * 32,), (*ptrs, *ints), shared_mem=SHARED_BYTES)
+            self.kernel((self.blocks,), ((CONSUMER_WARPS + 1) * 32,), (*ptrs, *ints), shared_mem=self.shared)
         return c.last_y()
 
     def stream(self):
@@ -101,36 +120,75 @@ class RingChain:
             warnings.simplefilter("ignore", DeprecationWarning)
             return self.cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
-    def check(self, stages: int, mode: str) -> float:
+    def check(self, depth: int, mode: str, loader: str) -> float:
         """Two launches against the float64 chain (the second waits on counters one launch higher); then every
         counter at its count and no wait timed out."""
         ref = pc.reference(self.chain)
         for _ in range(2):
-            err = pc.relative_error(self(stages, mode), ref)
+            err = pc.relative_error(self(depth, mode, loader), ref)
             if not err < 2**-5:  # as persistent_chain.check's
-                raise AssertionError(f"ring chain ({stages} stages, {mode}) is off by {err:.1e}")
+                raise AssertionError(f"ring chain ({depth} deep, {mode}, {loader}) is off by {err:.1e}")
         launches = self.epoch.item()
-        if (
-            self.ready[1:].tolist() != [launches * self.blocks * CONSUMER_WARPS] * self.chain.layers
-            or self.failed.item()
-        ):
+        want = [launches * self.blocks * CONSUMER_WARPS] * self.chain.layers  # a release a warp a GEMV
+        if self.ready[1:].tolist() != want or self.failed.item():
             raise AssertionError(f"ring chain counters {self.ready.tolist()} after {launches} launches")
         return err
+
+    def chunks(self, i: int) -> list[int]:
+        """Each block's chunks of GEMV i (the .cu's `gemv_of`)."""
+        n, k = (self.chain.dim_b, self.chain.dim_a) if i % 2 else (self.chain.dim_a, self.chain.dim_b)
+        per = self.chunk // (2 * k)
+        return [-(-((c + 1) * n // self.blocks - c * n // self.blocks) // per) for c in range(self.blocks)]
+
+    def trace(self, depth: int, mode: str, loader: str) -> list[dict]:
+        """One launch with %globaltimer stamps -> per GEMV, in µs from the launch's first chunk request: the median
+        over blocks of its first request, its dependency seen, its first and last chunk taken, its last release;
+        and the latest release of any block (the GEMV done everywhere)."""
+        stamps = torch.zeros(self.blocks, 4, TRACE_EVENTS, dtype=torch.int64, device=self.chain.w.device)
+        self(depth, mode, loader, stamps)
+        t = stamps.cpu().numpy().astype(np.float64)
+        t0 = t[:, 0, 0].min()
+        t = (t - t0) / 1e3
+        rows, seq0 = [], np.zeros(self.blocks, dtype=np.int64)
+        for i in range(self.chain.layers):
+            n = np.array(self.chunks(i))
+            if (seq0 + n).max() > TRACE_EVENTS or (i + 1) * CONSUMER_WARPS > TRACE_EVENTS:
+                break
+            b = np.arange(self.blocks)
+            take = [t[c, 1, seq0[c] : seq0[c] + n[c]] for c in b]
+            release = t[:, 3, i * CONSUMER_WARPS : (i + 1) * CONSUMER_WARPS].max(axis=1)
+            rows.append({
+                "gemv": i,
+                "requested": float(np.median(t[b, 0, seq0])),
+                "input_seen": float(np.median(t[:, 2, i])) if i else 0.0,
+                "first_taken": float(np.median([x.min() for x in take])),
+                "last_taken": float(np.median([x.max() for x in take])),
+                "released": float(np.median(release)),
+                "done_everywhere": float(release.max()),
+            })  # fmt: skip
+            seq0 += n
+        return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8, help="GEMVs in the chain (default 8: 134 MB of weights)")
-    ap.add_argument("--stages", default="2,4,8,12", help=f"ring depths to time, each 1..{MAX_STAGES} chunks of 16 KB")
+    ap.add_argument("--chunks-kb", default="16,8", help="chunk sizes to build, KB (16 or 8: a row of 4,096 fits)")
+    ap.add_argument("--loaders", default="tma,lanes", help="tma: cp.async.bulk; lanes: 16-byte cp.async by a warp")
+    ap.add_argument("--modes", default="gated,ahead,streaming", help="which hand-offs to time (see above)")
+    ap.add_argument("--trace", action="store_true", help="also a stamped launch of the fastest checked variant")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     try:
-        stages = [int(v) for v in a.stages.split(",")]
+        chunks = [int(v) * 1024 for v in a.chunks_kb.split(",")]
     except ValueError:
-        raise SystemExit(f"--stages {a.stages!r}: expected ring depths, e.g. 4,12") from None
-    if a.layers < 1 or not all(1 <= s <= MAX_STAGES for s in stages):
-        raise SystemExit(f"--layers >= 1; every --stages within 1..{MAX_STAGES}")
+        raise SystemExit(f"--chunks-kb {a.chunks_kb!r}: expected sizes in KB, e.g. 16,8") from None
+    loaders, modes = a.loaders.split(","), a.modes.split(",")
+    if a.layers < 1 or any(c not in (8192, 16384) for c in chunks):
+        raise SystemExit("--layers >= 1; --chunks-kb from 16 and 8")
+    if any(x not in LOADERS for x in loaders) or any(m not in MODES for m in modes):
+        raise SystemExit(f"--loaders from {', '.join(LOADERS)}; --modes from {', '.join(MODES)}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("benchmarks/tile_prefetch_chain.py needs a CUDA GPU of compute capability 9.0 or newer")
     try:
@@ -149,10 +207,10 @@ def main() -> None:
     floor = chain.w.numel() * chain.w.element_size() / a.layers / hbm * 1e6  # µs a GEMV at HBM speed
     ref = pc.reference(chain)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "hbm": hbm, "layers": a.layers, "floor_us_per_gemv": floor, "variants": {}}  # fmt: skip
+               "hbm": hbm, "layers": a.layers, "floor_us_per_gemv": floor, "variants": {}, "traces": {}}  # fmt: skip
     print(f"{results['device']}: HBM {hbm / 1e9:.0f} GB/s; {a.layers} GEMVs of 16.8 MB, {floor:.2f} µs each at HBM")
 
-    def report(name: str, fn, err: float | None = None) -> None:
+    def report(name: str, fn, err: float | None = None) -> float:
         if err is None:
             err = pc.relative_error(fn(), ref)
         graph = capture(fn)
@@ -161,6 +219,7 @@ def main() -> None:
         results["variants"][name] = {"us_per_gemv": per, "over_hbm": floor / per, "error": err}
         print(f"{name:>44}: {per:5.2f} µs a GEMV, {floor / per:.2f} of HBM, {per - floor:4.2f} µs over"
               f" (error {err:.1e})")  # fmt: skip
+        return per
 
     report("engine launches (PDL)", chain.engine)
     steps = dg.pick_steps
@@ -168,12 +227,30 @@ def main() -> None:
     report("engine launches, one build (512 x 3)", chain.engine)
     dg.pick_steps = steps
     report("Triton static, prefetch 1024", lambda: chain.static(4, 8, 1024, chain.static_programs(4, 8)))
-    ring = RingChain(chain, sms)
-    for mode in ("gated", "ahead"):
-        for s in stages:
-            report(f"ring {mode}, {s} x 16 KB an SM", lambda s=s, m=mode: ring(s, m), ring.check(s, mode))
-    for s in (max(stages),):
-        report(f"ring streaming (no waits), {s} x 16 KB", lambda s=s: ring(s, "streaming"), float("nan"))
+    best: dict[str, tuple[float, RingChain, tuple]] = {}
+    for chunk in chunks:
+        ring = RingChain(chain, sms, chunk)
+        for loader in loaders:
+            for depth in ring.depths():
+                for mode in modes:
+                    name = f"ring {mode}, {loader}, {chunk // 1024} KB x {depth} a warp"
+                    args = (depth, mode, loader)
+                    err = float("nan") if mode == "streaming" else ring.check(*args)  # streaming: wrong outputs
+                    per = report(name, lambda r=ring, x=args: r(*x), err)
+                    if mode not in best or per < best[mode][0]:
+                        best[mode] = (per, ring, args)
+    if a.trace:
+        for mode in ("ahead", "gated"):
+            if mode in best:
+                _, ring, args = best[mode]
+                rows = ring.trace(*args)
+                name = f"{mode}, {args[2]}, {ring.chunk // 1024} KB x {args[0]}"
+                results["traces"][name] = rows
+                print(f"trace of the fastest {name} (µs from the first request; medians over blocks):")
+                print("  gemv  requested  input_seen  first_taken  last_taken  released  done_everywhere")
+                for r in rows:
+                    print(f"  {r['gemv']:4d} {r['requested']:10.2f} {r['input_seen']:11.2f} {r['first_taken']:12.2f}"
+                          f" {r['last_taken']:11.2f} {r['released']:9.2f} {r['done_everywhere']:16.2f}")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
 

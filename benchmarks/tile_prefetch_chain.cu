@@ -14,18 +14,20 @@
 //     (cp.async.bulk, completing on the slot's mbarrier with a byte count); 1, the warp's 32 lanes each copy 16-byte
 //     pieces (cp.async, then an arrival on the mbarrier once a lane's copies land). Weights do not depend on y, so
 //     with `mode` 0 it runs ahead into GEMV i + 1 while GEMV i's dependency is still being resolved on other SMs:
-//     the point of the probe. With `mode` 1 it first waits, as the consumers do, until GEMV i - 1 is stored
+//     the point of the probe. With `mode` 1 it first waits until its consumers have read GEMV i's input, stored
 //     everywhere (the control: a grid-wide hand-off between GEMVs that HBM waits on). `mode` 2 skips every
 //     dependency wait (wrong outputs): the kernel's streaming ceiling.
-//   - Consumers (CONSUMER_WARPS warps): per GEMV, thread 0 waits until every warp of every block stored its rows of
-//     y[i] (a counter); after one barrier each warp reads y[i] from L2 into registers, and for each of its chunks
-//     waits for the slot, dots each row with y (fp32, fixed order: deterministic), frees the slot and stores the
-//     rows; then one release increment of ready[i + 1] a warp.
-// Counters only grow: launch e waits for ready[i] >= (e + 1) * G * CONSUMER_WARPS; the last block to finish bumps
-// `epoch`. A wait gives up after `max_spins` polls and raises `*failed` (wrong outputs that the caller's check
-// reports, not a hang). With `trace` non-null, %globaltimer stamps (ns) go to trace[c][kind][event]: kind 0 the
-// producer's issue of each chunk, 1 a consumer's wait for it done, 2 thread 0's dependency wait done for each GEMV,
-// 3 each warp's release of each GEMV.
+//   - Consumers (CONSUMER_WARPS warps): y travels with its own flags (as NCCL's LL protocol does): each entry is
+//     64 bits, {tag << 32 | bf16 bits}, stored with one relaxed store, so no counter, fence or release is needed.
+//     Per GEMV the consumer threads read y[i] until every entry carries this launch's tag for GEMV i, into shared
+//     memory (one reader an SM, not one a warp: all SMs reading the same 8 KB is an L2 hot spot); then each warp
+//     takes y into registers, and for each of its chunks waits for the slot, dots each row with y (fp32, fixed
+//     order: deterministic), frees the slot and stores its rows with the tag of GEMV i + 1.
+// Tags: launch e's y[i] carries e * layers + i (i >= 1; y[0] is the input, read without waiting); `epoch` counts
+// launches (the last block to finish bumps it, counted by `done`). A read gives up after `max_spins` rounds and
+// raises `*failed` (wrong outputs that the caller's check reports, not a hang). With `trace` non-null, %globaltimer
+// stamps (ns) go to trace[c][kind][event]: kind 0 the producer's request of each chunk, 1 a consumer's wait for it
+// done, 2 the consumers' input of each GEMV read, 3 each warp's last store of each GEMV.
 #include <cuda_bf16.h>
 #include <cstdint>
 
@@ -76,14 +78,14 @@ __device__ __forceinline__ void lanes_load(void *dst, const void *src, uint32_t 
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+__device__ __forceinline__ uint64_t load_relaxed(const uint64_t *p) {  // from L2, never a stale L1 line
+    uint64_t v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
 
-__device__ __forceinline__ void release_add(uint32_t *p) {  // the stores before it are visible to an acquire of p
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+__device__ __forceinline__ void store_relaxed(uint64_t *p, uint64_t v) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ uint64_t now_ns() {
@@ -92,11 +94,32 @@ __device__ __forceinline__ uint64_t now_ns() {
     return t;
 }
 
-// Spin until *counter >= target; false after max_spins polls.
-__device__ __forceinline__ bool wait_count(const uint32_t *counter, uint32_t target, int max_spins) {
-    for (int spins = 0; spins < max_spins; ++spins)
-        if (load_acquire(counter) >= target) return true;
-    return false;
+// y[i] (K entries of {tag << 32 | bf16 bits}) into shared memory as bf16, by the consumers' thread t. With `tag`
+// non-zero, each entry is read until it carries that tag (the GEMV that stores it has run in this launch): a lane
+// first waits on one entry, then reads all its entries at once, again until every one is current. False if
+// max_spins rounds were not enough.
+template <int K>
+__device__ __forceinline__ bool read_y(const uint64_t *y, __nv_bfloat16 *y_s, uint32_t tag, int t, int max_spins) {
+    constexpr int PER = K / (CONSUMER_WARPS * 32);
+    uint64_t v[PER];
+    bool ok = true;
+    if (tag) {
+        int spins = 0;
+        while (static_cast<uint32_t>(load_relaxed(y + t) >> 32) != tag && ++spins < max_spins) {
+        }
+    }
+    for (int round = 0; round < max_spins; ++round) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) v[j] = load_relaxed(y + j * CONSUMER_WARPS * 32 + t);
+        ok = true;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) ok &= !tag || static_cast<uint32_t>(v[j] >> 32) == tag;
+        if (ok) break;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+        y_s[j * CONSUMER_WARPS * 32 + t] = __ushort_as_bfloat16(static_cast<unsigned short>(v[j] & 0xffffu));
+    return ok;
 }
 
 __device__ __forceinline__ void consumers_sync() {  // named barrier 1: the consumer warps only
@@ -120,19 +143,19 @@ __device__ __forceinline__ Gemv gemv_of(const __nv_bfloat16 *w, int i, int dim_a
     return m;
 }
 
-// Warp w's chunks of GEMV m (K columns): y[i] from L2 into registers (8 columns a lane a step of 256), then for each
-// chunk: wait for its slot, dot each of its rows with y, free the slot, lane 0 stores the rows. `taken`: the chunks
-// this warp has taken so far in the launch (its slots' fills, in order).
+// Warp w's chunks of GEMV m (K columns): y[i] from shared memory into registers (8 columns a lane a step of 256),
+// then for each chunk: wait for its slot, dot each of its rows with y, free the slot, lane 0 stores the rows with
+// `tag`. `taken`: the chunks this warp has taken so far in the launch (its slots' fills, in order).
 template <int K>
 __device__ __forceinline__ void consume(const unsigned char *ring, uint64_t *full, uint64_t *empty, const Gemv &m,
-                                        const __nv_bfloat16 *y, __nv_bfloat16 *y_next, uint32_t &taken, int depth,
-                                        int warp, int lane, uint64_t *trace, uint32_t seq0) {
+                                        const __nv_bfloat16 *y_s, uint64_t *y_next, uint64_t tag, uint32_t &taken,
+                                        int depth, int warp, int lane, uint64_t *trace, uint32_t seq0) {
     constexpr int STEPS = K / 256, ROWS = CHUNK_ELEMS / K;
     static_assert(ROWS >= 1, "a row must fit a chunk");
     if (warp >= m.chunks) return;
     uint4 yv[STEPS];
 #pragma unroll
-    for (int j = 0; j < STEPS; ++j) yv[j] = __ldcg(reinterpret_cast<const uint4 *>(y) + j * 32 + lane);
+    for (int j = 0; j < STEPS; ++j) yv[j] = reinterpret_cast<const uint4 *>(y_s)[j * 32 + lane];
     for (int ch = warp; ch < m.chunks; ch += CONSUMER_WARPS, ++taken) {
         const int s = warp * depth + taken % depth;
         bar_wait(&full[s], (taken / depth) & 1);
@@ -166,19 +189,22 @@ __device__ __forceinline__ void consume(const unsigned char *ring, uint64_t *ful
 #pragma unroll
             for (int off = 16; off > 0; off /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
         if (lane == 0)
-            for (int r = 0; r < rows; ++r) y_next[ch * ROWS + r] = __float2bfloat16(acc[r]);
+            for (int r = 0; r < rows; ++r)
+                store_relaxed(y_next + ch * ROWS + r, tag << 32 | __bfloat16_as_ushort(__float2bfloat16(acc[r])));
     }
 }
 
 extern "C" __global__ void __launch_bounds__((CONSUMER_WARPS + 1) * 32, 1)
-chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, uint32_t *done, uint32_t *epoch,
-      uint32_t *failed, uint64_t *trace, int layers, int dim_a, int dim_b, int stride_y, int depth, int mode,
-      int loader, int max_spins) {
+chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_t *epoch, uint32_t *failed,
+      uint64_t *trace, int layers, int dim_a, int dim_b, int stride_y, int depth, int mode, int loader,
+      int max_spins) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char *ring = smem;                                               // MAX_SLOTS x CHUNK_BYTES
     uint64_t *full = reinterpret_cast<uint64_t *>(smem + MAX_SLOTS * CHUNK_BYTES);  // MAX_SLOTS
     uint64_t *empty = full + MAX_SLOTS;                                          // MAX_SLOTS
+    __shared__ __align__(16) __nv_bfloat16 y_s[4096];
     __shared__ uint32_t launch;
+    __shared__ volatile int seen;  // the last GEMV whose input the consumers have read (`mode` 1's producer waits)
 
     const int c = blockIdx.x, g = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -190,10 +216,10 @@ chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, u
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         launch = *reinterpret_cast<volatile uint32_t *>(epoch);
+        seen = 0;
     }
     __syncthreads();
     const uint32_t blocks = (launch + 1) * static_cast<uint32_t>(g);  // `done` once every block has finished
-    const uint32_t target = blocks * CONSUMER_WARPS;  // ready[i] once every warp stored its rows of y[i]
 
     if (warp == CONSUMER_WARPS) {  // the producer
         if (loader == 0 && lane != 0) return;
@@ -201,7 +227,9 @@ chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, u
         uint32_t seq = 0;
         for (int i = 0; i < layers; ++i) {
             const Gemv m = gemv_of(w, i, dim_a, dim_b, c, g);
-            if (mode == 1 && i > 0 && !wait_count(ready + i, target, max_spins)) atomicExch(failed, 1u);
+            if (mode == 1)
+                while (seen < i) {
+                }
             for (int ch = 0; ch < m.chunks; ++ch, ++seq) {
                 const int owner = ch % CONSUMER_WARPS;
                 uint32_t n = 0;
@@ -226,26 +254,30 @@ chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *ys, uint32_t *ready, u
 
     // the consumers
     uint32_t taken = 0, seq0 = 0;
+    const uint64_t tag0 = static_cast<uint64_t>(launch) * layers;  // y[i] carries tag0 + i in this launch (i >= 1)
     for (int i = 0; i < layers; ++i) {
         const Gemv m = gemv_of(w, i, dim_a, dim_b, c, g);
-        if (mode != 2 && i > 0 && threadIdx.x == 0 && !wait_count(ready + i, target, max_spins))
-            atomicExch(failed, 1u);
-        if (trace && threadIdx.x == 0 && i < TRACE_EVENTS) trace[2 * TRACE_EVENTS + i] = now_ns();
-        consumers_sync();  // y[i] is stored everywhere (thread 0's acquire, then this barrier)
-        const __nv_bfloat16 *y = ys + static_cast<int64_t>(i) * stride_y;
-        __nv_bfloat16 *y_next = ys + static_cast<int64_t>(i + 1) * stride_y + m.row0;
+        const uint64_t *y = ys + static_cast<int64_t>(i) * stride_y;
+        const uint32_t tag = mode != 2 && i > 0 ? static_cast<uint32_t>(tag0 + i) : 0u;  // 0: read without waiting
+        const bool ok = m.k == 4096 ? read_y<4096>(y, y_s, tag, threadIdx.x, max_spins)
+                                    : read_y<2048>(y, y_s, tag, threadIdx.x, max_spins);
+        if (!ok) atomicExch(failed, 1u);
+        consumers_sync();  // y[i] is in shared memory
+        if (threadIdx.x == 0) {
+            seen = i;
+            if (trace && i < TRACE_EVENTS) trace[2 * TRACE_EVENTS + i] = now_ns();
+        }
+        uint64_t *y_next = ys + static_cast<int64_t>(i + 1) * stride_y + m.row0;
         uint64_t *stamps = trace && seq0 + m.chunks <= TRACE_EVENTS ? trace : nullptr;
         if (m.k == 4096)
-            consume<4096>(ring, full, empty, m, y, y_next, taken, depth, warp, lane, stamps, seq0);
+            consume<4096>(ring, full, empty, m, y_s, y_next, tag0 + i + 1, taken, depth, warp, lane, stamps, seq0);
         else
-            consume<2048>(ring, full, empty, m, y, y_next, taken, depth, warp, lane, stamps, seq0);
+            consume<2048>(ring, full, empty, m, y_s, y_next, tag0 + i + 1, taken, depth, warp, lane, stamps, seq0);
         seq0 += m.chunks;
-        __syncwarp();
-        if (lane == 0) release_add(ready + i + 1);  // this warp's rows of y[i + 1] are stored
         const int e = i * CONSUMER_WARPS + warp;
         if (trace && lane == 0 && e < TRACE_EVENTS) trace[3 * TRACE_EVENTS + e] = now_ns();
+        consumers_sync();  // every warp has read y_s before the next GEMV's input replaces it
     }
-    consumers_sync();
     if (threadIdx.x == 0 && atomicAdd(done, 1u) == blocks - 1) {
         __threadfence();
         *reinterpret_cast<volatile uint32_t *>(epoch) = launch + 1;  // the last block: every block has read it

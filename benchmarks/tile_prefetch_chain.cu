@@ -12,7 +12,9 @@
 //   - Producer (the last warp): for every GEMV in order and every chunk of the block's slice, waits until the
 //     owner's next slot is free, then loads the chunk into it: `loader` 0, one thread asks the copy engine
 //     (cp.async.bulk, completing on the slot's mbarrier with a byte count); 1, the warp's 32 lanes each copy 16-byte
-//     pieces (cp.async, then an arrival on the mbarrier once a lane's copies land). Weights do not depend on y, so
+//     pieces (cp.async, then an arrival on the mbarrier once a lane's copies land). With `inflight` > 0 it also
+//     waits until the request `inflight` back has landed: requests beyond what keeps HBM busy only queue, and the
+//     hand-off's small reads wait behind them (call 4 of session 23). Weights do not depend on y, so
 //     with `mode` 0 it runs ahead into GEMV i + 1 while GEMV i's dependency is still being resolved on other SMs:
 //     the point of the probe. With `mode` 1 it first waits until its consumers have read GEMV i's input, stored
 //     everywhere (the control: a grid-wide hand-off between GEMVs that HBM waits on). `mode` 2 skips every
@@ -39,6 +41,7 @@ constexpr int CONSUMER_WARPS = 8;
 constexpr int RING_BYTES = 196608;  // 192 KB of the 227 an H100 / H200 block may have
 constexpr int MAX_SLOTS = RING_BYTES / CHUNK_BYTES;
 constexpr int TRACE_EVENTS = 512;  // a kind's stamps a block
+constexpr int MAX_INFLIGHT = 32;   // requests a block may have in flight, at most (`inflight`; 0: only the slots)
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -196,7 +199,7 @@ __device__ __forceinline__ void consume(const unsigned char *ring, uint64_t *ful
 
 extern "C" __global__ void __launch_bounds__((CONSUMER_WARPS + 1) * 32, 1)
 chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_t *epoch, uint32_t *failed,
-      uint64_t *trace, int layers, int dim_a, int dim_b, int stride_y, int depth, int mode, int loader,
+      uint64_t *trace, int layers, int dim_a, int dim_b, int stride_y, int depth, int mode, int loader, int inflight,
       int max_spins) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char *ring = smem;                                               // MAX_SLOTS x CHUNK_BYTES
@@ -205,6 +208,7 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_
     __shared__ __align__(16) __nv_bfloat16 y_s[4096];
     __shared__ uint32_t launch;
     __shared__ volatile int seen;  // the last GEMV whose input the consumers have read (`mode` 1's producer waits)
+    __shared__ uint32_t issued[MAX_INFLIGHT];  // the producer's last requests: slot << 1 | the fill's phase parity
 
     const int c = blockIdx.x, g = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -237,6 +241,11 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_
                 for (int o = 0; o < CONSUMER_WARPS; ++o) n = o == owner ? given[o] : n;  // no local memory
                 const int s = owner * depth + n % depth;
                 if (n >= static_cast<uint32_t>(depth)) bar_wait(&empty[s], (n / depth - 1) & 1);
+                if (inflight && seq >= static_cast<uint32_t>(inflight)) {  // the request `inflight` back has landed
+                    const uint32_t r = issued[(seq - inflight) % MAX_INFLIGHT];
+                    bar_wait(&full[r >> 1], r & 1);
+                }
+                issued[seq % MAX_INFLIGHT] = s << 1 | ((n / depth) & 1);  // each lane reads back its own write
 #pragma unroll
                 for (int o = 0; o < CONSUMER_WARPS; ++o) given[o] += o == owner;
                 if (trace && lane == 0 && seq < TRACE_EVENTS) trace[seq] = now_ns();

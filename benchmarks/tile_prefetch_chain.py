@@ -14,11 +14,11 @@ in registers across its wait (session 20: 1,024 columns preloaded, -0.4 µs). Th
 their own producer warp: it streams the block's rows of every GEMV, in order, into 192 KB of shared-memory slots
 an SM (25 MB over 132 SMs: more than one whole GEMV), each completing on an mbarrier, by the copy engine
 (`--loaders tma`) or by 16-byte cp.async (`lanes`); each consumer warp owns `depth` slots of 16 or 8 KB
-(`--chunks-kb`); `--inflight` caps the requests an SM has in flight. The consumers read y, which carries its own flags (each 64-bit entry holds its GEMV's tag, as
-NCCL's LL protocol does: no counter, fence or release), and find the weights already there. If HBM never idles,
-a GEMV costs its bytes: the layer megakernel that issue #5's 0.7 needs would be built this way. `--trace` stamps
-one launch of the fastest variants (%globaltimer) and prints, per GEMV, when its weights were asked for, when its
-input was seen, when its chunks were taken and when it was done.
+(`--chunks-kb`); `--inflight` caps the requests an SM has in flight. The consumers read y, which carries its own
+flags (each 64-bit entry holds its GEMV's tag, as NCCL's LL protocol does: no counter, fence or release), and find
+the weights already there. If HBM never idles, a GEMV costs its bytes: the layer megakernel that issue #5's 0.7
+needs would be built this way. `--trace` stamps one launch of the fastest variants (%globaltimer) and prints, per
+GEMV, when its weights were asked for, when its input was seen, when its chunks were taken and when it was done.
 
 Variants, each checked against the float64 chain (two launches) before it is timed:
 - `ahead`: the producer runs ahead across GEMVs, limited only by the slots (the design under test);

@@ -208,7 +208,8 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_
     __shared__ __align__(16) __nv_bfloat16 y_s[4096];
     __shared__ uint32_t launch;
     __shared__ volatile int seen;  // the last GEMV whose input the consumers have read (`mode` 1's producer waits)
-    __shared__ uint32_t issued[MAX_INFLIGHT];  // the producer's last requests: slot << 1 | the fill's phase parity
+    __shared__ uint32_t issued[MAX_INFLIGHT];  // the producer's last requests: slot << 16 | the slot's fill index
+    __shared__ uint32_t fills[MAX_SLOTS];      // fills the producer has asked for, a slot
 
     const int c = blockIdx.x, g = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -221,6 +222,7 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         launch = *reinterpret_cast<volatile uint32_t *>(epoch);
         seen = 0;
+        for (int s = 0; s < MAX_SLOTS; ++s) fills[s] = 0;
     }
     __syncthreads();
     const uint32_t blocks = (launch + 1) * static_cast<uint32_t>(g);  // `done` once every block has finished
@@ -242,10 +244,11 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_
                 const int s = owner * depth + n % depth;
                 if (n >= static_cast<uint32_t>(depth)) bar_wait(&empty[s], (n / depth - 1) & 1);
                 if (inflight && seq >= static_cast<uint32_t>(inflight)) {  // the request `inflight` back has landed
-                    const uint32_t r = issued[(seq - inflight) % MAX_INFLIGHT];
-                    bar_wait(&full[r >> 1], r & 1);
+                    const uint32_t r = issued[(seq - inflight) % MAX_INFLIGHT], rs = r >> 16, rf = r & 0xffffu;
+                    if (fills[rs] == rf + 1) bar_wait(&full[rs], rf & 1);  // else its slot was refilled: it landed
                 }
-                issued[seq % MAX_INFLIGHT] = s << 1 | ((n / depth) & 1);  // each lane reads back its own write
+                issued[seq % MAX_INFLIGHT] = s << 16 | (n / depth);  // each lane reads back its own writes
+                fills[s] = n / depth + 1;
 #pragma unroll
                 for (int o = 0; o < CONSUMER_WARPS; ++o) given[o] += o == owner;
                 if (trace && lane == 0 && seq < TRACE_EVENTS) trace[seq] = now_ns();

@@ -25,6 +25,9 @@
 //     memory (one reader an SM, not one a warp: all SMs reading the same 8 KB is an L2 hot spot); then each warp
 //     takes y into registers, and for each of its chunks waits for the slot, dots each row with y (fp32, fixed
 //     order: deterministic), frees the slot and stores its rows with the tag of GEMV i + 1.
+// `handoff` 1 instead: each warp makes one release increment of ready[i + 1] after its stores, and thread 0 of a
+// reader waits (acquire) until ready[i] counts every warp of every block in this launch, then the entries are read
+// without checking their tags (calls 1-3's counters, with y still read once an SM).
 // Tags: launch e's y[i] carries e * layers + i (i >= 1; y[0] is the input, read without waiting); `epoch` counts
 // launches (the last block to finish bumps it, counted by `done`). A read gives up after `max_spins` rounds and
 // raises `*failed` (wrong outputs that the caller's check reports, not a hang). With `trace` non-null, %globaltimer
@@ -85,6 +88,16 @@ __device__ __forceinline__ uint64_t load_relaxed(const uint64_t *p) {  // from L
     uint64_t v;
     asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
+}
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void release_add(uint32_t *p) {  // the stores before it are visible to an acquire of p
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
 }
 
 __device__ __forceinline__ void store_relaxed(uint64_t *p, uint64_t v) {
@@ -198,9 +211,9 @@ __device__ __forceinline__ void consume(const unsigned char *ring, uint64_t *ful
 }
 
 extern "C" __global__ void __launch_bounds__((CONSUMER_WARPS + 1) * 32, 1)
-chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_t *epoch, uint32_t *failed,
-      uint64_t *trace, int layers, int dim_a, int dim_b, int stride_y, int depth, int mode, int loader, int inflight,
-      int max_spins) {
+chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *ready, uint32_t *done, uint32_t *epoch,
+      uint32_t *failed, uint64_t *trace, int layers, int dim_a, int dim_b, int stride_y, int depth, int mode,
+      int loader, int inflight, int handoff, int max_spins) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char *ring = smem;                                               // MAX_SLOTS x CHUNK_BYTES
     uint64_t *full = reinterpret_cast<uint64_t *>(smem + MAX_SLOTS * CHUNK_BYTES);  // MAX_SLOTS
@@ -270,7 +283,16 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_
     for (int i = 0; i < layers; ++i) {
         const Gemv m = gemv_of(w, i, dim_a, dim_b, c, g);
         const uint64_t *y = ys + static_cast<int64_t>(i) * stride_y;
-        const uint32_t tag = mode != 2 && i > 0 ? static_cast<uint32_t>(tag0 + i) : 0u;  // 0: read without waiting
+        const bool wait = mode != 2 && i > 0;
+        if (wait && handoff == 1 && threadIdx.x == 0) {  // every warp of every block has released its rows
+            int spins = 0;
+            while (load_acquire(ready + i) < (launch + 1) * static_cast<uint32_t>(g) * CONSUMER_WARPS &&
+                   ++spins < max_spins) {
+            }
+            if (spins == max_spins) atomicExch(failed, 1u);
+        }
+        if (handoff == 1) consumers_sync();  // thread 0's acquire, then the entries (their tags unchecked)
+        const uint32_t tag = wait && handoff == 0 ? static_cast<uint32_t>(tag0 + i) : 0u;  // 0: read, no waiting
         const bool ok = m.k == 4096 ? read_y<4096>(y, y_s, tag, threadIdx.x, max_spins)
                                     : read_y<2048>(y, y_s, tag, threadIdx.x, max_spins);
         if (!ok) atomicExch(failed, 1u);
@@ -286,6 +308,10 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *done, uint32_
         else
             consume<2048>(ring, full, empty, m, y_s, y_next, tag0 + i + 1, taken, depth, warp, lane, stamps, seq0);
         seq0 += m.chunks;
+        if (handoff == 1) {
+            __syncwarp();
+            if (lane == 0) release_add(ready + i + 1);  // lane 0 stored this warp's rows
+        }
         const int e = i * CONSUMER_WARPS + warp;
         if (trace && lane == 0 && e < TRACE_EVENTS) trace[3 * TRACE_EVENTS + e] = now_ns();
         consumers_sync();  // every warp has read y_s before the next GEMV's input replaces it

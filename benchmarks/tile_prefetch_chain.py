@@ -3,7 +3,8 @@ kernel boundary (or a counter hand-off) leaves? A CUDA C++ persistent chain (`ti
 engine's launches and session 20's Triton static kernel, on the chain of `persistent_chain.py`, in one run.
 
     python benchmarks/tile_prefetch_chain.py [--layers 8] [--chunks-kb 16,8] [--loaders tma,lanes]
-                                             [--modes gated,ahead,streaming] [--inflight 0,2,4] [--trace]
+                                             [--modes gated,ahead,streaming] [--inflight 0,2,4]
+                                             [--handoffs flags,counter] [--trace]
                                              [--reps 200] [--json OUT]
 
 Why (issue #5, benchmarks/RESULTS.md, sessions 15-22): resident decode stops at ~0.6 of the HBM roofline, and a
@@ -11,14 +12,15 @@ chain of 16.8 MB GEMVs takes ~6.3 µs a GEMV against 3.9 µs of bytes, whether i
 persistent Triton kernel with counters between them. What is left is the time from a GEMV's last weight load to
 the next GEMV's first, at every hand-off: HBM idles there. A Triton program can only hold a few KB of next weights
 in registers across its wait (session 20: 1,024 columns preloaded, -0.4 µs). The kernel here gives the weights
-their own producer warp: it streams the block's rows of every GEMV, in order, into 192 KB of shared-memory slots
-an SM (25 MB over 132 SMs: more than one whole GEMV), each completing on an mbarrier, by the copy engine
-(`--loaders tma`) or by 16-byte cp.async (`lanes`); each consumer warp owns `depth` slots of 16 or 8 KB
-(`--chunks-kb`); `--inflight` caps the requests an SM has in flight. The consumers read y, which carries its own
-flags (each 64-bit entry holds its GEMV's tag, as NCCL's LL protocol does: no counter, fence or release), and find
-the weights already there. If HBM never idles, a GEMV costs its bytes: the layer megakernel that issue #5's 0.7
-needs would be built this way. `--trace` stamps one launch of the fastest variants (%globaltimer) and prints, per
-GEMV, when its weights were asked for, when its input was seen, when its chunks were taken and when it was done.
+their own producer warp: it streams the block's rows of every GEMV, in order, into 192 KB of shared-memory slots an
+SM (25 MB over 132 SMs: more than one whole GEMV), each completing on an mbarrier, by the copy engine (`--loaders
+tma`) or by 16-byte cp.async (`lanes`); each consumer warp owns `depth` slots of 16 or 8 KB (`--chunks-kb`);
+`--inflight` caps the requests an SM has in flight. The consumers read y once an SM, either until its entries carry
+this GEMV's tag (`--handoffs flags`: each 64-bit entry holds its tag, as NCCL's LL protocol does; no counter, fence
+or release) or after a counter of releases (`counter`), and find the weights already there. If HBM never idles, a
+GEMV costs its bytes: the layer megakernel that issue #5's 0.7 needs would be built this way. `--trace` stamps one
+launch of the fastest variants (%globaltimer) and prints, per GEMV, when its weights were asked for, when its input
+was seen, when its chunks were taken and when it was done.
 
 Variants, each checked against the float64 chain (two launches) before it is timed:
 - `ahead`: the producer runs ahead across GEMVs, limited only by the slots (the design under test);
@@ -51,7 +53,11 @@ SOURCE = Path(__file__).with_suffix(".cu")
 # the .cu's constants, mirrored for the host-side checks and the shared-memory size
 RING_BYTES, CONSUMER_WARPS, WIDTHS, TRACE_EVENTS, MAX_INFLIGHT = 196608, 8, (2048, 4096), 512, 32
 MODES = {"ahead": 0, "gated": 1, "streaming": 2}
-LOADERS = {"tma": 0, "lanes": 1}  # cp.async.bulk by one thread; 16-byte cp.async by a warp's 32 lanes
+LOADERS = {"tma": 0, "lanes": 1}
+HANDOFFS = {
+    "flags": 0,
+    "counter": 1,
+}  # y's own tags; a release counter a GEMV  # cp.async.bulk by one thread; 16-byte cp.async by a warp's 32 lanes
 
 
 def slice_limits(dim_a: int, dim_b: int, chunk: int) -> None:
@@ -96,6 +102,7 @@ class RingChain:
         # y with its flags: 64-bit entries {tag << 32 | bf16 bits}; y[0] (the input) with tag 0
         self.ys = torch.zeros(chain.layers + 1, chain.width, dtype=torch.int64, device=dev)
         self.ys[0, : chain.dim_b] = chain.x0.view(torch.int16).to(torch.int64) & 0xFFFF
+        self.ready = torch.zeros(chain.layers + 1, dtype=torch.int32, device=dev)  # `counter`'s, only grow
         self.done = torch.zeros(1, dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
         self.failed = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -104,16 +111,16 @@ class RingChain:
         """The ring depths (slots a consumer warp) that fit in RING_BYTES."""
         return list(range(1, self.slots // CONSUMER_WARPS + 1))
 
-    def __call__(self, depth: int, mode: str, loader: str, inflight: int = 0, trace: torch.Tensor | None = None,
-                 max_spins: int = 1 << 22) -> torch.Tensor:  # fmt: skip
+    def __call__(self, depth: int, mode: str, loader: str, inflight: int = 0, handoff: str = "flags",
+                 trace: torch.Tensor | None = None, max_spins: int = 1 << 22) -> torch.Tensor:  # fmt: skip
         """One launch -> the chain's last y (a view of its buffer)."""
         if depth not in self.depths():
             raise ValueError(f"depth {depth}: {self.chunk // 1024} KB chunks allow {self.depths()}")
         c = self.chain
-        tensors = (c.w, self.ys, self.done, self.epoch, self.failed)
+        tensors = (c.w, self.ys, self.ready, self.done, self.epoch, self.failed)
         ptrs = [np.uint64(t.data_ptr()) for t in tensors] + [np.uint64(0 if trace is None else trace.data_ptr())]
         ints = [np.int32(v) for v in (c.layers, c.dim_a, c.dim_b, self.ys.stride(0), depth, MODES[mode],
-                                      LOADERS[loader], inflight, max_spins)]  # fmt: skip
+                                      LOADERS[loader], inflight, HANDOFFS[handoff], max_spins)]  # fmt: skip
         with self.stream():
             self.kernel((self.blocks,), ((CONSUMER_WARPS + 1) * 32,), (*ptrs, *ints), shared_mem=self.shared)
         return self.last_y()
@@ -130,14 +137,16 @@ class RingChain:
             warnings.simplefilter("ignore", DeprecationWarning)
             return self.cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
-    def check(self, depth: int, mode: str, loader: str, inflight: int = 0) -> float:
+    def check(self, depth: int, mode: str, loader: str, inflight: int = 0, handoff: str = "flags") -> float:
         """Two launches against the float64 chain (the second waits for tags one launch higher); then no read gave
         up, and the launches were counted."""
         ref = pc.reference(self.chain)
         for _ in range(2):
-            err = pc.relative_error(self(depth, mode, loader, inflight), ref)
+            err = pc.relative_error(self(depth, mode, loader, inflight, handoff), ref)
             if not err < 2**-5:  # as persistent_chain.check's
-                raise AssertionError(f"ring chain ({depth} deep, {mode}, {loader}, {inflight}) is off by {err:.1e}")
+                raise AssertionError(
+                    f"ring chain ({depth}, {mode}, {loader}, {inflight}, {handoff}) is off by {err:.1e}"
+                )
         launches = self.epoch.item()
         if self.failed.item() or self.done.item() != launches * self.blocks:
             done = self.done.item()
@@ -150,12 +159,12 @@ class RingChain:
         per = self.chunk // (2 * k)
         return [-(-((c + 1) * n // self.blocks - c * n // self.blocks) // per) for c in range(self.blocks)]
 
-    def trace(self, depth: int, mode: str, loader: str, inflight: int = 0) -> list[dict]:
+    def trace(self, depth: int, mode: str, loader: str, inflight: int = 0, handoff: str = "flags") -> list[dict]:
         """One launch with %globaltimer stamps -> per GEMV, in µs from the launch's first chunk request: the median
         over blocks of its first request, its dependency seen, its first and last chunk taken, its last release;
         and the latest release of any block (the GEMV done everywhere)."""
         stamps = torch.zeros(self.blocks, 4, TRACE_EVENTS, dtype=torch.int64, device=self.chain.w.device)
-        self(depth, mode, loader, inflight, stamps)
+        self(depth, mode, loader, inflight, handoff, stamps)
         t = stamps.cpu().numpy().astype(np.float64)
         t0 = t[:, 0, 0].min()
         t = (t - t0) / 1e3
@@ -186,6 +195,9 @@ def main() -> None:
     ap.add_argument("--chunks-kb", default="16,8", help="chunk sizes to build, KB (16 or 8: a row of 4,096 fits)")
     ap.add_argument("--loaders", default="tma,lanes", help="tma: cp.async.bulk; lanes: 16-byte cp.async by a warp")
     ap.add_argument("--modes", default="gated,ahead,streaming", help="which hand-offs to time (see above)")
+    ap.add_argument(
+        "--handoffs", default="flags,counter", help="flags: y's entries carry tags; counter: a release a warp"
+    )
     ap.add_argument("--inflight", default="0,2,4", help="requests a block may have in flight (0: as many as slots)")
     ap.add_argument("--trace", action="store_true", help="also a stamped launch of the fastest checked variant")
     ap.add_argument("--reps", type=int, default=200)
@@ -195,7 +207,7 @@ def main() -> None:
         chunks = [int(v) * 1024 for v in a.chunks_kb.split(",")]
     except ValueError:
         raise SystemExit(f"--chunks-kb {a.chunks_kb!r}: expected sizes in KB, e.g. 16,8") from None
-    loaders, modes = a.loaders.split(","), a.modes.split(",")
+    loaders, modes, handoffs = a.loaders.split(","), a.modes.split(","), a.handoffs.split(",")
     try:
         inflight = [int(v) for v in a.inflight.split(",")]
     except ValueError:
@@ -206,6 +218,8 @@ def main() -> None:
         raise SystemExit("--layers >= 1; --chunks-kb from 16 and 8")
     if any(x not in LOADERS for x in loaders) or any(m not in MODES for m in modes):
         raise SystemExit(f"--loaders from {', '.join(LOADERS)}; --modes from {', '.join(MODES)}")
+    if any(h not in HANDOFFS for h in handoffs):
+        raise SystemExit(f"--handoffs from {', '.join(HANDOFFS)}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("benchmarks/tile_prefetch_chain.py needs a CUDA GPU of compute capability 9.0 or newer")
     try:
@@ -248,9 +262,9 @@ def main() -> None:
     for chunk in chunks:
         ring = RingChain(chain, sms, chunk)
         for loader in loaders:
-            for depth, limit, mode in itertools.product(ring.depths(), inflight, modes):
-                name = f"ring {mode}, {loader}, {chunk // 1024} KB x {depth} a warp, {limit or 'all'} in flight"
-                args = (depth, mode, loader, limit)
+            for depth, limit, handoff, mode in itertools.product(ring.depths(), inflight, handoffs, modes):
+                name = f"ring {mode}, {loader}, {chunk // 1024} KB x {depth}, {limit or 'all'} in flight, {handoff}"
+                args = (depth, mode, loader, limit, handoff)
                 err = float("nan") if mode == "streaming" else ring.check(*args)  # streaming: wrong outputs
                 per = report(name, lambda r=ring, x=args: r(*x), err)
                 if mode not in best or per < best[mode][0]:
@@ -260,7 +274,9 @@ def main() -> None:
             if mode in best:
                 _, ring, args = best[mode]
                 rows = ring.trace(*args)
-                name = f"{mode}, {args[2]}, {ring.chunk // 1024} KB x {args[0]}, {args[3] or 'all'} in flight"
+                name = (
+                    f"{mode}, {args[2]}, {ring.chunk // 1024} KB x {args[0]}, {args[3] or 'all'} in flight, {args[4]}"
+                )
                 results["traces"][name] = rows
                 print(f"trace of the fastest {name} (µs from the first request; medians over blocks):")
                 print("  gemv  requested  input_seen  first_taken  last_taken  released  done_everywhere")

@@ -26,7 +26,8 @@
 //     takes y into registers, and for each of its chunks waits for the slot, dots each row with y (fp32, fixed
 //     order: deterministic), frees the slot and stores its rows with the tag of GEMV i + 1.
 // `handoff` 1 instead: each warp makes one release increment of ready[i + 1] after its stores, and thread 0 of a
-// reader waits (acquire) until ready[i] counts every warp of every block in this launch, then the entries are read
+// reader waits (acquire) until ready[i] counts every warp of every block in this launch (ready[0] counts the
+// launches with `handoff` 1, bumped by the last block), then the entries are read
 // without checking their tags (calls 1-3's counters, with y still read once an SM).
 // Tags: launch e's y[i] carries e * layers + i (i >= 1; y[0] is the input, read without waiting); `epoch` counts
 // launches (the last block to finish bumps it, counted by `done`). A read gives up after `max_spins` rounds and
@@ -219,7 +220,7 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *ready, uint32
     uint64_t *full = reinterpret_cast<uint64_t *>(smem + MAX_SLOTS * CHUNK_BYTES);  // MAX_SLOTS
     uint64_t *empty = full + MAX_SLOTS;                                          // MAX_SLOTS
     __shared__ __align__(16) __nv_bfloat16 y_s[4096];
-    __shared__ uint32_t launch;
+    __shared__ uint32_t launch, counted;  // launches so far; those of them with `handoff` 1 (ready[0])
     __shared__ volatile int seen;  // the last GEMV whose input the consumers have read (`mode` 1's producer waits)
     __shared__ uint32_t issued[MAX_INFLIGHT];  // the producer's last requests: slot << 16 | the slot's fill index
     __shared__ uint32_t fills[MAX_SLOTS];      // fills the producer has asked for, a slot
@@ -234,6 +235,7 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *ready, uint32
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         launch = *reinterpret_cast<volatile uint32_t *>(epoch);
+        counted = *reinterpret_cast<volatile uint32_t *>(ready);
         seen = 0;
         for (int s = 0; s < MAX_SLOTS; ++s) fills[s] = 0;
     }
@@ -286,7 +288,7 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *ready, uint32
         const bool wait = mode != 2 && i > 0;
         if (wait && handoff == 1 && threadIdx.x == 0) {  // every warp of every block has released its rows
             int spins = 0;
-            while (load_acquire(ready + i) < (launch + 1) * static_cast<uint32_t>(g) * CONSUMER_WARPS &&
+            while (load_acquire(ready + i) < (counted + 1) * static_cast<uint32_t>(g) * CONSUMER_WARPS &&
                    ++spins < max_spins) {
             }
             if (spins == max_spins) atomicExch(failed, 1u);
@@ -319,5 +321,6 @@ chain(const __nv_bfloat16 *__restrict__ w, uint64_t *ys, uint32_t *ready, uint32
     if (threadIdx.x == 0 && atomicAdd(done, 1u) == blocks - 1) {
         __threadfence();
         *reinterpret_cast<volatile uint32_t *>(epoch) = launch + 1;  // the last block: every block has read it
+        if (handoff == 1) *reinterpret_cast<volatile uint32_t *>(ready) = counted + 1;
     }
 }

@@ -141,6 +141,7 @@ class RingChain:
         """Two launches against the float64 chain (the second waits for tags one launch higher); then no read gave
         up, and the launches were counted."""
         ref = pc.reference(self.chain)
+        self.failed.zero_()
         for _ in range(2):
             err = pc.relative_error(self(depth, mode, loader, inflight, handoff), ref)
             if not err < 2**-5:  # as persistent_chain.check's

@@ -69,20 +69,25 @@ def slice_limits(dim_a: int, dim_b: int, chunk: int) -> None:
                              f" {chunk // 1024} KB chunk")  # fmt: skip
 
 
-def build(chunk: int) -> Path:
-    """The .cu built by nvcc for sm_90 with `chunk`-byte chunks into a temporary cubin -> its path (a one-line exit
-    if it cannot be)."""
+def nvcc_build(source: Path, *defines: str) -> Path:
+    """`source` built by nvcc for sm_90 (with `-D` defines) into a temporary cubin -> its path; a one-line exit if
+    it cannot be. Prints ptxas's register and shared-memory use."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        raise SystemExit("benchmarks/tile_prefetch_chain.py needs nvcc (the CUDA toolkit) to build its kernel")
-    out = Path(tempfile.mkdtemp()) / f"tile_prefetch_chain_{chunk}.cubin"
-    cmd = [nvcc, "-arch=sm_90", "-cubin", "--resource-usage", f"-DCHUNK_BYTES={chunk}", str(SOURCE), "-o", str(out)]
+        raise SystemExit(f"benchmarks/{source.stem}.py needs nvcc (the CUDA toolkit) to build its kernels")
+    out = Path(tempfile.mkdtemp()) / f"{source.stem}.cubin"
+    cmd = [nvcc, "-arch=sm_90", "-cubin", "--resource-usage", *(f"-D{d}" for d in defines), str(source), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"nvcc failed on {SOURCE.name}: {proc.stderr.strip().splitlines()[-1:]}")
+        raise SystemExit(f"nvcc failed on {source.name}: {proc.stderr.strip().splitlines()[-1:]}")
     usage = [line.split(":", 1)[-1].strip() for line in proc.stderr.splitlines() if "registers" in line]
-    print(f"{chunk // 1024} KB chunks: {' '.join(usage)}")
+    print(f"{source.name} {' '.join(defines)}: {'; '.join(usage)}")
     return out
+
+
+def build(chunk: int) -> Path:
+    """The chain's kernel with `chunk`-byte chunks (`nvcc_build`)."""
+    return nvcc_build(SOURCE, f"CHUNK_BYTES={chunk}")
 
 
 class RingChain:

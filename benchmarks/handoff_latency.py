@@ -1,0 +1,100 @@
+"""What one hand-off of a 768-wide vector costs when every block of a group needs all of it: a hardware cluster
+barrier with distributed shared memory (8 blocks) against the two software hand-offs across the whole GPU of
+`tile_prefetch_chain.py` (flags in the data; a counter), in one run.
+
+    python benchmarks/handoff_latency.py [--rounds 2000] [--blocks 128] [--json OUT]
+
+Why (issue #5, benchmarks/RESULTS.md session 23): a layer megakernel built from hand-offs across all SMs loses to
+PDL launches, because such a hand-off costs 2.3-5 µs. A kernel whose dependencies stay inside a thread-block
+cluster (one expert's up and down, say, passing the 768-wide intermediate through distributed shared memory) would
+pay a cluster barrier instead. `handoff_latency.cu` runs `--rounds` rounds of write-share, hand off, read-all and
+check the sum, in `--blocks` blocks of 256 threads; each block stamps %globaltimer around its rounds. Reported: the
+median and the slowest block's µs a round, and the launch's own time a round (CUDA events). Needs a GPU of compute
+capability 9.0 (clusters), nvcc and CuPy (on the GPU machine's image; not edgemoe dependencies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tile_prefetch_chain import nvcc_build  # noqa: E402
+
+SOURCE = Path(__file__).with_suffix(".cu")
+WIDTH, THREADS, CLUSTER = 768, 256, 8  # the .cu's
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2000)
+    ap.add_argument("--blocks", type=int, default=128, help=f"blocks of {THREADS} threads, a multiple of {CLUSTER}")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    if a.rounds < 1 or a.blocks < CLUSTER or a.blocks % CLUSTER:
+        raise SystemExit(f"--rounds >= 1; --blocks a multiple of {CLUSTER}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        raise SystemExit("benchmarks/handoff_latency.py needs a CUDA GPU of compute capability 9.0 or newer")
+    try:
+        import cupy as cp
+    except ImportError:
+        raise SystemExit("benchmarks/handoff_latency.py needs CuPy to load and launch its kernels") from None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if a.blocks > sms:
+        raise SystemExit(f"--blocks {a.blocks}: the software hand-offs need every block resident ({sms} SMs)")
+    module = cp.RawModule(path=str(nvcc_build(SOURCE)))
+    dev = torch.device("cuda")
+    stamps = torch.zeros(a.blocks, dtype=torch.int64, device=dev)
+    failed = torch.zeros(1, dtype=torch.int32, device=dev)
+    flags = torch.zeros(2 * WIDTH, dtype=torch.int64, device=dev)
+    plain = torch.zeros(2 * WIDTH, dtype=torch.int32, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    launches = {"flag_rounds": 0, "counter_rounds": 0}
+    ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
+
+    def args(name: str) -> tuple:
+        n = launches.get(name, 0)
+        launches[name] = n + 1
+        if name == "cluster_rounds":
+            return (np.int32(a.rounds), ptr(stamps), ptr(failed))
+        if name == "flag_rounds":  # tags grow from launch to launch (1 + n * rounds + r)
+            return (np.int32(a.rounds), ptr(flags), np.uint32(1 + n * a.rounds), ptr(stamps), ptr(failed))
+        return (np.int32(a.rounds), ptr(plain), ptr(counter), np.uint32(n * a.rounds * a.blocks), ptr(stamps),
+                ptr(failed))  # fmt: skip
+
+    results = {"device": torch.cuda.get_device_name(), "rounds": a.rounds, "blocks": a.blocks, "kernels": {}}
+    print(f"{results['device']}: {a.rounds} rounds of a {WIDTH}-wide hand-off, {a.blocks} blocks")
+    for name, label in (("cluster_rounds", f"cluster barrier, {CLUSTER} blocks, DSMEM"),
+                        ("flag_rounds", f"flags in the data, all {a.blocks} blocks"),
+                        ("counter_rounds", f"counter (fence + atomic), all {a.blocks} blocks")):  # fmt: skip
+        kernel = module.get_function(name)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        failed.zero_()
+        with stream:
+            kernel((a.blocks,), (THREADS,), args(name))  # warm
+            begin.record()
+            kernel((a.blocks,), (THREADS,), args(name))
+            end.record()
+        torch.cuda.synchronize()
+        if failed.item():
+            raise SystemExit(f"{name}: a round read a wrong or stale entry")
+        per = stamps.cpu().numpy() / 1e3
+        launch = begin.elapsed_time(end) * 1e3 / a.rounds
+        results["kernels"][name] = {"median_us": float(np.median(per)), "max_us": float(per.max()),
+                                    "launch_us_per_round": launch}  # fmt: skip
+        print(f"{label:>44}: {np.median(per):5.2f} µs a round (slowest block {per.max():5.2f}; launch {launch:5.2f})")
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

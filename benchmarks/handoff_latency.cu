@@ -5,7 +5,8 @@
 // Each kernel runs `rounds` rounds. In round r every block writes its share of the vector (entry j holds
 // r * 768 + j), the hand-off happens, then every block reads all 768 entries and checks their sum (a wrong or stale
 // entry raises *failed). Thread 0 of each block stamps %globaltimer before the first round and after the last:
-// stamps[block] = ns a round.
+// stamps[block] = ns a round. Blocks from `handoff_blocks` on (a whole number of clusters) only load HBM until
+// block 0 has finished its rounds (`stream_until_stop`): the hand-off measured beside streaming weights.
 //   - cluster_rounds: clusters of 8 blocks; a block's 96 entries sit in its own shared memory; the hand-off is the
 //     hardware cluster barrier (arrive.release / wait.acquire); the reads go through distributed shared memory.
 //   - flag_rounds: all blocks of the grid; entries are 64-bit {tag, value} in global memory, written with one
@@ -44,6 +45,31 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
     return v;
 }
 
+// Blocks past the hand-off's read a large buffer (16-byte loads, 8 in flight a thread, from HBM: it is larger than
+// L2) until the first hand-off block raises *stop: HBM busy, as it is while a megakernel's next weights stream.
+// sink[1] counts the 16-byte loads made.
+__device__ __forceinline__ void stream_until_stop(int handoff_blocks, const uint4 *load, uint64_t n,
+                                                  const volatile uint32_t *stop, unsigned long long *sink) {
+    const uint64_t loaders = static_cast<uint64_t>(gridDim.x - handoff_blocks) * blockDim.x;
+    uint64_t i = static_cast<uint64_t>(blockIdx.x - handoff_blocks) * blockDim.x + threadIdx.x;
+    uint32_t acc = 0;
+    unsigned long long batches = 0;
+    while (!*stop) {
+        ++batches;
+        uint4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            v[u] = __ldcs(load + i);
+            i += loaders;
+            if (i >= n) i -= n;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads
+    atomicAdd(sink + 1, batches * 8);          // 16-byte loads made
+}
+
 // The block's sum of the round's 768 entries (as read by each thread, reduced in shared memory) against the
 // expected one; thread 0 raises *failed on a mismatch.
 __device__ __forceinline__ void check_sum(uint32_t part, uint32_t round, uint32_t *failed) {
@@ -58,7 +84,9 @@ __device__ __forceinline__ void check_sum(uint32_t part, uint32_t round, uint32_
 }
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS)
-cluster_rounds(int rounds, uint64_t *stamps, uint32_t *failed) {
+cluster_rounds(int rounds, uint64_t *stamps, uint32_t *failed, int handoff_blocks, const uint4 *load, uint64_t n,
+               volatile uint32_t *stop, unsigned long long *sink) {
+    if (static_cast<int>(blockIdx.x) >= handoff_blocks) return stream_until_stop(handoff_blocks, load, n, stop, sink);
     __shared__ uint32_t share[2][WIDTH / CLUSTER];
     cg::cluster_group cluster = cg::this_cluster();
     const int rank = static_cast<int>(cluster.block_rank());
@@ -78,11 +106,14 @@ cluster_rounds(int rounds, uint64_t *stamps, uint32_t *failed) {
     }
     cluster.sync();  // no block leaves while another may still read its shared memory
     if (threadIdx.x == 0) stamps[blockIdx.x] = (now_ns() - t0) / rounds;
+    if (blockIdx.x == 0 && threadIdx.x == 0) *stop = 1;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-flag_rounds(int rounds, uint64_t *entries, uint32_t tag0, uint64_t *stamps, uint32_t *failed) {
-    const int g = gridDim.x, c = blockIdx.x;
+flag_rounds(int rounds, uint64_t *entries, uint32_t tag0, uint64_t *stamps, uint32_t *failed, int handoff_blocks,
+            const uint4 *load, uint64_t n, volatile uint32_t *stop, unsigned long long *sink) {
+    if (static_cast<int>(blockIdx.x) >= handoff_blocks) return stream_until_stop(handoff_blocks, load, n, stop, sink);
+    const int g = handoff_blocks, c = blockIdx.x;
     const int first = c * WIDTH / g, last = (c + 1) * WIDTH / g;  // this block's entries
     const uint64_t t0 = now_ns();
     for (int r = 0; r < rounds; ++r) {
@@ -102,12 +133,15 @@ flag_rounds(int rounds, uint64_t *entries, uint32_t tag0, uint64_t *stamps, uint
         check_sum(part, r, failed);  // also: every thread has read round r before any writes round r + 1
     }
     if (threadIdx.x == 0) stamps[c] = (now_ns() - t0) / rounds;
+    if (c == 0 && threadIdx.x == 0) *stop = 1;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 counter_rounds(int rounds, uint32_t *entries, uint32_t *counter, uint32_t base, uint64_t *stamps,
-               uint32_t *failed) {
-    const int g = gridDim.x, c = blockIdx.x;
+               uint32_t *failed, int handoff_blocks, const uint4 *load, uint64_t n, volatile uint32_t *stop,
+               unsigned long long *sink) {
+    if (static_cast<int>(blockIdx.x) >= handoff_blocks) return stream_until_stop(handoff_blocks, load, n, stop, sink);
+    const int g = handoff_blocks, c = blockIdx.x;
     const int first = c * WIDTH / g, last = (c + 1) * WIDTH / g;
     const uint64_t t0 = now_ns();
     for (int r = 0; r < rounds; ++r) {
@@ -127,4 +161,5 @@ counter_rounds(int rounds, uint32_t *entries, uint32_t *counter, uint32_t base, 
         check_sum(part, r, failed);
     }
     if (threadIdx.x == 0) stamps[c] = (now_ns() - t0) / rounds;
+    if (c == 0 && threadIdx.x == 0) *stop = 1;
 }

@@ -2,15 +2,17 @@
 barrier with distributed shared memory (8 blocks) against the two software hand-offs across the whole GPU of
 `tile_prefetch_chain.py` (flags in the data; a counter), in one run.
 
-    python benchmarks/handoff_latency.py [--rounds 2000] [--blocks 128] [--json OUT]
+    python benchmarks/handoff_latency.py [--rounds 2000] [--blocks 128] [--loaders 0,264] [--json OUT]
 
 Why (issue #5, benchmarks/RESULTS.md session 23): a layer megakernel built from hand-offs across all SMs loses to
-PDL launches, because such a hand-off costs 2.3-5 µs. A kernel whose dependencies stay inside a thread-block
-cluster (one expert's up and down, say, passing the 768-wide intermediate through distributed shared memory) would
-pay a cluster barrier instead. `handoff_latency.cu` runs `--rounds` rounds of write-share, hand off, read-all and
-check the sum, in `--blocks` blocks of 256 threads; each block stamps %globaltimer around its rounds. Reported: the
-median and the slowest block's µs a round, and the launch's own time a round (CUDA events). Needs a GPU of compute
-capability 9.0 (clusters), nvcc and CuPy (on the GPU machine's image; not edgemoe dependencies).
+PDL launches, because such a hand-off costs 2.3-5 µs. A kernel whose dependencies stay inside a thread-block cluster
+(one expert's up and down, say, passing the 768-wide intermediate through distributed shared memory) would pay a
+cluster barrier instead. `handoff_latency.cu` runs `--rounds` rounds of write-share, hand off, read-all and check
+the sum, in `--blocks` blocks of 256 threads; each block stamps %globaltimer around its rounds. Reported: the median
+and the slowest block's µs a round, and the launch's own time a round (CUDA events). `--loaders N` adds N blocks to
+the launch that only read a 2 GB buffer from HBM until the rounds are done (with their read rate): the hand-off
+beside streaming weights, which session 23's chain found to slow the software hand-offs 2-3 times. Needs a GPU of
+compute capability 9.0 (clusters), nvcc and CuPy (on the GPU machine's image; not edgemoe dependencies).
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=128, help=f"blocks of {THREADS} threads, a multiple of {CLUSTER}")
+    ap.add_argument("--loaders", default="0,264", help="blocks that only load HBM meanwhile, each count timed")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    if a.rounds < 1 or a.blocks < CLUSTER or a.blocks % CLUSTER:
-        raise SystemExit(f"--rounds >= 1; --blocks a multiple of {CLUSTER}")
+    try:
+        loader_counts = [int(v) for v in a.loaders.split(",")]
+    except ValueError:
+        raise SystemExit(f"--loaders {a.loaders!r}: expected block counts, e.g. 0,264") from None
+    if a.rounds < 1 or a.blocks < CLUSTER or a.blocks % CLUSTER or any(v < 0 or v % CLUSTER for v in loader_counts):
+        raise SystemExit(f"--rounds >= 1; --blocks and every --loaders a multiple of {CLUSTER}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("benchmarks/handoff_latency.py needs a CUDA GPU of compute capability 9.0 or newer")
     try:
@@ -55,43 +62,57 @@ def main() -> None:
     flags = torch.zeros(2 * WIDTH, dtype=torch.int64, device=dev)
     plain = torch.zeros(2 * WIDTH, dtype=torch.int32, device=dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
-    launches = {"flag_rounds": 0, "counter_rounds": 0}
+    load = torch.empty(2 << 30, dtype=torch.uint8, device=dev).view(torch.int32).random_()  # larger than L2
+    stop = torch.zeros(1, dtype=torch.int32, device=dev)
+    sink = torch.zeros(2, dtype=torch.int64, device=dev)
     ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
+    tail = (ptr(load), np.uint64(load.numel() // 4), ptr(stop), ptr(sink))  # the loaders' arguments
+    launches = {"flag_rounds": 0, "counter_rounds": 0}
 
     def args(name: str) -> tuple:
         n = launches.get(name, 0)
         launches[name] = n + 1
+        mine = (np.int32(a.blocks), *tail)
         if name == "cluster_rounds":
-            return (np.int32(a.rounds), ptr(stamps), ptr(failed))
+            return (np.int32(a.rounds), ptr(stamps), ptr(failed), *mine)
         if name == "flag_rounds":  # tags grow from launch to launch (1 + n * rounds + r)
-            return (np.int32(a.rounds), ptr(flags), np.uint32(1 + n * a.rounds), ptr(stamps), ptr(failed))
+            return (np.int32(a.rounds), ptr(flags), np.uint32(1 + n * a.rounds), ptr(stamps), ptr(failed), *mine)
         return (np.int32(a.rounds), ptr(plain), ptr(counter), np.uint32(n * a.rounds * a.blocks), ptr(stamps),
-                ptr(failed))  # fmt: skip
+                ptr(failed), *mine)  # fmt: skip
 
     results = {"device": torch.cuda.get_device_name(), "rounds": a.rounds, "blocks": a.blocks, "kernels": {}}
     print(f"{results['device']}: {a.rounds} rounds of a {WIDTH}-wide hand-off, {a.blocks} blocks")
-    for name, label in (("cluster_rounds", f"cluster barrier, {CLUSTER} blocks, DSMEM"),
-                        ("flag_rounds", f"flags in the data, all {a.blocks} blocks"),
-                        ("counter_rounds", f"counter (fence + atomic), all {a.blocks} blocks")):  # fmt: skip
-        kernel = module.get_function(name)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        failed.zero_()
-        with stream:
-            kernel((a.blocks,), (THREADS,), args(name))  # warm
-            begin.record()
-            kernel((a.blocks,), (THREADS,), args(name))
+    kernels = (("cluster_rounds", f"cluster barrier, {CLUSTER} blocks, DSMEM"),
+               ("flag_rounds", f"flags in the data, all {a.blocks} blocks"),
+               ("counter_rounds", f"counter (fence + atomic), all {a.blocks} blocks"))  # fmt: skip
+    for loaders in loader_counts:
+        print(f"with {loaders} blocks loading HBM meanwhile:")
+        for name, label in kernels:
+            kernel = module.get_function(name)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            failed.zero_()
+            with stream:
+                for timed_launch in (False, True):  # a warm launch, then the timed one
+                    stop.zero_()
+                    sink.zero_()
+                    if timed_launch:
+                        begin.record()
+                    kernel((a.blocks + loaders,), (THREADS,), args(name))
             end.record()
-        torch.cuda.synchronize()
-        if failed.item():
-            raise SystemExit(f"{name}: a round read a wrong or stale entry")
-        per = stamps.cpu().numpy() / 1e3
-        launch = begin.elapsed_time(end) * 1e3 / a.rounds
-        results["kernels"][name] = {"median_us": float(np.median(per)), "max_us": float(per.max()),
-                                    "launch_us_per_round": launch}  # fmt: skip
-        print(f"{label:>44}: {np.median(per):5.2f} µs a round (slowest block {per.max():5.2f}; launch {launch:5.2f})")
+            torch.cuda.synchronize()
+            if failed.item():
+                raise SystemExit(f"{name}: a round read a wrong or stale entry")
+            per = stamps.cpu().numpy() / 1e3
+            seconds = begin.elapsed_time(end) / 1e3
+            read = sink[1].item() * 16 / seconds
+            row = {"median_us": float(np.median(per)), "max_us": float(per.max()),
+                   "launch_us_per_round": seconds * 1e6 / a.rounds, "loaders_read_bytes_per_s": read}  # fmt: skip
+            results["kernels"][f"{name}, {loaders} loaders"] = row
+            print(f"{label:>44}: {row['median_us']:5.2f} µs a round (slowest block {row['max_us']:5.2f}; launch"
+                  f" {row['launch_us_per_round']:5.2f}); loaders read {read / 1e9:5.0f} GB/s")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
 

@@ -12,10 +12,11 @@ import triton
 misses = collections.Counter()
 
 
-def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (triton's names)
-    misses[fn.name] += 1
-    if misses[fn.name] <= 3 or fn.name == "_rms_norm":
-        print(f"JIT miss {misses[fn.name]} {repr[:400]} key={str(key)[:300]}", flush=True)
+def hook(**kw):  # triton's keywords: key, repr, fn, compile, is_manual_warmup, already_compiled
+    name = getattr(kw.get("fn"), "name", "?")
+    misses[name] += 1
+    if misses[name] <= 3 or name == "_rms_norm":
+        print(f"JIT miss {misses[name]} {str(kw.get('repr'))[:400]} key={str(kw.get('key'))[:300]}", flush=True)
     return False
 
 

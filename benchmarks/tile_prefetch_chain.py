@@ -29,6 +29,11 @@ Variants, each checked against the float64 chain (two launches) before it is tim
 - `streaming`: no dependency waits at all (wrong outputs, not checked): the kernel's own bandwidth ceiling.
 Needs a GPU of compute capability 9.0 or newer (cp.async.bulk, mbarrier transaction counts), nvcc to build the
 kernel and CuPy to load and launch it (both on the GPU machine's image; not edgemoe dependencies).
+
+Answer (H200, session 23, benchmarks/RESULTS.md): no. Ahead beats gated by 1.5-2 µs a GEMV, but the best variant
+(7.57 µs with this file's design; 6.53 with call 1's, cc394d8) loses to the engine's launches (6.28-6.35): a
+hand-off across all SMs costs 2.3 µs with the memory system idle and 3-5 µs with the next weights in flight, more
+than a PDL boundary. `handoff_latency.py` measures the hand-offs alone.
 """
 
 from __future__ import annotations

@@ -16,34 +16,14 @@
 #include <cooperative_groups.h>
 #include <cstdint>
 
+#include "gpu_sync.cuh"
+
 namespace cg = cooperative_groups;
 
 constexpr int WIDTH = 768;  // qwen3-30b-a3b's expert intermediate size
 constexpr int THREADS = 256;
 constexpr int CLUSTER = 8;
 constexpr int MAX_SPINS = 1 << 22;  // a wait gives up (and the round's check fails) instead of hanging
-
-__device__ __forceinline__ uint64_t now_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-__device__ __forceinline__ uint64_t load_relaxed(const uint64_t *p) {
-    uint64_t v;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void store_relaxed(uint64_t *p, uint64_t v) {
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 
 // Blocks past the hand-off's read a large buffer (16-byte loads, 8 in flight a thread, from HBM: it is larger than
 // L2) until the first hand-off block raises *stop: HBM busy, as it is while a megakernel's next weights stream.

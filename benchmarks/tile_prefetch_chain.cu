@@ -37,6 +37,8 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 
+#include "gpu_sync.cuh"
+
 #ifndef CHUNK_BYTES
 #define CHUNK_BYTES 16384
 #endif
@@ -83,32 +85,6 @@ __device__ __forceinline__ void lanes_load(void *dst, const void *src, uint32_t 
     for (uint32_t off = lane * 16; off < bytes; off += 32 * 16)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + off), "l"(s + off) : "memory");
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ uint64_t load_relaxed(const uint64_t *p) {  // from L2, never a stale L1 line
-    uint64_t v;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void release_add(uint32_t *p) {  // the stores before it are visible to an acquire of p
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
-}
-
-__device__ __forceinline__ void store_relaxed(uint64_t *p, uint64_t v) {
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t now_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
 }
 
 // y[i] (K entries of {tag << 32 | bf16 bits}) into shared memory as bf16, by the consumers' thread t. With `tag`

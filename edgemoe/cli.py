@@ -225,7 +225,7 @@ def _print_moe_stats(stats: dict) -> None:
 
 
 def cmd_make_model(a: argparse.Namespace) -> None:
-    from edgemoe.models.random_checkpoint import make_model
+    from edgemoe.tools.make_model import make_model
 
     out = make_model(a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype)
     print(f"wrote {out}")
@@ -238,7 +238,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> None:
-    from edgemoe.bench import cmd_bench as run
+    from edgemoe.tools.bench import cmd_bench as run
 
     run(a)
 
@@ -246,7 +246,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
 def cmd_cache_sim(a: argparse.Namespace) -> None:
     import json
 
-    from edgemoe.moe.cache_sim import run
+    from edgemoe.tools.cache_sim import run
 
     results = run(a.trace, a.slots, [p.strip() for p in a.policy.split(",") if p.strip()], progress=not a.json)
     if a.json:

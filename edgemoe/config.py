@@ -31,7 +31,6 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     qkv_bias: bool = False
     o_proj_bias: bool = False
-    qk_norm: str | None = None  # None | "head" (Qwen3: per head) | "full" (OLMoE: over all heads)
     clip_qkv: float | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -97,7 +96,7 @@ class ExpertCacheConfig:
     record_routing: str | None = None  # .npy path: routed expert ids of one sequence's decode
 
     def __post_init__(self) -> None:
-        from edgemoe.moe.expert_cache import POLICIES
+        from edgemoe.offload.expert_cache import POLICIES
 
         if self.moe_strategy not in MOE_STRATEGIES:
             raise EdgeMoEError(f"unknown moe_strategy {self.moe_strategy!r}: use resident or offload")

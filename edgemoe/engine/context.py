@@ -21,6 +21,10 @@ class ForwardContext:
     context_lens_host: list[int] | None = None
     # CUDA-graph decode only: [seqs] False on padding rows (their experts are not fetched or counted)
     valid: torch.Tensor | None = None
+    # the routing seam (`SparseMoE.routed`): ids given from outside replace the router's choice (a routing trace,
+    # `edgemoe bench`), and each MoE layer's routed ids are written out (`--record-routing`); [moe_layers, seqs, top_k]
+    forced_ids: torch.Tensor | None = None
+    routed_ids: torch.Tensor | None = None
 
 
 _CONTEXT: ForwardContext | None = None

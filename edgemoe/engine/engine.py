@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from edgemoe.config import EngineConfig, ExpertCacheConfig, ModelConfig, parse_size
-from edgemoe.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
+from edgemoe.engine.cuda_graphs import default_batch_sizes
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.engine.scheduler import Scheduler
@@ -20,10 +20,10 @@ from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.loader import load_model
 from edgemoe.models.registry import read_config
-from edgemoe.moe.expert_cache import ExpertCache
 from edgemoe.moe.layer import set_shared_expert_stream
-from edgemoe.moe.offload import MiB, attach_expert_cache, cache_slots, expert_bytes, min_cache_slots
 from edgemoe.moe.routing_trace import RoutingRecorder
+from edgemoe.offload.expert_cache import ExpertCache
+from edgemoe.offload.experts import MiB, attach_expert_cache, cache_slots, expert_bytes, min_cache_slots
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -95,15 +95,18 @@ class LLMEngine:
             offload=moe.moe_strategy == "offload",
         )
         self.expert_cache = self._place(moe)
-        self.recorder = RoutingRecorder(self.model, moe.record_routing) if moe.record_routing else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, self.device)
+        max_blocks = self.scheduler.blocks_for(self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv, self.device, config.max_num_seqs, max_blocks)
+        self.recorder = None
+        if moe.record_routing:
+            self.recorder = RoutingRecorder(self.runner.record_routing(), moe.record_routing)
         if self.device.type == "cuda" and config.shared_expert_overlap:
             # resident too: with every expert cached the side stream still gains ~9 % (benchmarks/RESULTS.md)
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             set_shared_expert_stream(self.model, side_stream(index))
-        if self.device.type == "cuda" and config.cuda_graphs and self.recorder is None:
-            self._capture_graphs()  # (routing is recorded by Python hooks, which graph replays skip)
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self._capture_graphs()
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -161,18 +164,12 @@ class LLMEngine:
         return cache
 
     def _capture_graphs(self) -> None:
-        graphs = DecodeGraphs(
-            self.model,
-            self.kv,
-            default_batch_sizes(self.config.max_num_seqs),
-            self.scheduler.blocks_for(self.max_model_len),
-            self.config.graph_upload,
-            self.config.graph_warm_replay,
-        )
-        graphs.capture()
+        sizes = default_batch_sizes(self.config.max_num_seqs)
+        self.runner.capture_graphs(sizes, self.config.graph_upload, self.config.graph_warm_replay)
         if self.expert_cache is not None:
             self.expert_cache.reset()  # capture's warm-up steps are not the user's: start empty, as eager does
-        self.runner.graphs = graphs
+        if self.recorder is not None:
+            self.recorder.routed_ids.zero_()
 
     def _attach_cache(self, moe: ExpertCacheConfig, slots: int, note: str = "") -> ExpertCache:
         cfg = self.model_config

@@ -1,5 +1,12 @@
-"""Runs one scheduled batch through the model: builds the inputs and forward context, computes logits
-for the sequences that are due a token, samples. The sampled ids are the only host read of a step."""
+"""Runs one scheduled batch through the model: the one place that builds a step's inputs and forward context,
+computes logits for the sequences due a token, and samples. The sampled ids are the only host read of a step.
+
+Decode batches of a captured size replay a CUDA graph over static buffers (`DecodeBuffers`): a batch of n
+sequences runs the graph of the smallest captured size b >= n; rows n..b-1 are padding (token 0 at position 0,
+writing its K/V into the KV cache's pad block, attending to that block alone, routed to row 0's experts, so padding
+never fetches or counts an expert). Block tables are padded to the longest context the engine allows, so shapes
+never change between replays, and a step's inputs reach the device as one copy.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +19,92 @@ from edgemoe.engine.sampler import Sampler
 from edgemoe.engine.scheduler import Batch
 from edgemoe.models.decoder import MoEForCausalLM
 
+_FIELDS = 4  # ids, positions, slots, context lengths (int64); then the valid flags, then the block tables
+
+
+class DecodeBuffers:
+    """Static decode inputs for up to `rows` sequences: one device buffer (int64) that one host copy fills, and its
+    views. `valid` [rows] is False on padding rows."""
+
+    def __init__(self, rows: int, max_blocks: int, pad_block: int, block_size: int, device: torch.device) -> None:
+        self.rows, self.max_blocks, self.pad_block = rows, max_blocks, pad_block
+        self.pad_slot = pad_block * block_size
+        self.flat = torch.zeros((_FIELDS + 1 + max_blocks) * rows, dtype=torch.long, device=device)
+        fields = self.flat[: (_FIELDS + 1) * rows].view(_FIELDS + 1, rows)
+        self.ids, self.positions, self.slots, self.context_lens, valid = fields
+        self.valid = torch.ones(rows, dtype=torch.bool, device=device)
+        self._valid_long = valid
+        self.block_tables = self.flat[(_FIELDS + 1) * rows :].view(rows, max_blocks)
+        self.fill([], [], [], [], [])
+
+    def fill(
+        self, ids: list[int], positions: list[int], slots: list[int], context_lens: list[int], tables: list
+    ) -> None:
+        """The first len(ids) rows from these lists, the rest padding; one host-to-device copy."""
+        n, pad = len(ids), self.rows - len(ids)
+        width = self.max_blocks
+        host = torch.tensor(
+            [
+                *ids, *[0] * pad,
+                *positions, *[0] * pad,
+                *slots, *[self.pad_slot] * pad,
+                *context_lens, *[1] * pad,
+                *[1] * n, *[0] * pad,
+                *[b for t in tables for b in (*t, *[self.pad_block] * (width - len(t)))],
+                *[self.pad_block] * (width * pad),
+            ],
+            dtype=torch.long,
+        )  # fmt: skip
+        if self.flat.is_cuda:  # pinned staging: the copy does not wait for the host
+            host = host.pin_memory()
+        self.flat.copy_(host, non_blocking=True)
+        self.valid.copy_(self._valid_long)
+
+    def context(self, b: int, **extra) -> ForwardContext:
+        """The forward context of a decode step over the first b rows."""
+        return ForwardContext(
+            False, self.slots[:b], self.context_lens[:b], self.block_tables[:b], valid=self.valid[:b], **extra
+        )
+
 
 class ModelRunner:
-    def __init__(self, model: MoEForCausalLM, kv: KVCache, device: torch.device) -> None:
+    def __init__(
+        self, model: MoEForCausalLM, kv: KVCache, device: torch.device, max_num_seqs: int, max_blocks: int
+    ) -> None:
         self.model, self.kv, self.device = model, kv, device
         self.sampler = Sampler()
-        self.graphs: DecodeGraphs | None = None  # set by the engine once captured (CUDA)
+        self.graphs: DecodeGraphs | None = None  # once `capture_graphs` ran (CUDA)
+        self.decode = DecodeBuffers(max_num_seqs, max_blocks, kv.pad_block, kv.block_size, device)
+        self.routed_ids: torch.Tensor | None = None  # [moe_layers, max_num_seqs, top_k] once `record_routing` ran
         kv.bind([layer.self_attn.attn for layer in model.model.layers])
+
+    def record_routing(self) -> torch.Tensor:
+        """From now on every MoE layer writes each step's routed ids here (graphs included) -> the buffer."""
+        cfg = self.model.config
+        rows = (sum(cfg.moe_layers), self.decode.rows, cfg.top_k)
+        self.routed_ids = torch.zeros(rows, dtype=torch.long, device=self.device)
+        return self.routed_ids
+
+    def capture_graphs(self, sizes: list[int], upload: str = "auto", warm_replay: bool = False) -> None:
+        graphs = DecodeGraphs(sizes, upload, warm_replay)
+        graphs.capture(self.forward_static)
+        self.graphs = graphs
+
+    def forward_static(self, b: int) -> torch.Tensor:
+        """One decode step over the first b rows of the static buffers -> logits [b, vocab] (what graphs capture)."""
+        d = self.decode
+        ctx = d.context(b, routed_ids=None if self.routed_ids is None else self.routed_ids[:, :b])
+        return self._forward(d.ids[:b], d.positions[:b], ctx, logits_rows=None)
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, logits_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        set_context(ctx)
+        try:
+            hidden = self.model(ids, positions)
+            return self.model.logits(hidden if logits_rows is None else hidden[logits_rows])
+        finally:
+            set_context(None)
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """Host list -> device tensor without a host synchronisation: pinned staging, async copy. The staging
@@ -42,9 +128,13 @@ class ModelRunner:
         return ids, positions, slots, context_lens
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """Inputs of an eager step: tensors of the batch's own shape."""
         ids, positions, slots, context_lens = self.host_inputs(batch)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [self.kv.pad_block] * (width - len(s.block_table)) for s in batch.seqs]
+        routed = None
+        if self.routed_ids is not None and not batch.is_prefill:
+            routed = self.routed_ids[:, : len(batch.seqs)]
         ctx = ForwardContext(
             is_prefill=batch.is_prefill,
             slot_mapping=self._tensor(slots),
@@ -52,6 +142,7 @@ class ModelRunner:
             block_tables=self._tensor(tables),
             query_lens=list(batch.num_new) if batch.is_prefill else None,
             context_lens_host=context_lens if batch.is_prefill else None,
+            routed_ids=routed,
         )
         return self._tensor(ids), self._tensor(positions), ctx
 
@@ -61,20 +152,22 @@ class ModelRunner:
 
         A sequence is due when this step computes its last uncached token (a prefill chunk that does not
         end its prompt is not). Decode batches replay a captured CUDA graph when there is one of their size."""
-        if not batch.is_prefill and self.graphs is not None and self.graphs.size_for(len(batch.seqs)):
-            tables = [s.block_table for s in batch.seqs]
-            return list(range(len(batch.seqs))), self.graphs.replay(*self.host_inputs(batch), tables)
+        n = len(batch.seqs)
+        b = None if batch.is_prefill or self.graphs is None else self.graphs.size_for(n)
+        if b is not None:
+            self.decode.fill(*self.host_inputs(batch), [s.block_table for s in batch.seqs])
+            return list(range(n)), self.graphs.replay(b)[:n]
         input_ids, positions, ctx = self.prepare(batch)
-        set_context(ctx)
-        try:
-            hidden = self.model(input_ids, positions)
-        finally:
-            set_context(None)
-        due = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + n == len(s.token_ids)]
-        if not due:
-            return due, None
+        due = [i for i, (s, k) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + k == len(s.token_ids)]
         ends = [sum(batch.num_new[: i + 1]) - 1 for i in due]
-        return due, self.model.logits(hidden[self._tensor(ends)])
+        if not due:
+            set_context(ctx)
+            try:
+                self.model(input_ids, positions)
+            finally:
+                set_context(None)
+            return due, None
+        return due, self._forward(input_ids, positions, ctx, self._tensor(ends))
 
     def run(self, batch: Batch) -> list[int | None]:
         """Next token per sequence of the batch; None for a prefill chunk that does not end its prompt."""

@@ -33,14 +33,19 @@ devices and in tests.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from edgemoe.kernels.miss_copy import post_list
 from edgemoe.kernels.pdl import launch_args, prefetch_l2, use_pdl, wait_for_inputs
-from edgemoe.moe.copy_service import PostTarget
-from edgemoe.moe.expert_cache import KEY_MAX, LRU, Ensured, ExpertCache, Scored
+from edgemoe.offload.policies import KEY_MAX, LRU, Scored
+from edgemoe.offload.protocol import Ensured, PostTarget
+
+if TYPE_CHECKING:
+    from edgemoe.offload.expert_cache import ExpertCache
 
 # slots per step of the key pass and the victim search, and warps: qwen3-30b-a3b's 3,072 and 1,536 slots in one step
 # over 8 warps cut a call by ~18 % at 25 % cached (`benchmarks/ensure.py --sweep`), and decode at 25 % and 50 %
@@ -49,8 +54,6 @@ from edgemoe.moe.expert_cache import KEY_MAX, LRU, Ensured, ExpertCache, Scored
 BLOCK_S = 4096
 BLOCK_N = 256  # ids per step
 NUM_WARPS = 8
-PREFETCH = True  # the layer's slot_of row (freq, last) asked into L2 before the PDL wait (False: --no-ensure-prefetch)
-FUSED_POST = True  # a posting step's list posted by the kernel itself (False: decode_variants.py --separate-post)
 
 _KEY_MAX = tl.constexpr(KEY_MAX)
 _ORD_MAX = tl.constexpr(2**63 - 1)  # ordered NaN
@@ -296,7 +299,7 @@ def ensure_fused(
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
         BLOCKS_P2=triton.next_power_of_2(num_blocks), POST=post is not None, RING=target.ring,
-        MAX_ENTRIES=target.max_entries, PREFETCH=PREFETCH and use_pdl(flat.device) and E % 2 == 0,
+        MAX_ENTRIES=target.max_entries, PREFETCH=use_pdl(flat.device) and E % 2 == 0,
         **launch_args(flat.device),  # (prefetch: sm_90+, 16-byte multiples of int64 entries)
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,  # no FMA: torch rounds mul and add apart
     )

@@ -21,13 +21,13 @@ the rest are still crossing PCIe.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+from edgemoe.offload.protocol import HEADER
 
 BLOCK = 4096  # elements per work item: 8 KiB of bf16
 # programs of the persistent grid per SM: P x BLOCK bytes in flight cover PCIe's latency with room to spare. On an
@@ -37,19 +37,6 @@ BLOCK = 4096  # elements per work item: 8 KiB of bf16
 # expert's side stream: +0.2-0.3 %; qwen3 all cached: +1 %, the empty list's grid is smaller; benchmarks/RESULTS.md)
 PROGRAMS_PER_SM = 2
 INTERPRETED_PROGRAMS = 3  # the grid under Triton's interpreter (CPU tests): several programs, several items each
-
-
-class Arrivals(NamedTuple):
-    """What a consumer of the pool needs to wait for a copy list's entries one by one."""
-
-    dst: torch.Tensor  # [M] the list's slots (the scratch slot past `count`)
-    count: torch.Tensor  # [] valid entries
-    counters: torch.Tensor  # [>= M] int64: work items stored so far, per entry
-    chunks: int  # work items per entry (`chunks_per_entry`)
-    # the kernel just before the consumer is the `ensure` that wrote the list and posted it to the copy service
-    # itself: the consumer waits for that kernel (PDL) before it reads the slots; otherwise a copy or post kernel
-    # that waited for ensure runs in between, and the consumer runs beside it without waiting
-    after_ensure: bool = False
 
 
 @triton.jit
@@ -137,7 +124,7 @@ def copy_rows_pair(
 ) -> None:
     """pools[k][dst[i]] = banks[k][src[i]] for both k and i < count, in one launch. pools: [S + 1, ...] on the GPU;
     banks: [E, ...] pinned host memory (or device memory), each of its pool's dtype and row shape, every row
-    contiguous (rows may lie any distance apart: `edgemoe.moe.offload.split_rows`'s views); src,
+    contiguous (rows may lie any distance apart: `edgemoe.offload.layout.split_rows`'s views); src,
     dst: [M] int64, count: [] int64 (device). `arrived`: [>= M] int64 zeros, counting each entry's stored work
     items (see Arrivals). `block`, `num_warps` and `programs` (default: `default_programs`) are for
     benchmarks/miss_copy.py's sweep."""
@@ -197,17 +184,6 @@ def _fence_system(x):
 
 
 @triton.jit
-def _post_copy_list(
-    src, dst, count, tick, mailbox, bank_a, bank_b, M, RING: tl.constexpr, MAX: tl.constexpr, BLOCK_M: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    wait_for_inputs(PDL)
-    n = tl.load(count)
-    if n > 0:  # empty lists are not posted: every posted list is waited for, so the ring of rows never overflows
-        post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, tl.arange(0, BLOCK_M), RING, MAX)
-
-
-@triton.jit
 def post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, r, RING: tl.constexpr, MAX: tl.constexpr):
     """The copy list src, dst [M] (n > 0 valid entries) and the banks' addresses into the mailbox's next row, then
     the row's sequence number (tick + 1, stored back to tick). `r`: an arange over at least M positions. The calling
@@ -216,7 +192,7 @@ def post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, r, RING: tl.constex
     seq = tl.load(tick) + 1
     tl.debug_barrier()  # every thread has read the tick before it moves
     tl.store(tick, seq)
-    row = mailbox + ((seq - 1) % RING) * (4 + 2 * MAX)
+    row = mailbox + ((seq - 1) % RING) * (HEADER + 2 * MAX)
     tl.store(row + 1, n)
     tl.store(row + 2, bank_a)
     tl.store(row + 3, bank_b)
@@ -224,26 +200,6 @@ def post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, r, RING: tl.constex
     tl.store(row + 4 + MAX + r, tl.load(dst + r, mask=r < M), mask=r < M)
     tl.debug_barrier()
     tl.store(row, _fence_system(seq))  # the sequence number last: the host reads the row once it changes
-
-
-def post_copy_list(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    count: torch.Tensor,
-    tick: torch.Tensor,
-    mailbox: torch.Tensor,
-    banks: tuple[torch.Tensor, torch.Tensor],
-    ring: int,
-    max_entries: int,
-) -> None:
-    """Write a non-empty copy list (src, dst: [M] int64, count: [] int64) and its banks' addresses to the next row
-    of `mailbox` ([ring, 4 + 2 * max_entries] int64, pinned host memory), then the row's sequence number (`tick`
-    + 1, stored back to `tick`). One program; the copy service (`edgemoe.moe.copy_service`) reads the row."""
-    M = src.numel()
-    _post_copy_list[(1,)](
-        src, dst, count, tick, mailbox, banks[0].data_ptr(), banks[1].data_ptr(), M, ring, max_entries,
-        triton.next_power_of_2(max(M, 1)), num_warps=1, **launch_args(src.device),
-    )  # fmt: skip
 
 
 @triton.jit

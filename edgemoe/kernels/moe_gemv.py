@@ -17,7 +17,7 @@ share the SMs with the copy's (both grids resident: a dependent grid starts only
 has started, so the waits cannot block the copy). Without the predecessor's wait nothing promises that an SM's L1
 is clean, so up reads its inputs and weights at L2 (`.cg`), and so does down for w2 (the copy wrote it; down's wait
 is for up). Every entry has a pair waiting on it, so by the time up has finished the whole list has arrived.
-When the copy engine does the copy (`edgemoe.moe.copy_service`) there is no copy grid: in a captured step `ensure`
+When the copy engine does the copy (`edgemoe.offload.copy_service`) there is no copy grid: in a captured step `ensure`
 posts the list itself and up follows it directly, so up waits for `ensure` (`Arrivals.after_ensure`) before it
 reads the slots, then for its entries as above.
 

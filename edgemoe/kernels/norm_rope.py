@@ -1,6 +1,6 @@
 """RMSNorm and the attention prologue (per-head q/k norm + rotary + KV-cache write) as one Triton launch each on CUDA,
 where torch runs ~8 and ~30 tiny kernels: decode-time cost is launches, not bytes.
-References: `RMSNorm._forward_torch` (`edgemoe.layers.norm`), `RotaryEmbedding.forward`
+References: `RMSNorm.reference` (`edgemoe.layers.norm`), `RotaryEmbedding.forward`
 (`edgemoe.layers.rotary`) and `index_copy_` into the cache (`PagedAttention.forward`); the kernels round where torch
 rounds:
 

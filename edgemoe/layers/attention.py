@@ -5,6 +5,10 @@ Decode attends with fixed shapes (block tables padded to a fixed width, masked b
 graph can capture it: on CUDA the Triton kernel `edgemoe.kernels.paged_attention` reads K/V in place up to each
 context length; elsewhere (and for head_dims it does not take) `_decode_torch`, its reference, gathers the padded
 table and masks. Prefill (plain torch) loops over sequences, which may have any length.
+
+`Attention` is the block every family shares: one qkv projection, an optional per-head q/k norm, RoPE, the KV-cache
+write and paged attention, the output projection. A family that transforms q, k, v before RoPE (OLMoE's norm over
+all heads, its clip) subclasses it and overrides `transform_qkv`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgemoe.engine.context import get_context
+from edgemoe.layers.linear import DecodeLinear
+from edgemoe.layers.norm import RMSNorm
+from edgemoe.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
@@ -22,16 +29,26 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size = block_size
         self.scale = head_dim**-0.5
-        self.fused_decode = head_dim >= 16 and head_dim & (head_dim - 1) == 0  # the kernel's tiles need a power of 2
         self.k_cache = torch.empty(0)  # assigned by the KV cache
         self.v_cache = torch.empty(0)
+        self._decode_kernel = None  # the Triton kernel, once `use_kernels` chose it
+
+    def use_kernels(self, device: torch.device) -> None:
+        if self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0:  # its tiles need a power of 2
+            from edgemoe.kernels.paged_attention import paged_decode_attention
+
+            self._decode_kernel = paged_decode_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]
+        self.write_kv(k, v)
+        return self.attend(q)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's k, v [tokens, kv_heads, head_dim] into their KV-cache slots."""
         slots = get_context().slot_mapping
         self.k_cache.index_copy_(0, slots, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(0, slots, v.to(self.v_cache.dtype))
-        return self.attend(q)
 
     def attend(self, q: torch.Tensor) -> torch.Tensor:
         """`forward` once the cache holds this step's k and v (on CUDA `attention_prologue` writes them, fused with
@@ -47,10 +64,8 @@ class PagedAttention(nn.Module):
         return self.k_cache[slots].transpose(1, 2), self.v_cache[slots].transpose(1, 2)
 
     def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
-        if q.is_cuda and self.fused_decode:
-            from edgemoe.kernels.paged_attention import paged_decode_attention  # CPU-only machines lack triton
-
-            return paged_decode_attention(
+        if self._decode_kernel is not None:
+            return self._decode_kernel(
                 q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale, self.block_size
             )
         return self._decode_torch(q, ctx)
@@ -80,3 +95,94 @@ class PagedAttention(nn.Module):
             outs.append(o[0].transpose(0, 1))
             start += n_new
         return torch.cat(outs)
+
+
+class Attention(nn.Module):
+    """Self-attention of a pre-norm decoder layer over the paged KV cache (Hugging Face parameter names, except q/k/v
+    as one `qkv_proj` whose row blocks the loader fills from q_proj, k_proj and v_proj: decode reads one weight in
+    one launch, not three)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        block_size: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        head_norm_eps: float | None = None,
+    ) -> None:
+        """`head_norm_eps`: a per-head RMSNorm of q and k before RoPE (Qwen3), None for none."""
+        super().__init__()
+        self.nq, self.nkv, self.d = num_heads, num_kv_heads, head_dim
+        self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.qkv_proj = DecodeLinear(hidden, sum(self.qkv_sizes), bias=qkv_bias)
+        self.o_proj = DecodeLinear(num_heads * head_dim, hidden, bias=o_bias)
+        self.q_norm = self.k_norm = None
+        if head_norm_eps is not None:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, head_norm_eps), RMSNorm(head_dim, head_norm_eps)
+        self.rotary = [rotary]  # shared, and kept out of this module's parameters
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, block_size)
+        self._prologue = self._prologue_reference
+        self._norm_gemv = None  # decode's input norm inside the qkv GEMV (GPUs without PDL), once chosen
+
+    def use_kernels(self, device: torch.device) -> None:
+        from edgemoe.kernels.dense_gemv import norm_gemv
+        from edgemoe.kernels.pdl import use_pdl
+
+        self._prologue = self._prologue_kernel
+        # only without PDL: with it, the fused GEMV's programs crowd the MoE down kernel (docs/findings.md, "Norm fusion")
+        self._norm_gemv = None if use_pdl(device) else norm_gemv
+
+    def transform_qkv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A family's change to q, k, v [tokens, heads * head_dim] before the per-head norm and RoPE (none here)."""
+        return q, k, v
+
+    def forward(self, x: torch.Tensor | None, positions: torch.Tensor, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [tokens, hidden] (normed); `qkv`: x's projection, already made (`add_norm_forward`; x is then None)."""
+        qkv = self.qkv_proj(x) if qkv is None else qkv
+        q, k, v = self.transform_qkv(*qkv.split(self.qkv_sizes, dim=-1))  # [tokens, heads * head_dim] each
+        q, k, v = q.view(-1, self.nq, self.d), k.view(-1, self.nkv, self.d), v.view(-1, self.nkv, self.d)
+        return self.o_proj(self.attn.attend(self._prologue(q, k, v, positions)))
+
+    def _prologue_reference(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-head q/k norm, RoPE and the KV-cache write -> rotated q (the reference of `_prologue_kernel`)."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        self.attn.write_kv(k, v)
+        return q
+
+    def _prologue_kernel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The same in one launch instead of up to five, which lets paged attention start before it waits for qkv."""
+        from edgemoe.kernels.norm_rope import attention_prologue
+
+        norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        cache = (self.attn.k_cache, self.attn.v_cache, get_context().slot_mapping)
+        return attention_prologue(q, k, v, positions, self.rotary[0].cos_sin, *cache, *norms)
+
+    def fuses_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> bool:
+        """Whether `add_norm_forward` runs `norm` inside the qkv GEMV: chosen (GPUs without PDL), one token, one dtype
+        throughout, a row that `norm_gemv` holds."""
+        if self._norm_gemv is None or x.dim() != 2 or x.shape[0] != 1:
+            return False
+        from edgemoe.kernels.dense_gemv import MAX_NORM_HIDDEN
+
+        tensors = (x, residual, norm.weight, self.qkv_proj.weight)
+        return len({t.dtype for t in tensors}) == 1 and x.shape[1] <= MAX_NORM_HIDDEN
+
+    def add_norm_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`self(norm(x, residual), positions)` with the residual add and the norm inside the qkv GEMV (where
+        `fuses_norm`): one launch fewer -> (attention output, x + residual)."""
+        qkv, h = self._norm_gemv(x, residual, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias)
+        return self(None, positions, qkv), h

@@ -7,6 +7,7 @@ Checkpoints store routed experts either one tensor per expert (`...experts.N.gat
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from types import ModuleType
@@ -17,7 +18,8 @@ from tqdm import tqdm
 
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.decoder import MoEForCausalLM, qkv_sizes
+from edgemoe.layers.kernels import select_kernels
+from edgemoe.models.decoder import MoEForCausalLM
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -44,7 +46,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def load_model(
-    folder: Path,
+    folder: Path | None,
     cfg: ModelConfig,
     family: ModuleType,
     device: torch.device,
@@ -53,19 +55,49 @@ def load_model(
     progress: bool = True,
     offload: bool = False,
 ) -> MoEForCausalLM:
-    """`offload`: routed experts go to host banks (`edgemoe.moe.banks`) instead of the device."""
+    """The model of `folder`'s checkpoint (None: random weights, `fill_random`) built for `device`: on the meta device
+    first, weights streamed into place, kernels chosen for the device. `offload`: routed experts go to host banks
+    (`edgemoe.offload.banks`) instead of the device."""
     with torch.device("meta"):
-        model = MoEForCausalLM(cfg, block_size).to(dtype)
+        model = MoEForCausalLM(cfg, family.LAYER, block_size).to(dtype)
     host = {}
     if offload:
-        from edgemoe.moe.banks import offload_experts
+        from edgemoe.offload.banks import offload_experts
 
         host = offload_experts(model, dtype, pin=device.type == "cuda", progress=progress)
     model.to_empty(device=device)
     model.tie_weights()
-    load_weights(model, folder, family, progress, host)
+    if folder is None:
+        fill_random(model, host)
+    else:
+        load_weights(model, folder, family, progress, host)
     model.model.rotary.build(device)
+    select_kernels(model, device)
     return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def fill_random(model: MoEForCausalLM, host: dict[str, torch.Tensor], seed: int = 0) -> None:
+    """Random weights for benchmarks of real geometries: norms 1, biases 0, matrices N(0, 1/fan_in); the routed
+    experts (device parameters or `host` banks alike, so resident and offloaded models hold the same values) a few
+    random experts tiled, since filling tens of GB with fresh random numbers would dominate the run."""
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n} | host
+    for name, p in model.named_parameters():
+        if name in experts:
+            continue
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0, 1 / math.sqrt(p.shape[-1] if "embed_tokens" not in name else 1), generator=gen)
+    cpu = torch.Generator().manual_seed(seed)
+    for _, bank in sorted(experts.items()):  # by name: the same values resident and offloaded
+        E, rest = bank.shape[0], bank.shape[1:]
+        tile = math.gcd(E, 4)
+        base = (torch.randn(tile, *rest, generator=cpu) / math.sqrt(rest[-1])).to(bank.device, bank.dtype)
+        bank.view(E // tile, tile, *rest).copy_(base.expand(E // tile, tile, *rest))
 
 
 def load_weights(
@@ -107,7 +139,7 @@ def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausa
     m = _QKV.match(name)
     if m:
         pname = f"{m.group(1)}.qkv_proj.{m.group(3)}"
-        sizes = qkv_sizes(model.config)
+        sizes = model.model.layers[0].self_attn.qkv_sizes
         part = "qkv".index(m.group(2))
         start = sum(sizes[:part])
         return pname, _param(params, pname, name)[start : start + sizes[part]]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.registry import common_fields
+from edgemoe.layers.attention import Attention
+from edgemoe.layers.rotary import RotaryEmbedding
+from edgemoe.models.decoder import DecoderLayer, moe_or_mlp
+from edgemoe.models.hf_config import common_fields
 
 MODEL_TYPE = "mixtral"
 
@@ -29,3 +32,15 @@ def normalise(hf: dict) -> ModelConfig:
 
 def rename(name: str) -> str:
     return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+class MixtralDecoderLayer(DecoderLayer):
+    """Plain attention; routed experts in every layer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, block_size: int) -> None:
+        super().__init__(cfg, layer)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, block_size)
+        self.mlp = moe_or_mlp(cfg, self)
+
+
+LAYER = MixtralDecoderLayer

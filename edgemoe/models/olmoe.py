@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import torch
+
 from edgemoe.config import ModelConfig
-from edgemoe.models.registry import common_fields
+from edgemoe.layers.attention import Attention
+from edgemoe.layers.norm import RMSNorm
+from edgemoe.layers.rotary import RotaryEmbedding
+from edgemoe.models.decoder import DecoderLayer, moe_or_mlp
+from edgemoe.models.hf_config import common_fields
 
 MODEL_TYPE = "olmoe"
 
@@ -20,10 +26,40 @@ def normalise(hf: dict) -> ModelConfig:
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         qkv_bias=bias,
         o_proj_bias=bias,
-        qk_norm="full",
         clip_qkv=hf.get("clip_qkv"),
     )
 
 
 def rename(name: str) -> str:
     return name
+
+
+class OlmoeAttention(Attention):
+    """q and k RMS-normed over all heads (not per head), then optionally every projection clipped, before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, block_size: int) -> None:
+        bias = cfg.qkv_bias
+        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, block_size, bias, bias)
+        self.q_norm = RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
+        self.clip = cfg.clip_qkv
+
+    def transform_qkv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        return q, k, v
+
+
+class OlmoeDecoderLayer(DecoderLayer):
+    """OLMoE's attention; routed experts in every layer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, block_size: int) -> None:
+        super().__init__(cfg, layer)
+        self.self_attn = OlmoeAttention(cfg, rotary, block_size)
+        self.mlp = moe_or_mlp(cfg, self)
+
+
+LAYER = OlmoeDecoderLayer

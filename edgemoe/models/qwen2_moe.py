@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from edgemoe.config import ModelConfig
-from edgemoe.models.registry import common_fields, sparse_layers
+from edgemoe.layers.attention import Attention
+from edgemoe.layers.rotary import RotaryEmbedding
+from edgemoe.models.decoder import DecoderLayer, moe_or_mlp
+from edgemoe.models.hf_config import common_fields, sparse_layers
 
 MODEL_TYPE = "qwen2_moe"
 
@@ -25,3 +28,17 @@ def normalise(hf: dict) -> ModelConfig:
 
 def rename(name: str) -> str:
     return name
+
+
+class Qwen2MoeDecoderLayer(DecoderLayer):
+    """Attention with qkv bias; routed experts plus a sigmoid-gated shared expert, or a dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, block_size: int) -> None:
+        super().__init__(cfg, layer)
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, block_size, qkv_bias=cfg.qkv_bias
+        )
+        self.mlp = moe_or_mlp(cfg, self, shared=cfg.shared_expert_intermediate_size)
+
+
+LAYER = Qwen2MoeDecoderLayer

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from edgemoe.config import ModelConfig
-from edgemoe.models.registry import common_fields, sparse_layers
+from edgemoe.layers.attention import Attention
+from edgemoe.layers.rotary import RotaryEmbedding
+from edgemoe.models.decoder import DecoderLayer, moe_or_mlp
+from edgemoe.models.hf_config import common_fields, sparse_layers
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -21,9 +24,24 @@ def normalise(hf: dict) -> ModelConfig:
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         qkv_bias=bias,
         o_proj_bias=bias,
-        qk_norm="head",
     )
 
 
 def rename(name: str) -> str:
     return name
+
+
+class Qwen3MoeDecoderLayer(DecoderLayer):
+    """Attention with a per-head RMSNorm of q and k before RoPE; routed experts, or a dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, block_size: int) -> None:
+        super().__init__(cfg, layer)
+        bias = cfg.qkv_bias
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, block_size, bias, bias,
+            head_norm_eps=cfg.rms_norm_eps,
+        )  # fmt: skip
+        self.mlp = moe_or_mlp(cfg, self)
+
+
+LAYER = Qwen3MoeDecoderLayer

@@ -18,26 +18,27 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.decode = decode_reference
+
+    def use_kernels(self, device: torch.device) -> None:
+        from edgemoe.kernels.moe_gemv import fused_experts
+
+        self.decode = fused_experts  # reads the chosen experts in place
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]
         if not get_context().is_prefill:  # sync-free, graph-capturable
-            return decode_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+            return self.decode(x, ids, weights, self.gate_up_proj, self.down_proj)
         if ids.numel() <= self.gate_up_proj.shape[0]:
             return gathered_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
         return grouped_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
 
 
-def decode_experts(
+def decode_reference(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, arrivals=None
 ) -> torch.Tensor:
-    """Decode's routed experts: on CUDA the fused GEMVs (`edgemoe.kernels.moe_gemv`), which read the chosen experts
-    in place (offloaded: `arrivals`, waiting for the miss copy's rows expert by expert); elsewhere
-    `gathered_experts`. Fixed shapes, no host synchronisation (CUDA graphs)."""
-    if x.is_cuda:
-        from edgemoe.kernels.moe_gemv import fused_experts  # triton is imported on CUDA machines only
-
-        return fused_experts(x, ids, weights, w13, w2, arrivals=arrivals)
+    """Decode's routed experts in plain torch (`gathered_experts`; the copy is done when `arrivals` is given), with
+    the signature of their kernel `edgemoe.kernels.moe_gemv.fused_experts`. Fixed shapes, no host synchronisation."""
     return gathered_experts(x, ids, weights, w13, w2)
 
 

@@ -1,9 +1,10 @@
+"""The sparse MoE block: router, routed experts, and the sigmoid-gated shared expert where a family has one."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from edgemoe.config import ModelConfig
 from edgemoe.engine.context import get_context
 from edgemoe.layers.mlp import GatedMLP
 from edgemoe.layers.norm import RMSNorm
@@ -16,19 +17,28 @@ class SparseMoE(nn.Module):
 
     With a `side_stream` (CUDA, `set_shared_expert_stream`), the shared expert and its gate run there, forked once
     the layer input is ready and joined before the sum, so they overlap the routed experts' router, ensure, miss
-    copy and GEMVs on the current stream (forking later, just before the copy, measured slower on the H200:
-    benchmarks/RESULTS.md). Same ops, same sum: outputs are bitwise equal with and without the side stream."""
+    copy and GEMVs on the current stream. Same ops, same sum: outputs are bitwise equal with and without it.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    `index`: this block's place among the model's MoE layers (the routing seam's row, the expert cache's layer)."""
+
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, inter: int, norm_topk_prob: bool, index: int, shared: int = 0
+    ) -> None:
         super().__init__()
-        self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.top_k, self.norm_topk_prob, self.index = top_k, norm_topk_prob, index
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, inter)
         self.shared_expert = self.shared_expert_gate = None
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        if shared:
+            self.shared_expert = GatedMLP(hidden, shared)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.side_stream: torch.cuda.Stream | None = None
+        self._fused_route = self._norm_route = None  # decode's router kernels, once `use_kernels` chose them
+
+    def use_kernels(self, device: torch.device) -> None:
+        from edgemoe.kernels.router import fused_route, norm_route
+
+        self._fused_route, self._norm_route = fused_route, norm_route
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [tokens, hidden]; routing: (ids, weights) already chosen (`add_norm_forward`), else the router runs."""
@@ -45,39 +55,47 @@ class SparseMoE(nn.Module):
         return routed + shared
 
     def fuses_norm(self, x: torch.Tensor, norm: RMSNorm) -> bool:
-        """Whether `add_norm_forward` can run `norm` inside the router: decode on CUDA, a row in one gate tile, one
-        dtype for x and both weights."""
-        if not x.is_cuda or get_context().is_prefill or len({x.dtype, self.gate.weight.dtype, norm.weight.dtype}) > 1:
+        """Whether `add_norm_forward` can run `norm` inside the router: decode with kernels, a row in one gate tile,
+        one dtype for x and both weights."""
+        if self._norm_route is None or get_context().is_prefill:
             return False
-        from edgemoe.kernels.router import MAX_NORM_HIDDEN  # CPU-only machines lack triton
+        from edgemoe.kernels.router import MAX_NORM_HIDDEN
 
-        return x.shape[-1] <= MAX_NORM_HIDDEN
+        return len({x.dtype, self.gate.weight.dtype, norm.weight.dtype}) == 1 and x.shape[-1] <= MAX_NORM_HIDDEN
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, ...]:
         """`self(norm(x, residual))` with the residual add and the norm inside the router's gate GEMV (where
         `fuses_norm`): one launch fewer -> (this block's output, x + residual)."""
-        from edgemoe.kernels.router import norm_route
-
         valid = get_context().valid
-        xn, h, ids, weights = norm_route(
+        xn, h, ids, weights = self._norm_route(
             x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.norm_topk_prob, valid
         )
         return self(xn, (ids, weights)), h
 
-    def _routed(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        if routing is not None:
-            return self.experts(x, *routing)
-        if x.is_cuda and not get_context().is_prefill:
-            from edgemoe.kernels.router import fused_route  # CPU-only machines lack triton
-
-            # decode: gate GEMV and routing, two launches instead of ~6 (softmax, top-k, cast, padding rows...)
-            ids, weights = fused_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, get_context().valid)
-            return self.experts(x, ids, weights)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> (ids, weights) [tokens, top_k]. Decode with kernels: the gate GEMV and the routing in
+        two launches instead of ~6; padding rows reuse row 0's experts (no extra fetches, no extra counts)."""
+        ctx = get_context()
+        if self._fused_route is not None and not ctx.is_prefill:
+            return self._fused_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, ctx.valid)
         ids, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        valid = get_context().valid
-        if valid is not None:  # padding rows reuse row 0's experts: no extra fetches, no extra counts
-            ids = torch.where(valid[:, None], ids, ids[:1])
-        return self.experts(x, ids, weights)
+        if ctx.valid is not None:
+            ids = torch.where(ctx.valid[:, None], ids, ids[:1])
+        return ids, weights
+
+    def routed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The routing seam: ids given from outside (`ForwardContext.forced_ids`, a trace) replace the router's, and
+        the ids used are written out where the context asks (`routed_ids`). Views and one copy: graph-capturable."""
+        ctx = get_context()
+        if ctx.forced_ids is not None:
+            ids = ctx.forced_ids[self.index]
+        if ctx.routed_ids is not None and not ctx.is_prefill:
+            ctx.routed_ids[self.index].copy_(ids)
+        return ids
+
+    def _routed(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        ids, weights = self.route(x) if routing is None else routing
+        return self.experts(x, self.routed(ids), weights)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

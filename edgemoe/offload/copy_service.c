@@ -17,13 +17,13 @@
  * and their counters are written after it; otherwise each row is one `cuMemcpyHtoDAsync`.
  *
  * A bank row is laid out as a slot (the same bytes from one row to the next). Where an expert's down row follows its
- * gate_up row in memory, in the banks and in the slots (`joined`: edgemoe.moe.offload.split_rows, the engine's
+ * gate_up row in memory, in the banks and in the slots (`joined`: edgemoe.offload.layout.split_rows, the engine's
  * layout), an entry is one copy of both; otherwise two (what a copy costs the copy engine besides its bytes:
  * benchmarks/copy_service.py, host_joined against host_rows).
  *
  * Mailbox row (int64): seq, count, bank_a, bank_b, src[max_entries], dst[max_entries]. CUDA is reached through
  * driver entry points the Python side passes in (libcuda's own), so this file needs no CUDA headers.
- * Built and loaded by edgemoe/moe/copy_service.py.
+ * Built and loaded by edgemoe/offload/copy_service.py.
  */
 #include <stddef.h>
 #include <stdint.h>

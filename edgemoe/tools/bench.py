@@ -8,13 +8,13 @@ rows, each measured before the runs and again after them; every bound uses the h
 ceiling: on the H200 one run's H2D figure came out at 52.2 GB/s where the link ran at 55.3, which would have raised
 that run's ratios by up to 6 %). Random weights route almost uniformly, so `--routing-trace` can drive the cache
 instead: a recorded trace (`--record-routing`, .npy [steps, layers, top_k]) or `synthetic`
-(`edgemoe.moe.cache_sim.synthetic_trace`: per layer Zipf(1.0) popularity, each pick repeating a previous-step expert
+(`edgemoe.tools.cache_sim.synthetic_trace`: per layer Zipf(1.0) popularity, each pick repeating a previous-step expert
 with probability 0.3). Decode runs eager and, where it captures, as one CUDA graph per step (the same step,
 replayed). Resident decode keeps every expert on the device as parameters (no cache, no ensure, no miss copy): its
 bound is the HBM roofline; its experts hold the same values as the offloaded banks', so both decode the same tokens.
 
 `--shared-expert-overlap off,on` runs each configuration with the shared expert inline and on the side stream;
-`--profile N` records N replayed graph steps per graph-upload policy (`edgemoe.profiler`) and reports kernel
+`--profile N` records N replayed graph steps per graph-upload policy (`edgemoe.tools.profiler`) and reports kernel
 counts, busy time, inter-kernel gaps per stream and the side stream's overlap with the miss copy.
 """
 
@@ -41,13 +41,13 @@ from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
-from edgemoe.models.random_checkpoint import PRESETS, hf_config
 from edgemoe.models.registry import families
-from edgemoe.moe.banks import offload_experts
-from edgemoe.moe.cache_sim import load_trace, synthetic_trace
 from edgemoe.moe.experts import Experts
 from edgemoe.moe.layer import set_shared_expert_stream
-from edgemoe.moe.offload import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
+from edgemoe.offload.banks import offload_experts
+from edgemoe.offload.experts import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
+from edgemoe.tools.cache_sim import load_trace, synthetic_trace
+from edgemoe.tools.make_model import PRESETS, hf_config
 
 GEOMETRIES = list(PRESETS)  # real ones fix their family; tiny and small are qwen2_moe (smoke runs)
 
@@ -347,7 +347,7 @@ def profile_uploads(step, steps: int) -> dict:
     follows one of a single replay, discarded: in offloaded steps the policy profiled first (`auto`) read 10-15 %
     slower than `none` in every profile of sessions 17-18 (benchmarks/RESULTS.md), most likely the profiler's
     set-up in its first session slowing the copy service's driver calls, so every policy now gets the same start."""
-    from edgemoe.profiler import record, summarize
+    from edgemoe.tools.profiler import record, summarize
 
     out = {}
     for name, (upload, warm) in UPLOAD_VARIANTS.items():
@@ -472,7 +472,7 @@ def _row(r: dict) -> str:
 
 def profile_lines(profile: dict) -> list[str]:
     """`--profile`'s figures as text: a line per upload policy, then the default policy's copy lists (offloaded
-    graph replays: `edgemoe.profiler._copy_lists`) and costliest kernels, each with what it adds to its stream's
+    graph replays: `edgemoe.tools.profiler._copy_lists`) and costliest kernels, each with what it adds to its stream's
     timeline per step (under PDL its own duration counts its wait)."""
     lines = []
     for name, p in profile.items():

@@ -1,9 +1,9 @@
 """Offloaded routed experts: each MoE layer's experts run over the shared device slot pool of an `ExpertCache`,
-their weights coming from host banks (`edgemoe.moe.banks`) on a miss. Also sizes the cache.
+their weights coming from host banks (`edgemoe.offload.banks`) on a miss. Also sizes the cache.
 
 Decode (at most S distinct experts in a layer's step, which the minimum cache size guarantees) is one `ensure`,
 one miss copy and the same expert kernel as resident experts, all fixed-shape and sync-free; on CUDA the expert
-kernel waits for each missed expert's rows, not for the whole copy (`edgemoe.kernels.miss_copy.Arrivals`).
+kernel waits for each missed expert's rows, not for the whole copy (`edgemoe.offload.protocol.Arrivals`).
 Prefill may need more experts than there are slots: they are made resident in waves of at most S, in expert
 order, and each pair is computed exactly as the resident path would (same functions, same order), so outputs
 are bitwise equal to resident experts.
@@ -20,8 +20,10 @@ from torch import nn
 from edgemoe.config import ExpertCacheConfig, ModelConfig
 from edgemoe.engine.context import get_context
 from edgemoe.errors import EdgeMoEError
-from edgemoe.moe.expert_cache import Ensured, ExpertCache
-from edgemoe.moe.experts import decode_experts, gathered_experts
+from edgemoe.moe.experts import gathered_experts
+from edgemoe.offload.expert_cache import ExpertCache
+from edgemoe.offload.layout import ExpertLayout
+from edgemoe.offload.protocol import Ensured
 
 MiB = 2**20
 
@@ -29,12 +31,15 @@ MiB = 2**20
 class OffloadedExperts(nn.Module):
     """Drop-in for `Experts`; the banks are plain host tensors (not parameters), so no `.to()` moves them."""
 
-    def __init__(self, layer: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+    def __init__(self, layer: int, bank: torch.Tensor, layout: ExpertLayout) -> None:
         super().__init__()
-        self.layer = layer  # index among MoE layers
-        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj  # [E, 2I, H], [E, H, I] on the host
-        self.num_experts = gate_up_proj.shape[0]
+        self.layer, self.layout = layer, layout  # layer: index among MoE layers
+        self.gate_up_proj, self.down_proj = layout.views(bank)  # [E, 2I, H], [E, H, I] on the host
+        self.num_experts = bank.shape[0]
         self.cache: ExpertCache | None = None  # set by attach_expert_cache
+
+    def use_kernels(self, device: torch.device) -> None:
+        self.layout.use_kernels(device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]; the same kernel choice as `Experts.forward`
@@ -45,7 +50,7 @@ class OffloadedExperts(nn.Module):
             cache = self.cache
             if get_context().is_prefill:  # bitwise as resident
                 return gathered_experts(x, got.slots, weights, cache.w13, cache.w2)
-            return decode_experts(x, got.slots, weights, cache.w13, cache.w2, cache.arrivals(got))
+            return self.layout.decode(x, got.slots, weights, cache.w13, cache.w2, arrivals=cache.arrivals(got))
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
         return self._grouped_waves(x, ids, weights)
@@ -100,15 +105,6 @@ class OffloadedExperts(nn.Module):
         return out
 
 
-def split_rows(joined: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [N, 2I, H] and down [N, H, I] views of `joined` [N, 3 * I * H]: each row holds an expert's gate_up
-    weights, then its down weights, so one expert is one run of memory, in the host banks and in the slot pool
-    alike, and a miss is one copy (`edgemoe/moe/copy_service.c`)."""
-    split = 2 * inter * hidden
-    assert joined.shape[1] == 3 * inter * hidden and joined.stride(1) == 1
-    return joined[:, :split].unflatten(1, (2 * inter, hidden)), joined[:, split:].unflatten(1, (hidden, inter))
-
-
 def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.expert_params * dtype.itemsize
 
@@ -150,13 +146,13 @@ def cache_slots(
 def attach_expert_cache(
     model: nn.Module, slots: int, policy: str, collect_stats: bool, device: torch.device, dtype: torch.dtype
 ) -> ExpertCache:
-    """One cache and slot pool (S slots + a scratch slot, each an expert's rows side by side: `split_rows`) for all
+    """One cache and slot pool (S slots + a scratch slot, each an expert's row in the layers' `ExpertLayout`) for all
     of `model`'s offloaded MoE layers."""
     cfg = model.config
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
-    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    cache = ExpertCache(len(layers), cfg.num_experts, slots, policy, device, expert_bytes(cfg, dtype), collect_stats)
-    cache.attach_pool(*split_rows(torch.empty(slots + 1, 3 * inter * H, dtype=dtype, device=device), inter, H))
+    layout = layers[0].layout if layers else ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+    cache = ExpertCache(len(layers), cfg.num_experts, slots, policy, device, layout.row_bytes, collect_stats)
+    cache.attach_pool(*layout.views(layout.empty(slots + 1, device)))
     for m in layers:
         m.cache = cache
     if device.type == "cuda" and layers:

@@ -1,5 +1,5 @@
-"""Host banks: routed-expert weights in host memory, one contiguous bank per MoE layer, each expert's gate_up and
-down weights side by side in its row (`edgemoe.moe.offload.split_rows`: a miss is one copy), pinned when the device
+"""Host banks: routed-expert weights in host memory, one contiguous bank per MoE layer, each expert's row laid out by
+its `ExpertLayout` (`edgemoe.offload.layout`: a miss is one copy), pinned when the device
 is CUDA, so that copies to the GPU run at full PCIe speed and a kernel can read them through unified addressing.
 The loader fills them straight from safetensors, one checkpoint tensor at a time, so peak host memory stays about
 the model's size.
@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
-from edgemoe.moe.offload import OffloadedExperts, split_rows
+from edgemoe.offload.experts import OffloadedExperts
+from edgemoe.offload.layout import ExpertLayout
 
 
 def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -45,11 +46,11 @@ def offload_experts(
     targets, index = {}, 0
     layers = [(i, layer) for i, layer in enumerate(model.model.layers) if layer.is_moe]
     desc = "allocating pinned expert banks" if pin else "allocating expert banks"
+    layout = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
     for i, layer in tqdm(layers, desc=desc, unit="layer", disable=not progress or None, leave=False):
-        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        w13, w2 = split_rows(allocate_bank((E, 3 * inter * H), dtype, pin), inter, H)
-        layer.mlp.experts = OffloadedExperts(index, w13, w2)
-        targets[f"model.layers.{i}.mlp.experts.gate_up_proj"] = w13
-        targets[f"model.layers.{i}.mlp.experts.down_proj"] = w2
+        experts = OffloadedExperts(index, allocate_bank((cfg.num_experts, layout.row), dtype, pin), layout)
+        layer.mlp.experts = experts
+        targets[f"model.layers.{i}.mlp.experts.gate_up_proj"] = experts.gate_up_proj
+        targets[f"model.layers.{i}.mlp.experts.down_proj"] = experts.down_proj
         index += 1
     return targets

@@ -8,99 +8,18 @@ list write there, so no step needs a host-side length. Invariant: `slot_of[k] ==
 `ensure` is fixed-shape and never synchronises with the host (no .item(), nonzero or boolean indexing), so a
 decode step that calls it can be captured in a CUDA graph. On CUDA it is one Triton launch
 (`edgemoe.kernels.ensure`), elsewhere plain torch (`_ensure_torch`, the kernel's oracle).
-`edgemoe.moe.reference.EnsureReference` is the plain-Python oracle of both; `edgemoe.moe.cache_sim` replays routing
+`edgemoe.moe.reference.EnsureReference` is the plain-Python oracle of both; `edgemoe.tools.cache_sim` replays routing
 traces through this same class.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from edgemoe.offload.policies import KEY_MAX, POLICIES
+from edgemoe.offload.protocol import Arrivals, Ensured
+
 STAT_FIELDS = ("accesses", "hits", "misses", "evictions", "bytes_copied")
-KEY_MAX = 1e300
-
-
-class EvictionPolicy:
-    """Ranks slots for eviction. `keys` -> [S] float64, larger is evicted first (ties: the lower slot first)."""
-
-    def __init__(self, num_layers: int, num_experts: int, num_slots: int, device: torch.device | str) -> None:
-        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
-
-    def keys(self, owner: torch.Tensor, clock: torch.Tensor, layer: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def update(self, layer: int, needed: torch.Tensor, slots: torch.Tensor, clock: torch.Tensor) -> None:
-        """After `layer`'s step: `needed [E]` bool, `slots [E]` the slot of each needed expert (S elsewhere)."""
-        raise NotImplementedError
-
-
-class LRU(EvictionPolicy):
-    """Evict the slot whose last use is oldest, in layer-steps of the whole model."""
-
-    def __init__(self, num_layers: int, num_experts: int, num_slots: int, device: torch.device | str) -> None:
-        super().__init__(num_layers, num_experts, num_slots, device)
-        self.last_use = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
-
-    def keys(self, owner: torch.Tensor, clock: torch.Tensor, layer: int) -> torch.Tensor:
-        return (clock - self.last_use[: self.num_slots]).double()
-
-    def update(self, layer: int, needed: torch.Tensor, slots: torch.Tensor, clock: torch.Tensor) -> None:
-        self.last_use.scatter_(0, slots, clock.expand(slots.shape))
-
-
-class Scored(EvictionPolicy):
-    """Evict the slot whose expected next use is furthest away, in layer-steps.
-
-    Per (layer, expert): `freq`, an exponential moving average of "used at this layer's step" (frequency, weight
-    FREQ on the newest visit), and `last`, used at the layer's latest step (recency). Per layer: `reuse`, the
-    moving average (weight REUSE) of how much more often the latest step's experts are used again than their
-    frequency predicts, rho = max(0, (u - f) / (1 - f)) (u: share reused, f: their mean freq). The chance of use
-    at the layer's next step is p = rho * last + (1 - rho) * freq. Layer l runs again in
-    d = (l - current - 1) mod L + 1 layer-steps (the layer that just ran: L), so the expected next use is
-    d + L * (1/p - 1) layer-steps away: that is the key. Measured against LRU and Belady in benchmarks/RESULTS.md.
-    """
-
-    FREQ = 0.03
-    REUSE = 0.05
-
-    def __init__(self, num_layers: int, num_experts: int, num_slots: int, device: torch.device | str) -> None:
-        super().__init__(num_layers, num_experts, num_slots, device)
-        self.freq = torch.zeros(num_layers * num_experts + 1, dtype=torch.float64, device=device)
-        self.last = torch.zeros_like(self.freq)  # 1.0 where used at the layer's latest step
-        self.reuse = torch.zeros(num_layers, dtype=torch.float64, device=device)
-
-    def keys(self, owner: torch.Tensor, clock: torch.Tensor, layer: int) -> torch.Tensor:
-        L = self.num_layers
-        owner = owner.clamp_min(0)  # free slots: any value, the cache ranks them first anyway
-        owner_layer = owner // self.num_experts
-        rho = self.reuse[owner_layer]
-        p = rho * self.last[owner] + (1 - rho) * self.freq[owner]
-        return L * (1 / p - 1) + ((owner_layer - layer - 1) % L + 1)
-
-    def update(self, layer: int, needed: torch.Tensor, slots: torch.Tensor, clock: torch.Tensor) -> None:
-        E = self.num_experts
-        used = needed.double()
-        last, freq = self.last[layer * E : (layer + 1) * E], self.freq[layer * E : (layer + 1) * E]
-        seen = last.sum().clamp_min(1)  # counts: exact in float64
-        reused = (used * last).sum() / seen
-        chance = (last * freq).cumsum(0)[-1] / seen  # cumsum: a sequential sum, as the reference's
-        rho = ((reused - chance) / (1 - chance).clamp_min(1e-12)).clamp_min(0)
-        self.reuse[layer : layer + 1].mul_(1 - self.REUSE).add_(rho * self.REUSE)
-        freq.mul_(1 - self.FREQ).add_(used * self.FREQ)
-        last.copy_(used)
-
-
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRU, "scored": Scored}
-
-
-class Ensured(NamedTuple):
-    slots: torch.Tensor  # ids' shape: the pool slot of each (token, k)
-    src: torch.Tensor  # [M] experts to copy (0 past `count`)
-    dst: torch.Tensor  # [M] their slots (the scratch slot S past `count`)
-    count: torch.Tensor  # [] number of valid copy-list entries (the misses)
-    posted: bool = False  # the fused `ensure` already posted the list to the copy service (`ensure`'s banks)
 
 
 class ExpertCache:
@@ -136,19 +55,27 @@ class ExpertCache:
         self.w13: torch.Tensor | None = None  # [S + 1, 2 * inter, hidden]
         self.w2: torch.Tensor | None = None  # [S + 1, hidden, inter]
         self.copy_service = None  # a CopyService once `start_copy_service` ran (CUDA)
+        # the implementation, chosen once for the device: one Triton launch on CUDA, plain torch elsewhere
+        if self.device.type == "cuda":
+            from edgemoe.kernels.ensure import ensure_fused
+            from edgemoe.kernels.miss_copy import copy_rows_pair
+
+            self._ensure_impl, self._copy_rows = ensure_fused, copy_rows_pair
+        else:
+            self._ensure_impl, self._copy_rows = None, None
 
     def attach_pool(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         assert w13.shape[0] == w2.shape[0] == self.num_slots + 1, "the pool has S slots plus one scratch slot"
         self.w13, self.w2 = w13, w2
 
     def start_copy_service(self) -> None:
-        """Hand the miss copy to the copy engine (`edgemoe.moe.copy_service`): CUDA pools, pinned banks."""
+        """Hand the miss copy to the copy engine (`edgemoe.offload.copy_service`): CUDA pools, pinned banks."""
         from edgemoe.kernels.miss_copy import chunks_per_entry
-        from edgemoe.moe import copy_service
+        from edgemoe.offload import copy_service
 
-        pools, group = (self.w13, self.w2), copy_service.BATCH_GROUP
+        pools = (self.w13, self.w2)
         counters, chunks = self.arrival_counters, chunks_per_entry(pools)
-        self.copy_service = copy_service.CopyService(pools, counters, chunks, self.num_experts, group)
+        self.copy_service = copy_service.CopyService(pools, counters, chunks, self.num_experts)
 
     def reset(self) -> None:
         """Empty the cache in place: tensor addresses stay, so CUDA graphs captured over them remain valid.
@@ -167,20 +94,18 @@ class ExpertCache:
         """[L, E] view: slot of each (layer, expert), -1 where absent."""
         return self.slot_of[:-1].view(self.num_layers, self.num_experts)
 
-    def ensure(self, layer: int, ids: torch.Tensor, banks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Ensured:
+    def ensure(self, layer: int, ids: torch.Tensor, banks: tuple[torch.Tensor, torch.Tensor]) -> Ensured:
         """Make every expert in `ids` (any shape, of MoE layer `layer`) resident, choosing victims by the policy.
 
         At most S distinct experts (callers split larger sets into waves). Updates mapping, policy state and
-        stats; the copy list it returns must be applied (`copy_missing`) before the slots are read. CUDA: the fused
-        Triton kernel (one launch); CPU: `_ensure_torch`. `banks` (w13, w2 banks: where the copies come from): in a
-        step that posts to the copy service, the kernel posts the list itself as soon as its victims are chosen
-        (`edgemoe.kernels.ensure.FUSED_POST`), and `copy_missing` has nothing left to do."""
-        if self.slot_of.is_cuda:
-            from edgemoe.kernels import ensure
-
-            posts = banks is not None and ensure.FUSED_POST and self._posts()
-            return ensure.ensure_fused(self, layer, ids, post=self.copy_service.target(banks) if posts else None)
-        return self._ensure_torch(layer, ids)
+        stats; the copy list it returns must be applied (`copy_missing`) before the slots are read. `banks` (gate_up,
+        down): where the copies come from. CUDA: the fused Triton kernel (one launch), which in a captured step posts
+        the list to the copy service itself as soon as its victims are chosen (`copy_missing` then has nothing left
+        to do); elsewhere `_ensure_torch`."""
+        if self._ensure_impl is None:
+            return self._ensure_torch(layer, ids)
+        post = self.copy_service.target(banks) if self._posts() else None
+        return self._ensure_impl(self, layer, ids, post=post)
 
     def _ensure_torch(self, layer: int, ids: torch.Tensor) -> Ensured:
         """`ensure` in plain torch: the CPU path, and the oracle of `edgemoe.kernels.ensure` (bitwise, state too).
@@ -223,7 +148,7 @@ class ExpertCache:
 
     @property
     def arrival_counters(self) -> torch.Tensor | None:
-        """[E] the miss copy's per-entry counters (`edgemoe.kernels.miss_copy.Arrivals`), zeroed by the fused
+        """[E] the miss copy's per-entry counters (`edgemoe.offload.protocol.Arrivals`), zeroed by the fused
         `ensure` (part of its scratch); None before a CPU cache's first fused `ensure`."""
         if self.ensure_scratch is None:
             return None
@@ -231,29 +156,24 @@ class ExpertCache:
 
     def arrivals(self, copy: Ensured):
         """CUDA: what the expert GEMV needs to wait for `copy`'s entries one by one instead of the whole copy
-        (`edgemoe.kernels.miss_copy.Arrivals`); None elsewhere, where the copy is done when `copy_missing` returns."""
+        (`edgemoe.offload.protocol.Arrivals`); None elsewhere, where the copy is done when `copy_missing` returns."""
         if not self.w13.is_cuda:
             return None
-        from edgemoe.kernels.miss_copy import Arrivals, chunks_per_entry
+        from edgemoe.kernels.miss_copy import chunks_per_entry
 
         counters, chunks = self.arrival_counters, chunks_per_entry((self.w13, self.w2))
         return Arrivals(copy.dst, copy.count, counters, chunks, after_ensure=copy.posted)
 
     def copy_missing(self, copy: Ensured, w13_bank: torch.Tensor, w2_bank: torch.Tensor) -> None:
-        """Copy the listed experts' rows, bank -> pool, counting each entry's arrival (CUDA). Captured with a copy
-        service: one post of the list to it (`edgemoe.engine.cuda_graphs.ServedGraph` serves its replays), which must
-        be waited for (per entry by the expert GEMV's `arrivals`, or by `await_copy`) before the next post;
-        otherwise on CUDA one Triton launch for both banks (sync-free, graph-capturable; the banks must be pinned);
-        CPU: `copy_rows_reference`. A list `ensure` posted itself (`copy.posted`) is left to the service."""
+        """Copy the listed experts' rows, bank -> pool. A list `ensure` posted to the copy service (captured steps:
+        `copy.posted`) is left to the service, which `edgemoe.engine.cuda_graphs.ServedGraph` serves at replay.
+        Otherwise on CUDA one Triton launch for both banks, counting each entry's arrival (sync-free,
+        graph-capturable; the banks must be pinned); elsewhere `copy_rows_reference`."""
         if copy.posted:
             return
-        if self._posts():
-            self.copy_service.post(copy.src, copy.dst, copy.count, (w13_bank, w2_bank))
-        elif self.w13.is_cuda:
-            from edgemoe.kernels.miss_copy import copy_rows_pair
-
+        if self._copy_rows is not None:
             counters = self.arrival_counters
-            copy_rows_pair((self.w13, self.w2), (w13_bank, w2_bank), copy.src, copy.dst, copy.count, counters)
+            self._copy_rows((self.w13, self.w2), (w13_bank, w2_bank), copy.src, copy.dst, copy.count, counters)
         else:
             copy_rows_reference(self.w13, w13_bank, copy.src, copy.dst)
             copy_rows_reference(self.w2, w2_bank, copy.src, copy.dst)
@@ -261,11 +181,11 @@ class ExpertCache:
     def await_copy(self, copy: Ensured) -> None:
         """Order the stream after `copy`'s rows arrived, for captured readers that do not wait entry by entry. Only
         posted copies run off the stream."""
-        if self._posts():
+        if copy.posted:
             self.copy_service.wait(copy.count)
 
     def _posts(self) -> bool:
-        """Whether copies go to the copy service: only in a graph capture (see `edgemoe.moe.copy_service`)."""
+        """Whether copies go to the copy service: only in a graph capture (see `edgemoe.offload.copy_service`)."""
         return self.copy_service is not None and torch.cuda.is_current_stream_capturing()
 
     def stats_dict(self, layer_ids: list[int] | None = None) -> dict:

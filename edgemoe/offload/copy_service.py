@@ -4,13 +4,12 @@ pinned host memory, and the thread that replayed it serves the lists until the s
 rows' copies on the service's stream (`cuMemcpyBatchAsync`, BATCH_GROUP entries a call) and marking each entry
 arrived in the expert cache's arrival counters, on which the expert GEMV waits.
 
-Why: rows read by SMs from pinned memory reach ~0.89 of a pinned memcpy, copy-engine copies served this way
-0.95-0.97 from two rows a layer on (0.93 for one: the post costs ~9 us a layer; benchmarks/copy_service.py,
-benchmarks/RESULTS.md), and the SMs stay free for the experts that hit.
-Only captured steps post (the fused `ensure` itself, as soon as its victims are chosen: `PostTarget`; or a post
-kernel after it, `ExpertCache.copy_missing`); eager steps keep the SM copy, since their thread runs ahead of the
-GPU launching kernels and cannot also serve it. `edgemoe.engine.cuda_graphs.ServedGraph.replay`
-serves the services a graph posted to during its capture.
+Why: copy-engine copies reach a larger share of a pinned memcpy than SMs reading pinned memory, and leave the SMs
+to the experts that hit (docs/findings.md, "Miss copy").
+Only captured steps post (the fused `ensure` itself, as soon as its victims are chosen: `PostTarget`); eager steps
+keep the SM copy, since their thread runs ahead of the GPU launching kernels and cannot also serve it. The services
+a capture posted to become that graph's replay hooks (`recording_posts`, registered with
+`edgemoe.engine.cuda_graphs`), so each replay serves them.
 """
 
 from __future__ import annotations
@@ -28,25 +27,13 @@ from typing import NamedTuple
 
 import torch
 
+from edgemoe.engine.cuda_graphs import add_capture_hook
 from edgemoe.errors import EdgeMoEError
+from edgemoe.offload.protocol import HEADER, RING, PostTarget
 
 SOURCE = Path(__file__).with_name("copy_service.c")
-BATCH_GROUP = 2  # entries a batched copy call covers (each group's counters are written after its call); 0: none.
-# 2: 0.95 of a pinned memcpy from 2 rows a layer on (benchmarks/copy_service.py), decode at least as fast as 1 or 8
-# (benchmarks/decode_variants.py --copy-batch-group; benchmarks/RESULTS.md)
-RING = 2  # mailbox rows: the GPU waits for each list it posts before it posts the next
+BATCH_GROUP = 2  # entries a batched copy call covers (each group's counters written after it): docs/findings.md
 _RECORDERS: list[list[CopyService]] = []  # open `recording_posts` blocks
-
-
-class PostTarget(NamedTuple):
-    """A copy service's mailbox, as a kernel that posts to it takes it."""
-
-    tick: torch.Tensor  # [] int64 on the device: lists posted so far
-    mailbox: torch.Tensor  # [ring, 4 + 2 * max_entries] int64, pinned host memory
-    bank_a: int  # the banks' addresses (gate_up, down)
-    bank_b: int
-    ring: int
-    max_entries: int
 
 
 class HostTimings(NamedTuple):
@@ -164,7 +151,9 @@ class CopyService:
         device = pools[0].device
         self.driver = driver or Driver(device)
         self.max_entries = max_entries
-        self.mailbox = torch.zeros((RING, 4 + 2 * max_entries), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.mailbox = torch.zeros(
+            (RING, HEADER + 2 * max_entries), dtype=torch.int64, pin_memory=device.type == "cuda"
+        )
         self.tick = torch.zeros((), dtype=torch.int64, device=device)  # lists posted so far
         self.counters, self.chunks = counters, chunks
         copy, write, query, batch = self.driver.functions
@@ -189,17 +178,6 @@ class CopyService:
         strides = [bank.stride(0) * bank.element_size() for bank in banks]
         assert strides == self.strides, f"bank rows {strides} bytes apart, the pool's slots {self.strides}"
 
-    def post(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, banks: tuple[torch.Tensor, ...]) -> None:
-        """Post a copy list (one sync-free launch, for capture): `serve` then copies banks[k][src[i]] to pool k's slot
-        dst[i] for i < count and sets counters[i] to `chunks`. The counters must be zero (ensure zeroes them). Each
-        bank's rows must lie as far apart as its pool's slots (the service addresses both alike)."""
-        from edgemoe.kernels.miss_copy import post_copy_list
-
-        assert src.numel() <= self.max_entries, "a copy list longer than the mailbox row"
-        self._check(banks)
-        post_copy_list(src, dst, count, self.tick, self.mailbox, banks, RING, self.max_entries)
-        self._record()
-
     def target(self, banks: tuple[torch.Tensor, ...]) -> PostTarget:
         """Where a kernel that posts a list itself (`edgemoe.kernels.miss_copy.post_list`, inside `ensure`) writes it,
         for copies from `banks`; the caller launches that kernel next (it counts as a post, as `post` does)."""
@@ -217,6 +195,12 @@ class CopyService:
         from edgemoe.kernels.miss_copy import await_copy_list
 
         await_copy_list(count, self.counters, self.chunks)
+
+    def before_replay(self) -> None:
+        pass
+
+    def after_replay(self) -> None:
+        self.serve()
 
     def serve(self) -> None:
         """Serve the lists the work queued so far posts, until it has all run (a host wait, the step's)."""
@@ -237,10 +221,13 @@ class CopyService:
 
 @contextlib.contextmanager
 def recording_posts() -> Iterator[list[CopyService]]:
-    """Inside: the services that `post` was called on (during a graph capture: those its replays must serve)."""
+    """Inside: the services posted to (during a graph capture: those its replays must serve, as its replay hooks)."""
     posted: list[CopyService] = []
     _RECORDERS.append(posted)
     try:
         yield posted
     finally:
         _RECORDERS.remove(posted)
+
+
+add_capture_hook(recording_posts)

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.moe.expert_cache import POLICIES, ExpertCache
+from edgemoe.offload.expert_cache import POLICIES, ExpertCache
 
 SIM_POLICIES = (*POLICIES, "belady")
 

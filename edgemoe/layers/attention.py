@@ -133,7 +133,7 @@ class Attention(nn.Module):
         from edgemoe.kernels.pdl import use_pdl
 
         self._prologue = self._prologue_kernel
-        # only without PDL: with it, the fused GEMV's programs crowd the MoE down kernel (docs/findings.md, "Norm fusion")
+        # only without PDL: with it, the fused GEMV crowds the MoE down kernel (docs/findings.md, "Norm fusion")
         self._norm_gemv = None if use_pdl(device) else norm_gemv
 
     def transform_qkv(

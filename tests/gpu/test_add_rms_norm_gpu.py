@@ -1,5 +1,5 @@
 """The residual add fused into RMSNorm (`add_rms_norm`, `edgemoe.kernels.norm_rope`) compiled on CUDA: against its
-torch reference `RMSNorm._forward_torch(x, residual)` and against the unfused pair it replaces (torch's add, then
+torch reference `RMSNorm.reference(x, residual)` and against the unfused pair it replaces (torch's add, then
 `rms_norm`) at real shapes in float32 and bf16, through the layer's CUDA dispatch, without host synchronisation,
 replayed from a CUDA graph with new inputs; and the whole decoder on CUDA against its textbook form.
 
@@ -28,7 +28,7 @@ def check(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])  # inputs only read
     assert h.dtype == torch.promote_types(x.dtype, residual.dtype) and torch.equal(h, x + residual)
     assert torch.equal(out, rms_norm(x + residual, norm.weight, EPS))  # what the decoder launched before
-    ref_out, ref_h = norm._forward_torch(x, residual)
+    ref_out, ref_h = norm.reference(x, residual)
     assert torch.equal(h, ref_h)
     assert_close_to_reference(out, ref_out, h.dtype)
     layer_out, layer_h = norm(x, residual)  # the layer dispatches to the kernel on CUDA

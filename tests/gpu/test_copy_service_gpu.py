@@ -1,4 +1,4 @@
-"""The copy service on CUDA (`edgemoe.moe.copy_service`): captured decode steps post copy lists, and `replay` serves
+"""The copy service on CUDA (`edgemoe.offload.copy_service`): captured decode steps post copy lists, and `replay` serves
 them by the copy engine. Ensure + post + the wait captured in a CUDA graph and replayed against the CPU cache and
 the banks' rows, bitwise, with an expert's two rows apart or side by side (one copy); eager calls keep the SM copy
 and post nothing; the capture records the service, without host synchronisation; the engine's graphs run through
@@ -11,8 +11,8 @@ import torch
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.engine.cuda_graphs import capture_graph
-from edgemoe.moe.expert_cache import POLICIES, ExpertCache
-from edgemoe.moe.offload import split_rows
+from edgemoe.offload.layout_cache import POLICIES, ExpertCache
+from edgemoe.offload.layout import split_rows
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.gpu.test_expert_offload import ensure_copy_read, pinned_bank
 from tests.moe.test_expert_cache import random_trace

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgemoe.moe.expert_cache import POLICIES, Ensured, ExpertCache
+from edgemoe.offload.expert_cache import POLICIES, Ensured, ExpertCache
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.moe.test_expert_cache import check_invariants, random_trace
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.moe.banks import allocate_bank
-from edgemoe.moe.expert_cache import POLICIES, ExpertCache, copy_rows_reference
+from edgemoe.offload.banks import allocate_bank
+from edgemoe.offload.expert_cache import POLICIES, ExpertCache, copy_rows_reference
 from tests.gpu.sync_free import decode_without_sync
 from tests.moe.test_expert_cache import random_trace
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from edgemoe.engine.cuda_graphs import capture_graph
-from edgemoe.moe.banks import allocate_bank
-from edgemoe.moe.expert_cache import ExpertCache, copy_rows_reference
-from edgemoe.profiler import MISS_COPY, record
+from edgemoe.offload.banks import allocate_bank
+from edgemoe.offload.expert_cache import ExpertCache, copy_rows_reference
+from edgemoe.tools.profiler import MISS_COPY, record
 from tests.gpu.sync_free import host_sync_forbidden
 
 S, M = 7, 5

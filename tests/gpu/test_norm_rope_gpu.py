@@ -1,5 +1,5 @@
 """RMSNorm, rotary and attention-prologue kernels (`edgemoe.kernels.norm_rope`) compiled on CUDA against their torch
-references (`RMSNorm._forward_torch`, `RotaryEmbedding.forward`, `index_copy_` into the KV cache) at real
+references (`RMSNorm.reference`, `RotaryEmbedding.forward`, `index_copy_` into the KV cache) at real
 shapes in float32 and bf16, without host synchronisation, through the layers' CUDA dispatch (`SelfAttention` against
 its unfused sequence), and replayed from a CUDA graph with new inputs.
 
@@ -71,7 +71,7 @@ def test_rms_norm_matches_reference(hidden: int, tokens: int, dtype: torch.dtype
     norm = make_norm(hidden, dtype, g)
     x = randn(tokens, hidden, g=g, dtype=dtype, scale=3.0)
     out = rms_norm(x, norm.weight, EPS)
-    assert_close_to_reference(out, norm._forward_torch(x), dtype)
+    assert_close_to_reference(out, norm.reference(x), dtype)
     assert torch.equal(norm(x), out)  # the layer dispatches to the kernel on CUDA
 
 
@@ -83,15 +83,15 @@ def test_per_head_norm_on_projection_views(tokens: int, dtype: torch.dtype) -> N
     q_norm, k_norm = make_norm(HEAD_DIM, dtype, g), make_norm(HEAD_DIM, dtype, g)
     q = randn(tokens, HEADS * HEAD_DIM, g=g, dtype=dtype).view(-1, HEADS, HEAD_DIM)
     k = randn(tokens, KV_HEADS * HEAD_DIM, g=g, dtype=dtype).view(-1, KV_HEADS, HEAD_DIM)
-    assert_close_to_reference(q_norm(q), q_norm._forward_torch(q), dtype)
-    assert_close_to_reference(k_norm(k), k_norm._forward_torch(k), dtype)
+    assert_close_to_reference(q_norm(q), q_norm.reference(q), dtype)
+    assert_close_to_reference(k_norm(k), k_norm.reference(k), dtype)
 
 
 def test_rms_norm_mixed_dtypes_promote_like_torch() -> None:
     g = gen(7)
     norm = make_norm(2048, torch.bfloat16, g, weight_dtype=torch.float32)
     x = randn(5, 2048, g=g, dtype=torch.bfloat16)
-    out, ref = norm(x), norm._forward_torch(x)
+    out, ref = norm(x), norm.reference(x)
     assert out.dtype == ref.dtype == torch.float32
     assert_close_to_reference(out, ref, torch.bfloat16)
 
@@ -140,7 +140,7 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
         eager = prologue()
         for o, e in zip(outs, eager):
             assert torch.equal(o, e)  # every element rewritten, deterministic
-        assert_close_to_reference(outs[0], input_norm._forward_torch(x), dtype)
+        assert_close_to_reference(outs[0], input_norm.reference(x), dtype)
         q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
         k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
         q_ref, k_ref = rotary(pos, q_norm(q), k_norm(k))  # on the kernel's norms: rotary alone
@@ -213,7 +213,7 @@ def test_prologue_matches_torch_references(shape: tuple[int, int, int], tokens: 
     for x, w, x_n in ((q, q_w, q_n), (k, k_w, k_n)):
         norm = RMSNorm(HEAD_DIM, EPS)
         norm.weight.data = w
-        assert_close_to_reference(x_n, norm._forward_torch(x), dtype)
+        assert_close_to_reference(x_n, norm.reference(x), dtype)
 
 
 def test_prologue_offsets_past_int32() -> None:

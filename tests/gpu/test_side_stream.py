@@ -10,7 +10,7 @@ import torch
 from edgemoe import LLM, SamplingParams
 from edgemoe.engine.streams import side_stream
 from edgemoe.moe.layer import SparseMoE
-from edgemoe.profiler import record, summarize
+from edgemoe.tools.profiler import record, summarize
 
 PROMPTS = ["ROMEO.\n", "Of Man's first disobedience", "To be, or not to be, that is the question:"]
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -1,5 +1,5 @@
 """The residual add fused into RMSNorm (`add_rms_norm`, Triton's interpreter on CPU) against its torch reference
-`RMSNorm._forward_torch(x, residual)` and against `rms_norm` of torch's own sum, on fresh random inputs: hidden sizes
+`RMSNorm.reference(x, residual)` and against `rms_norm` of torch's own sum, on fresh random inputs: hidden sizes
 off powers of two, 3-D shapes, strided views, mixed dtypes, round-to-nearest-even ties in the add.
 
 The sum must be bitwise torch's `x + residual`, and the norm bitwise `rms_norm` of it (same arithmetic); against the
@@ -44,7 +44,7 @@ def check(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> None:
     out, h = add_rms_norm(x, residual, norm.weight, norm.eps)
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])  # inputs only read
     assert h.is_contiguous() and out.is_contiguous()
-    ref_out, ref_h = norm._forward_torch(x, residual)
+    ref_out, ref_h = norm.reference(x, residual)
     assert h.dtype == ref_h.dtype and torch.equal(h, ref_h)  # torch's add, bitwise
     assert torch.equal(out, rms_norm(ref_h, norm.weight, norm.eps))  # the unfused kernel on torch's sum, bitwise
     assert_close_to_reference(out, ref_out, h.dtype)

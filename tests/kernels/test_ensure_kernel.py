@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from edgemoe.kernels.ensure import ensure_fused  # noqa: E402
 from edgemoe.kernels.miss_copy import copy_rows  # noqa: E402
-from edgemoe.moe.expert_cache import POLICIES, ExpertCache, copy_rows_reference  # noqa: E402
+from edgemoe.offload.expert_cache import POLICIES, ExpertCache, copy_rows_reference  # noqa: E402
 from tests.kernels import interpreter_only  # noqa: E402
 from tests.moe.test_expert_cache import check_invariants, random_trace  # noqa: E402
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
-from edgemoe.moe.expert_cache import copy_rows_reference
-from edgemoe.moe.offload import split_rows
+from edgemoe.offload.layout_cache import copy_rows_reference
+from edgemoe.offload.layout import split_rows
 from tests.kernels import interpreter_only
 
 pytestmark = interpreter_only

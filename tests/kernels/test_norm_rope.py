@@ -1,5 +1,5 @@
 """RMSNorm, rotary and attention-prologue kernels (Triton's interpreter on CPU) against their torch references,
-`RMSNorm._forward_torch`, `RotaryEmbedding.forward` and `index_copy_` into the KV cache, on fresh random inputs
+`RMSNorm.reference`, `RotaryEmbedding.forward` and `index_copy_` into the KV cache, on fresh random inputs
 and weights: head dims and hidden sizes off powers of two, 3-D per-head norms, strided views, mixed weight /
 activation dtypes, repeated positions, MHA / GQA / MQA, random slots in a random cache.
 
@@ -26,7 +26,7 @@ HALF = [torch.bfloat16, torch.float16]
 def norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     norm = RMSNorm(weight.shape[0], eps)
     norm.weight.data = weight
-    return norm._forward_torch(x)
+    return norm.reference(x)
 
 
 def random_weight(dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.random_checkpoint import make_model
+from edgemoe.tools.make_model import make_model
 from edgemoe.models.registry import read_config
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

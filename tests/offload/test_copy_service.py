@@ -1,4 +1,4 @@
-"""The copy service's serve loop (`edgemoe/moe/copy_service.c`, built with the system's C compiler) on the CPU: the
+"""The copy service's serve loop (`edgemoe/offload/copy_service.c`, built with the system's C compiler) on the CPU: the
 CUDA driver entry points it calls are ctypes callbacks over host memory (a memmove for `cuMemcpyHtoDAsync`, memmoves
 for `cuMemcpyBatchAsync`, a plain store for `cuStreamWriteValue64`, and for `cuEventQuery` a stand-in GPU that posts
 the next list, as `edgemoe.kernels.miss_copy.post_copy_list` writes it, once the last one's entries are marked
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.moe import copy_service
-from edgemoe.moe.copy_service import RING, CopyService
-from edgemoe.moe.expert_cache import copy_rows_reference
-from edgemoe.moe.offload import split_rows
+from edgemoe.offload import copy_service
+from edgemoe.offload.copy_service import RING, CopyService
+from edgemoe.offload.layout_cache import copy_rows_reference
+from edgemoe.offload.layout import split_rows
 
 E, S, CHUNKS = 10, 6, 7
 NOT_READY = 600

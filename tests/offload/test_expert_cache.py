@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgemoe.moe.expert_cache import POLICIES, ExpertCache, Scored
+from edgemoe.offload.expert_cache import POLICIES, ExpertCache, Scored
 from edgemoe.moe.reference import EnsureReference
 
 

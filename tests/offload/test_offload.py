@@ -8,9 +8,10 @@ import torch
 
 from edgemoe import LLM, EdgeMoEError, SamplingParams
 from edgemoe.cli import main
-from edgemoe.models.random_checkpoint import make_model
-from edgemoe.moe.expert_cache import copy_rows_reference
-from edgemoe.moe.offload import OffloadedExperts, split_rows
+from edgemoe.tools.make_model import make_model
+from edgemoe.offload.layout_cache import copy_rows_reference
+from edgemoe.offload.layout import OffloadedExperts
+from edgemoe.offload.layout import split_rows
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

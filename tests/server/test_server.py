@@ -107,7 +107,7 @@ def test_model_folder_and_characters_never_split(tmp_path):
     byte-level tokens freely (the demo model never leaves ASCII): no delta ends in an incomplete byte sequence,
     and the deltas add up to the non-streamed text of the same seed. (Whole multi-byte characters held back
     until complete: tests/test_tokenizer.py, on the detokenizer the server streams from.)"""
-    from edgemoe.models.random_checkpoint import make_model
+    from edgemoe.tools.make_model import make_model
 
     folder = make_model(tmp_path / "rnd-tiny", "qwen2_moe", "tiny", dtype="float32")
     server = ServerProcess(tmp_path, "--model", str(folder))

@@ -88,9 +88,9 @@ def test_resident_and_offloaded_bench_models_decode_the_same_tokens() -> None:
     transformers)."""
     import torch
 
-    from edgemoe.bench import Decoder, build_model, routing
+    from edgemoe.tools.bench import Decoder, build_model, routing
     from edgemoe.engine.kv_cache import KVCache
-    from edgemoe.moe.offload import attach_expert_cache
+    from edgemoe.offload.experts import attach_expert_cache
 
     dev, dtype, context = torch.device("cpu"), torch.float32, 24
     tokens = {}
@@ -118,7 +118,7 @@ def test_trace_drives_every_layer_with_its_step_row() -> None:
     is looked up once a step, then read by every layer), wrapping around at the trace's end."""
     import torch
 
-    from edgemoe.bench import Decoder, build_model, routing
+    from edgemoe.tools.bench import Decoder, build_model, routing
     from edgemoe.engine.kv_cache import KVCache
     from edgemoe.moe.experts import Experts
 
@@ -146,7 +146,7 @@ def test_trace_drives_every_layer_with_its_step_row() -> None:
 
 def test_bounds_use_the_higher_bandwidth_of_the_two_measurements() -> None:
     """`settle_bounds` against the bound computed by hand (SYSTEM.md: HBM bytes / HBM + missed bytes / PCIe)."""
-    from edgemoe.bench import set_bound, settle_bounds
+    from edgemoe.tools.bench import set_bound, settle_bounds
 
     first = {"hbm_bytes_per_s": 4.0e12, "h2d_bytes_per_s": 50.0e9}
     runs = [{"tok_s": 40.0, "hbm_bytes_per_token": 6.0e9, "miss_bytes_per_token": 1.0e9}, {"error": "no capture"}]

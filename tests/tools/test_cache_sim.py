@@ -12,7 +12,7 @@ import pytest
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.cli import main
-from edgemoe.moe.cache_sim import POLICIES, belady, min_slots, simulate, synthetic_trace
+from edgemoe.tools.cache_sim import POLICIES, belady, min_slots, simulate, synthetic_trace
 
 
 def tiny_lru(trace: np.ndarray, slots: int) -> int:

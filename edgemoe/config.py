@@ -96,7 +96,7 @@ class ExpertCacheConfig:
     record_routing: str | None = None  # .npy path: routed expert ids of one sequence's decode
 
     def __post_init__(self) -> None:
-        from edgemoe.offload.expert_cache import POLICIES
+        from edgemoe.offload.policies import POLICIES
 
         if self.moe_strategy not in MOE_STRATEGIES:
             raise EdgeMoEError(f"unknown moe_strategy {self.moe_strategy!r}: use resident or offload")

@@ -90,10 +90,12 @@ class ModelRunner:
         graphs.capture(self.forward_static)
         self.graphs = graphs
 
-    def forward_static(self, b: int) -> torch.Tensor:
-        """One decode step over the first b rows of the static buffers -> logits [b, vocab] (what graphs capture)."""
+    def forward_static(self, b: int, forced_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step over the first b rows of the static buffers -> logits [b, vocab] (what graphs capture).
+        `forced_ids` [moe_layers, b, top_k]: routed ids that replace the router's (a routing trace)."""
         d = self.decode
-        ctx = d.context(b, routed_ids=None if self.routed_ids is None else self.routed_ids[:, :b])
+        routed = None if self.routed_ids is None else self.routed_ids[:, :b]
+        ctx = d.context(b, routed_ids=routed, forced_ids=forced_ids)
         return self._forward(d.ids[:b], d.positions[:b], ctx, logits_rows=None)
 
     def _forward(

@@ -121,7 +121,8 @@ class Attention(nn.Module):
         self.qkv_proj = DecodeLinear(hidden, sum(self.qkv_sizes), bias=qkv_bias)
         self.o_proj = DecodeLinear(num_heads * head_dim, hidden, bias=o_bias)
         self.q_norm = self.k_norm = None
-        if head_norm_eps is not None:
+        self.head_norm = head_norm_eps is not None
+        if self.head_norm:
             self.q_norm, self.k_norm = RMSNorm(head_dim, head_norm_eps), RMSNorm(head_dim, head_norm_eps)
         self.rotary = [rotary]  # shared, and kept out of this module's parameters
         self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, block_size)
@@ -153,7 +154,7 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Per-head q/k norm, RoPE and the KV-cache write -> rotated q (the reference of `_prologue_kernel`)."""
-        if self.q_norm is not None:
+        if self.head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
         self.attn.write_kv(k, v)
@@ -165,7 +166,7 @@ class Attention(nn.Module):
         """The same in one launch instead of up to five, which lets paged attention start before it waits for qkv."""
         from edgemoe.kernels.norm_rope import attention_prologue
 
-        norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.head_norm else (None, None, 0.0)
         cache = (self.attn.k_cache, self.attn.v_cache, get_context().slot_mapping)
         return attention_prologue(q, k, v, positions, self.rotary[0].cos_sin, *cache, *norms)
 

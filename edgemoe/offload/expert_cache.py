@@ -94,17 +94,17 @@ class ExpertCache:
         """[L, E] view: slot of each (layer, expert), -1 where absent."""
         return self.slot_of[:-1].view(self.num_layers, self.num_experts)
 
-    def ensure(self, layer: int, ids: torch.Tensor, banks: tuple[torch.Tensor, torch.Tensor]) -> Ensured:
+    def ensure(self, layer: int, ids: torch.Tensor, banks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Ensured:
         """Make every expert in `ids` (any shape, of MoE layer `layer`) resident, choosing victims by the policy.
 
         At most S distinct experts (callers split larger sets into waves). Updates mapping, policy state and
         stats; the copy list it returns must be applied (`copy_missing`) before the slots are read. `banks` (gate_up,
-        down): where the copies come from. CUDA: the fused Triton kernel (one launch), which in a captured step posts
-        the list to the copy service itself as soon as its victims are chosen (`copy_missing` then has nothing left
-        to do); elsewhere `_ensure_torch`."""
+        down): where the copies come from (None: bookkeeping only, as the cache simulator). CUDA: the fused Triton
+        kernel (one launch), which in a captured step posts the list to the copy service itself as soon as its victims
+        are chosen (`copy_missing` then has nothing left to do); elsewhere `_ensure_torch`."""
         if self._ensure_impl is None:
             return self._ensure_torch(layer, ids)
-        post = self.copy_service.target(banks) if self._posts() else None
+        post = self.copy_service.target(banks) if banks is not None and self._posts() else None
         return self._ensure_impl(self, layer, ids, post=post)
 
     def _ensure_torch(self, layer: int, ids: torch.Tensor) -> Ensured:

@@ -21,10 +21,8 @@ counts, busy time, inter-kernel gaps per stream and the side stream's overlap wi
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -32,24 +30,26 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from edgemoe.config import ExpertCacheConfig, parse_size
-from edgemoe.engine.context import ForwardContext, set_context
-from edgemoe.engine.cuda_graphs import ServedGraph, capture_graph
+from edgemoe.engine.cuda_graphs import HookedGraph, capture_graph
 from edgemoe.engine.kv_cache import KVCache
+from edgemoe.engine.model_runner import ModelRunner
+from edgemoe.engine.scheduler import Batch
+from edgemoe.engine.sequence import Sequence
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
-from edgemoe.models.registry import families
-from edgemoe.moe.experts import Experts
+from edgemoe.models.loader import load_model
+from edgemoe.models.registry import FAMILIES
 from edgemoe.moe.layer import set_shared_expert_stream
-from edgemoe.offload.banks import offload_experts
 from edgemoe.offload.experts import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
+from edgemoe.sampling_params import SamplingParams
 from edgemoe.tools.cache_sim import load_trace, synthetic_trace
 from edgemoe.tools.make_model import PRESETS, hf_config
 
 GEOMETRIES = list(PRESETS)  # real ones fix their family; tiny and small are qwen2_moe (smoke runs)
+BLOCK_SIZE = 16
 
 
 def build_model(
@@ -60,39 +60,22 @@ def build_model(
     positions: int = 0,
     resident: bool = False,
 ) -> MoEForCausalLM:
-    """A random-weight model: dense weights on `device`, experts in (pinned) host banks, or with `resident` on
-    `device` as parameters holding the same values. Its RoPE table covers at least `positions` (a benchmark may run
-    a geometry past its trained context)."""
+    """A random-weight model of a named geometry, through the loader (`load_model` without a checkpoint): dense
+    weights on `device`, experts in (pinned) host banks, or with `resident` on `device` holding the same values. Its
+    RoPE table covers at least `positions` (a benchmark may run a geometry past its trained context)."""
     preset = dict(PRESETS[geometry])
     preset["max_position_embeddings"] = max(preset.get("max_position_embeddings") or 0, positions)
-    family = preset.pop("family", "qwen2_moe")
-    cfg = families()[family].normalise(hf_config(family, preset, preset["vocab_size"] or 6144, layers))
-    with torch.device("meta"):
-        model = MoEForCausalLM(cfg).to(dtype)
-    banks = {} if resident else offload_experts(model, dtype, pin=device.type == "cuda")
-    model.to_empty(device=device)
-    if resident:
-        banks = {n: p for n, p in model.named_parameters() if ".experts." in n}
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".experts." in name:
-                continue  # filled below, as banks
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0, 1 / math.sqrt(p.shape[-1] if "embed_tokens" not in name else 1), generator=gen)
-        # banks: a few random experts tiled (filling 60 GB with fresh random numbers would dominate the run)
-        cpu = torch.Generator().manual_seed(0)
-        for _, bank in sorted(banks.items()):  # by name: the same values resident and offloaded
-            E, rest = bank.shape[0], bank.shape[1:]
-            tile = math.gcd(E, 4)
-            base = (torch.randn(tile, *rest, generator=cpu) / math.sqrt(rest[-1])).to(bank.device, dtype)
-            bank.view(E // tile, tile, *rest).copy_(base.expand(E // tile, tile, *rest))
-    model.model.rotary.build(device)
-    return model.eval().requires_grad_(False)
+    family = FAMILIES[preset.pop("family", "qwen2_moe")]
+    cfg = family.normalise(hf_config(family.MODEL_TYPE, preset, preset["vocab_size"] or 6144, layers))
+    return load_model(None, cfg, family, device, dtype, BLOCK_SIZE, progress=False, offload=not resident)
+
+
+def make_runner(model: MoEForCausalLM, tokens: int) -> ModelRunner:
+    """A batch-1 `ModelRunner` over a KV cache of `tokens` positions, whose one sequence's block table is every
+    block in order (slot = position)."""
+    device = model.lm_head.weight.device
+    kv = KVCache(model.config, -(-tokens // BLOCK_SIZE), BLOCK_SIZE, model.lm_head.weight.dtype, device)
+    return ModelRunner(model, kv, device, 1, kv.num_blocks)
 
 
 def timed(fn, device: torch.device, reps: int) -> float:
@@ -142,45 +125,31 @@ def routing(spec: str | None, steps: int, moe_layers: int, experts: int, top_k: 
 
 
 class Decoder:
-    """Batch-1 decode with static buffers: next token = argmax, positions advance on the device, and the routed ids
-    come from the trace row `step` (a device counter) when a trace is given, so a step can be graph-captured."""
+    """Batch-1 decode through the `ModelRunner`'s static decode step, with no host round trip between steps: the next
+    token is the argmax and the position advances on the device, and with a trace the routed ids come from its row
+    `step` (a device counter) through the routing seam (`ForwardContext.forced_ids`), so a step can be captured."""
 
-    def __init__(self, model: MoEForCausalLM, kv: KVCache, context: int, trace: np.ndarray | None) -> None:
-        dev = next(model.parameters()).device
-        self.model, self.device = model, dev
-        self.ids = torch.zeros(1, dtype=torch.long, device=dev)
-        self.pos = torch.full((1,), context, dtype=torch.long, device=dev)
-        self.ctx = ForwardContext(False, self.pos, self.pos + 1, torch.arange(kv.num_blocks, device=dev)[None])
-        self.step_ix = torch.zeros(1, dtype=torch.long, device=dev)
-        self.trace = None if trace is None else torch.from_numpy(trace.astype(np.int64)).to(dev)
-        self.step_ids = None if trace is None else torch.empty_like(self.trace[:1])  # [1, layers, top_k]
-        self.hooks = []
+    def __init__(self, runner: ModelRunner, context: int, trace: np.ndarray | None) -> None:
+        self.runner, self.device = runner, runner.device
+        self.buffers = runner.decode
+        table = list(range(runner.kv.num_blocks))
+        self.buffers.fill([0], [context], [context], [context + 1], [table])  # slot = position
+        self.step_ix = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.trace = None if trace is None else torch.from_numpy(trace.astype(np.int64)).to(self.device)
+        self.step_ids = None  # [layers, 1, top_k]: the step's row of the trace
         if self.trace is not None:
-            experts = [m for m in model.modules() if isinstance(m, (Experts, OffloadedExperts))]  # MoE layer order
-            for layer, m in enumerate(experts):
-                self.hooks.append(m.register_forward_pre_hook(functools.partial(self._route, layer=layer)))
-
-    def _route(self, module: nn.Module, args: tuple, layer: int) -> tuple:
-        x, ids, weights = args
-        if ids.shape[0] != 1:
-            return args  # prefill: the router decides
-        return x, self.step_ids[0, layer].view(1, -1), weights  # a view: no kernel in the layer
+            self.step_ids = torch.empty_like(self.trace[0]).unsqueeze(1)
 
     def step(self) -> None:
-        set_context(self.ctx)
-        if self.trace is not None:  # the step's row, once: a lookup per layer added a torch kernel to every layer
-            torch.index_select(self.trace, 0, self.step_ix, out=self.step_ids)
-        hidden = self.model(self.ids, self.pos)
-        self.ids.copy_(self.model.logits(hidden).argmax(-1))
-        self.pos.add_(1)
-        self.ctx.context_lens.add_(1)
+        if self.trace is not None:  # the step's row, once: a lookup per layer added a kernel to every layer
+            torch.index_select(self.trace, 0, self.step_ix, out=self.step_ids.view(1, *self.trace.shape[1:]))
+        logits = self.runner.forward_static(1, forced_ids=self.step_ids)
+        b = self.buffers
+        b.ids[:1].copy_(logits.argmax(-1))
+        for t in (b.positions, b.slots, b.context_lens):
+            t[:1].add_(1)
         if self.trace is not None:
             self.step_ix.add_(1).remainder_(self.trace.shape[0])
-
-    def close(self) -> None:
-        set_context(None)
-        for h in self.hooks:
-            h.remove()
 
 
 def prewarm(model: MoEForCausalLM, rows: torch.Tensor) -> None:
@@ -192,24 +161,19 @@ def prewarm(model: MoEForCausalLM, rows: torch.Tensor) -> None:
             m.load(row[m.layer].view(1, -1))
 
 
-def prefill(model: MoEForCausalLM, kv: KVCache, tokens: int) -> float:
-    """Seconds for one prompt of `tokens` random ids (the router picks experts; prefill runs in waves)."""
-    dev = kv.k.device
-    ids = torch.randint(model.config.vocab_size, (tokens,), device=dev)
-    pos = torch.arange(tokens, device=dev)
-    blocks = torch.arange(-(-tokens // kv.block_size), device=dev)[None]
-    ctx = ForwardContext(True, pos, torch.tensor([tokens], device=dev), blocks, [tokens], [tokens])
-    set_context(ctx)
-    try:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(ids, pos)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-    finally:
-        set_context(None)
+def prefill(runner: ModelRunner, tokens: int) -> float:
+    """Seconds for one prompt of `tokens` random ids through the runner (the router picks experts; offloaded experts
+    are made resident in waves)."""
+    ids = torch.randint(runner.model.config.vocab_size, (tokens,)).tolist()
+    seq = Sequence(ids, SamplingParams(max_tokens=1), None, None)
+    seq.block_table = list(range(-(-tokens // BLOCK_SIZE)))
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    runner.compute_logits(Batch([seq], [tokens], True))
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def run_bench(a: argparse.Namespace) -> dict:
@@ -226,8 +190,8 @@ def run_bench(a: argparse.Namespace) -> dict:
     model = build_model(a.geometry, a.layers, device, dtype, max(a.context, a.prefill) + total_steps + 1, resident)
     cfg = model.config
     L, per_expert = sum(cfg.moe_layers), expert_bytes(cfg, dtype)
-    kv = KVCache(cfg, -(-(max(a.context, a.prefill) + total_steps) // 16), 16, dtype, device)
-    kv.bind([layer.self_attn.attn for layer in model.model.layers])
+    runner = make_runner(model, max(a.context, a.prefill) + total_steps)
+    kv = runner.kv
     dense = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".experts." not in n)
     embed = model.model.embed_tokens.weight
     dense_read = dense - (0 if cfg.tie_word_embeddings else embed.numel() * embed.element_size())
@@ -250,10 +214,10 @@ def run_bench(a: argparse.Namespace) -> dict:
     }
     if a.moe_strategy == "resident":
         if a.prefill:
-            prefill(model, kv, 16)  # warm-up: kernel compilation, allocator
-            seconds = prefill(model, kv, a.prefill)
+            prefill(runner, 16)  # warm-up: kernel compilation, allocator
+            seconds = prefill(runner, a.prefill)
             result["prefill"] = {"tokens": a.prefill, "seconds": seconds, "tok_s": a.prefill / seconds}
-        decode_runs(result, a, model, kv, None, trace, L * cfg.num_experts, "resident", bw, dense_read + kv_read)
+        decode_runs(result, a, runner, None, trace, L * cfg.num_experts, "resident", bw, dense_read + kv_read)
         return settled(result, device, per_expert)
     sizes = (
         [("moe_cache_fraction", float(f)) for f in a.moe_cache_fraction.split(",")]
@@ -267,9 +231,9 @@ def run_bench(a: argparse.Namespace) -> dict:
         for policy in a.moe_policy.split(","):
             cache = attach_expert_cache(model, slots, policy, True, device, dtype)
             if a.prefill and not result.get("prefill"):
-                prefill(model, kv, 16)  # warm-up: kernel compilation, allocator
+                prefill(runner, 16)  # warm-up: kernel compilation, allocator
                 before = int(cache.stats[:, 4].sum())
-                seconds = prefill(model, kv, a.prefill)
+                seconds = prefill(runner, a.prefill)
                 missed = int(cache.stats[:, 4].sum()) - before
                 stream = missed / bw["h2d_bytes_per_s"] if bw["h2d_bytes_per_s"] else None
                 result["prefill"] = {
@@ -280,7 +244,7 @@ def run_bench(a: argparse.Namespace) -> dict:
                     "pcie_stream_seconds": stream,
                     "pcie_stream_over_time": stream / seconds if stream else None,
                 }
-            decode_runs(result, a, model, kv, cache, trace, slots, policy, bw, dense_read + kv_read)
+            decode_runs(result, a, runner, cache, trace, slots, policy, bw, dense_read + kv_read)
             del cache
             model.apply(lambda m: setattr(m, "cache", None) if isinstance(m, OffloadedExperts) else None)
             if device.type == "cuda":
@@ -311,14 +275,14 @@ def settled(result: dict, device: torch.device, row_bytes: int) -> dict:
     return result
 
 
-def decode_runs(result: dict, a, model, kv, cache, trace, slots: int, policy: str, bw: dict, fixed_read: int) -> None:
+def decode_runs(result: dict, a, runner, cache, trace, slots: int, policy: str, bw: dict, fixed_read: int) -> None:
     """`decode` for each shared-expert overlap setting and mode, appended to result["runs"] and printed."""
-    device = next(model.parameters()).device
+    model, device = runner.model, runner.device
     for overlap in overlaps(a, device, model):
         if device.type == "cuda":
             set_shared_expert_stream(model, side_stream(device.index or 0) if overlap else None)
         for mode in a.mode.split(",") if device.type == "cuda" else ("eager",):
-            run = decode(model, kv, cache, trace, a, mode, slots, policy, bw, fixed_read, result["expert_bytes"])
+            run = decode(runner, cache, trace, a, mode, slots, policy, bw, fixed_read, result["expert_bytes"])
             result["runs"].append({**run, "shared_expert_overlap": overlap})
             print(_row(result["runs"][-1]), file=sys.stderr)
             for line in profile_lines(run.get("profile", {})):
@@ -333,7 +297,7 @@ def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM)
     return wanted
 
 
-def capture(step: Callable[[], object], upload: str = "auto", warm_replay: bool = False) -> ServedGraph:
+def capture(step: Callable[[], object], upload: str = "auto", warm_replay: bool = False) -> HookedGraph:
     """One decode step (or any work) as a CUDA graph, as the engine captures it."""
     return capture_graph(step, None, upload, warm_replay)[0]
 
@@ -360,9 +324,10 @@ def profile_uploads(step, steps: int) -> dict:
 
 
 def decode(
-    model, kv, cache, trace, a, mode: str, slots: int, policy: str, bw: dict, fixed_read: int, per_expert: int
+    runner, cache, trace, a, mode: str, slots: int, policy: str, bw: dict, fixed_read: int, per_expert: int
 ) -> dict:
-    dec = Decoder(model, kv, a.context, trace)
+    model = runner.model
+    dec = Decoder(runner, a.context, trace)
     if dec.device.type == "cuda":
         gc.collect()  # the previous run's graphs
         torch.cuda.reset_peak_memory_stats(dec.device)
@@ -399,8 +364,6 @@ def decode(
     except Exception as exc:  # a capture that fails is reported, not fatal
         run["error"] = f"{type(exc).__name__}: {exc}"
         return run
-    finally:
-        dec.close()
     steps = a.steps  # calls since the stats were zeroed: timed()'s warm call + a.steps - 1 timed ones
     accesses, hits, misses, _, copied = stats
     hbm = fixed_read + accesses / steps * per_expert

@@ -17,7 +17,8 @@ import torch
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.offload.expert_cache import POLICIES, ExpertCache
+from edgemoe.offload.expert_cache import ExpertCache
+from edgemoe.offload.policies import POLICIES
 
 SIM_POLICIES = (*POLICIES, "belady")
 

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.decoder import MoEForCausalLM, qkv_sizes
-from edgemoe.models.registry import families
+from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.models.registry import FAMILIES
 
 # geometry -> family and config fields (public config.json values for the real ones)
 PRESETS: dict[str, dict] = {
@@ -162,7 +162,7 @@ def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) 
             "norm_topk_prob": False,
             "clip_qkv": None,
         }
-    raise EdgeMoEError(f"unknown family {family!r}; supported: {', '.join(sorted(families()))}")
+    raise EdgeMoEError(f"unknown family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
 
 
 def _draw(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
@@ -176,9 +176,10 @@ def _draw(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
 
 def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: torch.dtype):
     """Yield (checkpoint name, tensor) in Hugging Face naming, experts per-expert or fused."""
-    cfg = families()[family].normalise(config)
+    module = FAMILIES[family]
+    cfg = module.normalise(config)
     with torch.device("meta"):
-        model = MoEForCausalLM(cfg)
+        model = MoEForCausalLM(cfg, module.LAYER)
     gen = torch.Generator().manual_seed(seed)
     prefix, gate, up, down = _PER_EXPERT.get(family, ("mlp", "gate_proj", "up_proj", "down_proj"))
     params = dict(model.named_parameters())
@@ -188,7 +189,8 @@ def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: tor
         if name.endswith("qkv_proj.weight"):  # Hugging Face's q_proj, k_proj, v_proj, each weight then its bias
             attn = name.removesuffix(".qkv_proj.weight")
             bias = params.get(f"{attn}.qkv_proj.bias")
-            for part, rows in zip("qkv", qkv_sizes(cfg)):
+            sizes = model.get_submodule(attn).qkv_sizes
+            for part, rows in zip("qkv", sizes):
                 yield f"{attn}.{part}_proj.weight", _draw(f"{part}.weight", (rows, p.shape[1]), gen).to(dtype)
                 if bias is not None:
                     yield f"{attn}.{part}_proj.bias", _draw(f"{part}.bias", (rows,), gen).to(dtype)

@@ -22,24 +22,23 @@ class EagerGraph:
         self.fn()
 
 
-def emulate_capture(self: DecodeGraphs) -> None:
-    for b in self.sizes:
-        self.logits[b] = self._forward(b).clone()
-        self.graphs[b] = EagerGraph(lambda b=b: self.logits[b].copy_(self._forward(b)))
+def emulate_capture(graphs: DecodeGraphs, forward) -> None:
+    """`DecodeGraphs.capture` with each graph an eager call of the same static-buffer forward."""
+    for b in graphs.sizes:
+        graphs.logits[b] = forward(b).clone()
+        graphs.graphs[b] = EagerGraph(lambda b=b: graphs.logits[b].copy_(forward(b)))
 
 
 def with_graphs(llm: LLM) -> list[int]:
     engine = llm.engine
-    graphs = DecodeGraphs(
-        engine.model, engine.kv, default_batch_sizes(4), engine.scheduler.blocks_for(engine.max_model_len)
-    )
-    emulate_capture(graphs)
+    graphs = DecodeGraphs(default_batch_sizes(4))
+    emulate_capture(graphs, engine.runner.forward_static)
     if engine.expert_cache is not None:
         engine.expert_cache.reset()
     engine.runner.graphs = graphs
     used = []
     original = graphs.replay
-    graphs.replay = lambda *a: (used.append(graphs.size_for(len(a[0]))), original(*a))[1]
+    graphs.replay = lambda b: (used.append(b), original(b))[1]
     return used
 
 

@@ -204,17 +204,12 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
 def test_sparse_moe_decode_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """`SparseMoE._routed` on CUDA: the fused route in decode, with the context's padding rows; torch in prefill."""
     import edgemoe.kernels.router as router
-    from edgemoe.config import ModelConfig
     from edgemoe.engine.context import ForwardContext, set_context
+    from edgemoe.layers.kernels import select_kernels
     from edgemoe.moe.layer import SparseMoE
 
-    cfg = ModelConfig(
-        model_type="qwen3_moe", vocab_size=64, hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=4,
-        head_dim=64, intermediate_size=512, num_experts=60, top_k=4, moe_intermediate_size=64, moe_layers=(True,),
-        norm_topk_prob=True,
-    )  # fmt: skip
     g = gen(12)
-    layer = SparseMoE(cfg).to(device="cuda", dtype=torch.bfloat16)
+    layer = SparseMoE(256, 60, 4, 64, True, index=0).to(device="cuda", dtype=torch.bfloat16)
     for p in layer.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
     x = torch.randn(3, 256, generator=g, device="cuda").to(torch.bfloat16)
@@ -222,6 +217,7 @@ def test_sparse_moe_decode_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
     calls = []
     fused = router.fused_route
     monkeypatch.setattr(router, "fused_route", lambda *a, **k: (calls.append(a), fused(*a, **k))[1])
+    select_kernels(layer, torch.device("cuda"))  # picks the (counting) fused route, as the loader does
     empty = torch.empty(0, dtype=torch.long, device="cuda")
     try:
         with torch.inference_mode():

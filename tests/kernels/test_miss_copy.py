@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
-from edgemoe.offload.layout_cache import copy_rows_reference
+from edgemoe.offload.expert_cache import copy_rows_reference
 from edgemoe.offload.layout import split_rows
 from tests.kernels import interpreter_only
 

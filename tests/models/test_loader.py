@@ -9,8 +9,8 @@ import torch
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.errors import EdgeMoEError
-from edgemoe.tools.make_model import make_model
 from edgemoe.models.registry import read_config
+from edgemoe.tools.make_model import make_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = [[11, 22, 33, 44], list(range(100, 130))]

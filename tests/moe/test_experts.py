@@ -39,17 +39,11 @@ def test_sparse_moe_takes_given_routing() -> None:
     """`SparseMoE(x, routing)` (decode's fused norm + router hands its ids and weights over) runs the experts on those
     ids, not the router's: here the router's least likely experts, so that ignoring them would show; the shared
     expert is added either way. On the CPU the norm is never fused."""
-    from edgemoe.config import ModelConfig
     from edgemoe.engine.context import ForwardContext, set_context
     from edgemoe.moe.layer import SparseMoE
 
-    cfg = ModelConfig(
-        model_type="qwen2_moe", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4,
-        head_dim=8, intermediate_size=64, num_experts=8, top_k=2, moe_intermediate_size=16, moe_layers=(True,),
-        norm_topk_prob=False, shared_expert_intermediate_size=24,
-    )  # fmt: skip
     g = torch.Generator().manual_seed(3)
-    moe = SparseMoE(cfg).requires_grad_(False)
+    moe = SparseMoE(32, 8, 2, 16, False, index=0, shared=24).requires_grad_(False)
     for p in moe.parameters():
         p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     x = torch.randn(3, 32, generator=g)

@@ -18,7 +18,7 @@ import torch
 from edgemoe.errors import EdgeMoEError
 from edgemoe.offload import copy_service
 from edgemoe.offload.copy_service import RING, CopyService
-from edgemoe.offload.layout_cache import copy_rows_reference
+from edgemoe.offload.expert_cache import copy_rows_reference
 from edgemoe.offload.layout import split_rows
 
 E, S, CHUNKS = 10, 6, 7

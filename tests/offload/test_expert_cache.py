@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgemoe.offload.expert_cache import POLICIES, ExpertCache, Scored
 from edgemoe.moe.reference import EnsureReference
+from edgemoe.offload.expert_cache import ExpertCache
+from edgemoe.offload.policies import POLICIES, Scored
 
 
 def random_trace(steps: int, layers: int, experts: int, tokens: int, top_k: int, skew: float, seed: int):

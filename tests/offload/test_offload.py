@@ -8,10 +8,10 @@ import torch
 
 from edgemoe import LLM, EdgeMoEError, SamplingParams
 from edgemoe.cli import main
-from edgemoe.tools.make_model import make_model
-from edgemoe.offload.layout_cache import copy_rows_reference
-from edgemoe.offload.layout import OffloadedExperts
+from edgemoe.offload.expert_cache import copy_rows_reference
+from edgemoe.offload.experts import OffloadedExperts
 from edgemoe.offload.layout import split_rows
+from edgemoe.tools.make_model import make_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

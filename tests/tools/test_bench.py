@@ -88,60 +88,51 @@ def test_resident_and_offloaded_bench_models_decode_the_same_tokens() -> None:
     transformers)."""
     import torch
 
-    from edgemoe.tools.bench import Decoder, build_model, routing
-    from edgemoe.engine.kv_cache import KVCache
     from edgemoe.offload.experts import attach_expert_cache
+    from edgemoe.tools.bench import Decoder, build_model, make_runner, routing
 
     dev, dtype, context = torch.device("cpu"), torch.float32, 24
     tokens = {}
     for resident in (False, True):
         model = build_model("tiny", None, dev, dtype, 64, resident)
         cfg = model.config
-        kv = KVCache(cfg, 4, 16, dtype, dev)
-        kv.bind([layer.self_attn.attn for layer in model.model.layers])
+        runner = make_runner(model, 64)
         if not resident:
             attach_expert_cache(model, sum(cfg.moe_layers) * cfg.num_experts, "lru", False, dev, dtype)
         trace = routing("synthetic", 8, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k)
-        dec = Decoder(model, kv, context, trace)
+        dec = Decoder(runner, context, trace)
         steps = []
         with torch.inference_mode():
             for _ in range(6):
                 dec.step()
-                steps.append(int(dec.ids))
-        dec.close()
+                steps.append(int(runner.decode.ids[0]))
         tokens[resident] = steps
     assert tokens[True] == tokens[False] and len(set(tokens[True])) > 1
 
 
 def test_trace_drives_every_layer_with_its_step_row() -> None:
-    """Under a routing trace each MoE layer receives, at decode step s, row s of the trace for that layer (the row
-    is looked up once a step, then read by every layer), wrapping around at the trace's end."""
+    """Under a routing trace each MoE layer computes, at decode step s, with row s of the trace for that layer (the
+    row is looked up once a step, then read by every layer through the routing seam), wrapping around at the
+    trace's end: the ids the layers report through the same seam (`routed_ids`) are the trace's."""
     import torch
 
-    from edgemoe.tools.bench import Decoder, build_model, routing
-    from edgemoe.engine.kv_cache import KVCache
-    from edgemoe.moe.experts import Experts
+    from edgemoe.tools.bench import Decoder, build_model, make_runner, routing
 
     dev, dtype = torch.device("cpu"), torch.float32
     model = build_model("tiny", None, dev, dtype, 64, True)
     cfg = model.config
-    kv = KVCache(cfg, 4, 16, dtype, dev)
-    kv.bind([layer.self_attn.attn for layer in model.model.layers])
+    runner = make_runner(model, 64)
+    routed = runner.record_routing()
     trace = routing("synthetic", 3, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k)
-    dec = Decoder(model, kv, 24, trace)
-    seen: list[list[list[int]]] = []
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
-    for layer, m in enumerate(experts):  # registered after the Decoder's hooks: sees the ids they substituted
-        m.register_forward_pre_hook(lambda _m, args, layer=layer: seen[-1].append((layer, args[1].tolist())))
+    dec = Decoder(runner, 24, trace)
+    unforced = []
     with torch.inference_mode():
-        for _ in range(5):
-            seen.append([])
+        for step in range(5):
             dec.step()
-    dec.close()
-    for step, calls in enumerate(seen):
-        assert [layer for layer, _ in calls] == list(range(len(experts)))
-        for layer, ids in calls:
-            assert ids == [trace[step % 3, layer].tolist()]
+            assert routed[:, 0].tolist() == trace[step % 3].tolist()
+        runner.forward_static(1)  # without a trace the router decides
+        unforced = routed[:, 0].tolist()
+    assert unforced != trace[5 % 3].tolist()
 
 
 def test_bounds_use_the_higher_bandwidth_of_the_two_measurements() -> None:

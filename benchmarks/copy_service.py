@@ -31,12 +31,12 @@ import sys
 from types import SimpleNamespace
 
 import torch
-
 from edgemoe.bench import timed
-from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
 from edgemoe.moe.banks import allocate_bank
 from edgemoe.moe.copy_service import CopyService, Driver
 from edgemoe.moe.offload import split_rows
+
+from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
 
 HIDDEN, INTER = 2048, 768  # qwen3-30b-a3b
 

@@ -57,9 +57,11 @@ import os
 import sys
 from collections.abc import Callable
 
+import edgemoe.moe.copy_service as copy_service
 import torch
 import triton
 import triton.language as tl
+from edgemoe.moe.expert_cache import ExpertCache
 
 import edgemoe.kernels.dense_gemv as dense_gemv
 import edgemoe.kernels.ensure as ensure
@@ -68,11 +70,9 @@ import edgemoe.kernels.moe_gemv as moe_gemv
 import edgemoe.kernels.norm_rope as norm_rope
 import edgemoe.kernels.paged_attention as paged_attention
 import edgemoe.kernels.pdl as pdl
-import edgemoe.moe.copy_service as copy_service
 from edgemoe.cli import main as edgemoe_main
 from edgemoe.kernels.pdl import wait_for_inputs
 from edgemoe.models.decoder import SelfAttention
-from edgemoe.moe.expert_cache import ExpertCache
 
 
 def ordinary_launches(module, fn: Callable) -> Callable:

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from edgemoe.bench import bandwidths, capture, timed
+
 from edgemoe.kernels.dense_gemv import WARPS, gemv, pick_block_n, pick_steps
 
 SETS = 8

@@ -17,12 +17,12 @@ import json
 from pathlib import Path
 
 import torch
-
-import edgemoe.kernels.ensure as ensure_kernel
 from edgemoe.bench import capture, timed
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.cache_sim import synthetic_trace
 from edgemoe.moe.expert_cache import ExpertCache
+
+import edgemoe.kernels.ensure as ensure_kernel
 
 GEOMETRIES = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b")
 

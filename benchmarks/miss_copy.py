@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-
 from edgemoe.bench import timed
-from edgemoe.engine.cuda_graphs import capture_graph
-from edgemoe.kernels.miss_copy import BLOCK, PROGRAMS_PER_SM, _sm_count, copy_rows, copy_rows_pair
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.banks import allocate_bank
+
+from edgemoe.engine.cuda_graphs import capture_graph
+from edgemoe.kernels.miss_copy import BLOCK, PROGRAMS_PER_SM, _sm_count, copy_rows, copy_rows_pair
 
 GiB = 2**30
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from edgemoe.bench import timed
-from edgemoe.kernels.miss_copy import _sm_count, copy_rows
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.banks import allocate_bank
+
+from edgemoe.kernels.miss_copy import _sm_count, copy_rows
 
 CHUNK = 8192  # bytes a block copies per work item (the Triton kernel's default block of bf16)
 SOURCE = r"""

@@ -28,11 +28,11 @@ import json
 from pathlib import Path
 
 import torch
-
 from edgemoe.bench import timed
-from edgemoe.kernels.miss_copy import copy_rows
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.banks import allocate_bank
+
+from edgemoe.kernels.miss_copy import copy_rows
 
 MAX_ROWS = 16  # the setter takes the switches' handles as that many kernel arguments
 SETTER = r"""

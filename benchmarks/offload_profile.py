@@ -15,12 +15,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from edgemoe.bench import Decoder, build_model
-from edgemoe.engine.kv_cache import KVCache
 from edgemoe.moe.cache_sim import synthetic_trace
 from edgemoe.moe.offload import attach_expert_cache
+from torch.profiler import ProfilerActivity, profile
+
+from edgemoe.engine.kv_cache import KVCache
 
 
 def main() -> None:

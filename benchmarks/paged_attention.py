@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from edgemoe.bench import bandwidths, capture, timed
+
 from edgemoe.engine.context import ForwardContext
 from edgemoe.kernels.paged_attention import (
     BLOCK_N,

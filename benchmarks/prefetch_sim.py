@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from edgemoe.moe.cache_sim import load_trace, synthetic_trace
 from edgemoe.moe.expert_cache import ExpertCache
 

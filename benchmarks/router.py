@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from edgemoe.bench import bandwidths, timed
+
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.moe.router import route
 

@@ -15,9 +15,9 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+from edgemoe.moe.cache_sim import load_trace, run, simulate, synthetic_trace
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.moe.cache_sim import load_trace, run, simulate, synthetic_trace
 
 PROMPTS = [
     ("greedy", "To be, or not to be, that is the question:", 0.0),

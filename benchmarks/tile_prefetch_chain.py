@@ -238,9 +238,9 @@ def main() -> None:
     except ImportError:
         raise SystemExit("benchmarks/tile_prefetch_chain.py needs CuPy to load and launch its kernel") from None
     import triton
+    from edgemoe.bench import bandwidths, capture, timed
 
     import edgemoe.kernels.dense_gemv as dg
-    from edgemoe.bench import bandwidths, capture, timed
 
     dev = torch.device("cuda")
     hbm = bandwidths(dev, 1 << 20)["hbm_bytes_per_s"]

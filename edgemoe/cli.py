@@ -7,69 +7,18 @@ import sys
 import time
 from pathlib import Path
 
+from edgemoe.config import EngineConfig, ExpertCacheConfig, add_flags, flag_values
 from edgemoe.errors import EdgeMoEError
 from edgemoe.server.cli import add_serve_parser  # argparse only: the web stack is imported by cmd_serve
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", help="Hugging Face model folder (default: the bundled demo model)")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
-    g.add_argument("--max-model-len", type=int, help="context limit in tokens (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default: 8)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per step (default: 512)")
-    g.add_argument(
-        "--no-cuda-graphs",
-        dest="cuda_graphs",
-        action="store_false",
-        help="CUDA: decode eagerly instead of replaying one captured graph per batch size",
-    )
-    g.add_argument(
-        "--graph-upload",
-        default="auto",
-        help="CUDA graphs: upload each graph when captured (capture), on first replay (none), or only where a "
-        "first launch must not block (auto, the default: today the same as none)",
-    )
-    g.add_argument("--graph-warm-replay", action="store_true", help="CUDA graphs: replay each once at capture time")
-    g.add_argument(
-        "--no-shared-expert-overlap",
-        dest="shared_expert_overlap",
-        action="store_false",
-        help="CUDA: run the shared expert inline instead of on a side stream beside the routed experts",
-    )
-    g.add_argument("--kv-cache-memory", default="auto", help="KV cache size, e.g. 2GiB (default: auto)")
-    m = p.add_argument_group("expert offload")
-    m.add_argument("--moe-strategy", default="resident", help="resident (experts on the device) or offload")
-    m.add_argument("--moe-cache-slots", type=int, help="offload: experts the device cache holds")
-    m.add_argument("--moe-cache-fraction", type=float, help="offload: cache this fraction of all experts")
-    m.add_argument("--vram-budget", help="device memory for weights, KV and expert cache, e.g. 16GiB")
-    m.add_argument("--moe-policy", default="lru", help="offload: eviction policy, lru or scored (default: lru)")
-    m.add_argument("--moe-collect-stats", action="store_true", help="offload: count hits/misses per layer")
-    m.add_argument("--record-routing", metavar="FILE", help="save one sequence's routed expert ids (.npy)")
+    add_flags(p.add_argument_group("engine"), EngineConfig)
+    add_flags(p.add_argument_group("expert offload"), ExpertCacheConfig)
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(
-        model=a.model,
-        device=a.device,
-        dtype=a.dtype,
-        max_model_len=a.max_model_len,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        kv_cache_memory=a.kv_cache_memory,
-        cuda_graphs=a.cuda_graphs,
-        graph_upload=a.graph_upload,
-        graph_warm_replay=a.graph_warm_replay,
-        shared_expert_overlap=a.shared_expert_overlap,
-        moe_strategy=a.moe_strategy,
-        moe_cache_slots=a.moe_cache_slots,
-        moe_cache_fraction=a.moe_cache_fraction,
-        vram_budget=a.vram_budget,
-        moe_policy=a.moe_policy,
-        moe_collect_stats=a.moe_collect_stats,
-        record_routing=a.record_routing,
-    )
+    return flag_values(a, EngineConfig) | flag_values(a, ExpertCacheConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:

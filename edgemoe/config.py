@@ -7,8 +7,10 @@ expert-offload knobs, whose field names are the flags' names (`engine_config` sp
 
 from __future__ import annotations
 
+import argparse
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from edgemoe.errors import EdgeMoEError
 
@@ -82,18 +84,28 @@ MOE_STRATEGIES = ("resident", "offload")
 GRAPH_UPLOADS = ("auto", "capture", "none")
 
 
+def option(default, help: str, cli: bool = True, metavar: str | None = None):  # noqa: A002
+    """A config field that is also a command-line flag (`--field-name`), its help and default written once here
+    (`add_flags` derives the flags). `cli=False`: the Python API only."""
+    return field(default=default, metadata={"help": help, "cli": cli, "metavar": metavar})
+
+
 @dataclass(frozen=True)
 class ExpertCacheConfig:
     """Where routed experts live. `offload`: host banks plus a device cache of slots, sized by exactly one of
     `moe_cache_slots`, `moe_cache_fraction` (of all experts) or `vram_budget` (what dense weights and KV leave)."""
 
-    moe_strategy: str = "resident"  # "resident" | "offload"
-    moe_cache_slots: int | None = None
-    moe_cache_fraction: float | None = None
-    vram_budget: str | int | None = None  # e.g. "16GiB"; resident: checked, offload: sizes the cache
-    moe_policy: str = "lru"  # eviction policy: "lru" | "scored"
-    moe_collect_stats: bool = False  # per-layer accesses/hits/misses/evictions/bytes, counted on the device
-    record_routing: str | None = None  # .npy path: routed expert ids of one sequence's decode
+    moe_strategy: str = option("resident", f"where routed experts live: {' or '.join(MOE_STRATEGIES)}")
+    moe_cache_slots: int | None = option(None, "offload: experts the device cache holds")
+    moe_cache_fraction: float | None = option(None, "offload: cache this fraction of all experts")
+    vram_budget: str | int | None = option(
+        None, "device memory for weights, KV and expert cache, e.g. 16GiB (offload: sizes the cache)"
+    )
+    moe_policy: str = option("lru", "offload: eviction policy, lru or scored")
+    moe_collect_stats: bool = option(False, "offload: count accesses, hits, misses, evictions, bytes per layer")
+    record_routing: str | None = option(
+        None, "save one sequence's routed expert ids of each decode step (.npy) for `edgemoe cache-sim`", metavar="FILE"
+    )
 
     def __post_init__(self) -> None:
         from edgemoe.offload.policies import POLICIES
@@ -121,20 +133,26 @@ class ExpertCacheConfig:
 class EngineConfig:
     """Engine knobs. Defaults suit one consumer GPU or a laptop CPU."""
 
-    model: str | None = None  # None: the bundled demo model
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 8  # sequences decoded together
-    max_num_batched_tokens: int = 512  # tokens per prefill step (longer prompts are chunked)
-    kv_cache_memory: str | int = "auto"  # bytes for the paged KV cache; "auto" sizes it from the device
-    block_size: int = 16  # tokens per KV block
-    seed: int = 0  # for requests that give no seed
-    progress: bool = True  # progress bar while loading weights
-    cuda_graphs: bool = True  # CUDA: capture decode in one graph per batch size (1, 2, 4, ..., max_num_seqs)
-    graph_upload: str = "auto"  # "auto" | "capture" | "none": when captured graphs are uploaded (engine/cuda_graphs)
-    graph_warm_replay: bool = False  # replay each graph once at capture time
-    shared_expert_overlap: bool = True  # CUDA: shared expert on a side stream beside the routed experts (and copy)
+    model: str | None = option(None, "Hugging Face model folder (default: the bundled demo model)")
+    device: str = option("cpu", "cpu or cuda")
+    dtype: str = option("auto", "auto, float32, bfloat16 or float16")
+    max_model_len: int | None = option(None, "context limit in tokens (default: the model's)")
+    max_num_seqs: int = option(8, "sequences decoded together")
+    max_num_batched_tokens: int = option(512, "prompt tokens per prefill step (longer prompts are chunked)")
+    kv_cache_memory: str | int = option("auto", "KV cache size, e.g. 2GiB; auto sizes it from the device")
+    block_size: int = option(16, "tokens per KV block")
+    seed: int = option(0, "seed of the seeds of requests that give none", cli=False)
+    progress: bool = option(True, "progress bar while loading weights", cli=False)
+    cuda_graphs: bool = option(True, "CUDA: decode by replaying one captured graph per batch size (off: eagerly)")
+    graph_upload: str = option(
+        "auto",
+        "CUDA graphs: upload each graph when captured (capture), on first replay (none), or only where a first "
+        "launch must not block (auto: today the same as none)",
+    )
+    graph_warm_replay: bool = option(False, "CUDA graphs: replay each graph once at capture time")
+    shared_expert_overlap: bool = option(
+        True, "CUDA: the shared expert on a side stream beside the routed experts and their miss copy (off: inline)"
+    )
     moe: ExpertCacheConfig = field(default_factory=ExpertCacheConfig)
 
     def __post_init__(self) -> None:
@@ -150,3 +168,55 @@ def engine_config(**kwargs) -> EngineConfig:
         return EngineConfig(**kwargs, moe=ExpertCacheConfig(**moe))
     except TypeError as exc:
         raise EdgeMoEError(f"unknown LLM option: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`edgemoe serve`'s own knobs (the engine's are an `EngineConfig`)."""
+
+    host: str = option("127.0.0.1", "address to listen on (this machine only by default)")
+    port: int = option(8000, "TCP port; 0 picks a free one")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    max_queue: int = option(64, "sequences that may wait for a slot; beyond that requests get 429")
+    max_body_bytes: int = option(4 << 20, "largest request body; larger ones get 413")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise EdgeMoEError(f"--port must be in 0..65535, got {self.port}")
+        if self.max_queue < 0:
+            raise EdgeMoEError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1:
+            raise EdgeMoEError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise EdgeMoEError("--api-key must not be empty")
+
+
+def cli_fields(cls: type) -> list:
+    """The fields of a config dataclass that are command-line flags."""
+    return [f for f in fields(cls) if f.metadata.get("cli")]
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """One flag per `option` field of `cls`: `--name` (a bool that defaults to True: `--no-name`), typed from the
+    field's annotation, its default and help from the field."""
+    for f in cli_fields(cls):
+        flag, help_text = f"--{f.name.replace('_', '-')}", f.metadata["help"]
+        if f.type == "bool":
+            if f.default:
+                parser.add_argument(f"--no-{flag[2:]}", dest=f.name, action="store_false", help=help_text)
+            else:
+                parser.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+            continue
+        kind = _TYPES[f.type.split(" | ")[0]]  # "str | int" sizes are read as text (parse_size)
+        shown = "" if f.default is None else f" (default: {f.default})"
+        parser.add_argument(
+            flag, dest=f.name, type=kind, default=f.default, metavar=f.metadata["metavar"], help=help_text + shown
+        )
+
+
+def flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The values of `cls`'s flags in parsed `args`, by field name."""
+    return {f.name: getattr(args, f.name) for f in cli_fields(cls)}

@@ -11,7 +11,6 @@ import subprocess
 import time
 
 import torch
-
 from edgemoe.moe.banks import allocate_bank
 
 

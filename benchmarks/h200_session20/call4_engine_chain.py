@@ -10,10 +10,10 @@ import torch
 sys.path.insert(0, "benchmarks")
 import persistent_chain as pc  # noqa: E402
 import smem_carveout  # noqa: E402
+from edgemoe.bench import bandwidths, capture, timed  # noqa: E402
 
 import edgemoe.kernels.dense_gemv as dg  # noqa: E402
 import edgemoe.kernels.pdl as pdl  # noqa: E402
-from edgemoe.bench import bandwidths, capture, timed  # noqa: E402
 
 if os.environ.get("EDGEMOE_SMEM_CARVEOUT"):  # call 5: one carveout for every kernel
     smem_carveout.install(int(os.environ["EDGEMOE_SMEM_CARVEOUT"]))

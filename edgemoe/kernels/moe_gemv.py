@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from edgemoe.kernels.miss_copy import Arrivals
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+from edgemoe.offload.protocol import Arrivals
 
 
 @triton.jit

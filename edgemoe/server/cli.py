@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from edgemoe.config import ServeConfig, add_flags, flag_values
 from edgemoe.errors import EdgeMoEError
 
 SHUTDOWN_GRACE_S = 30.0
@@ -30,26 +31,7 @@ def add_serve_parser(sub: argparse._SubParsersAction, engine_flags: Callable[[ar
         "/v1/completions, /v1/models, /health, /metrics), with continuous batching. A request without max_tokens "
         "gets up to 256 tokens (fewer if the context has less room left).",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (default: 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
-    p.add_argument(
-        "--max-running",
-        type=int,
-        help="sequences decoded together (same as --max-num-seqs, which it overrides; default: 8)",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=64,
-        help="sequences that may wait for a slot; beyond that requests get 429 (default: 64)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=4 << 20,
-        help="largest request body; larger ones get 413 (default: 4194304)",
-    )
+    add_flags(p.add_argument_group("server"), ServeConfig)
     engine_flags(p)
     p.error = _one_line_error  # argparse would print the whole usage block (20 lines) above the message
 
@@ -57,19 +39,6 @@ def add_serve_parser(sub: argparse._SubParsersAction, engine_flags: Callable[[ar
 def _one_line_error(message: str) -> None:
     print(f"edgemoe serve: error: {message} (see edgemoe serve --help)", file=sys.stderr)
     sys.exit(2)
-
-
-def _check_flags(a: argparse.Namespace) -> None:
-    if not 0 <= a.port <= 65535:
-        raise EdgeMoEError(f"--port must be in 0..65535, got {a.port}")
-    if a.max_running is not None and a.max_running < 1:
-        raise EdgeMoEError(f"--max-running must be >= 1, got {a.max_running}")
-    if a.max_queue < 0:
-        raise EdgeMoEError(f"--max-queue must be >= 0, got {a.max_queue}")
-    if a.max_body_bytes < 1:
-        raise EdgeMoEError(f"--max-body-bytes must be >= 1, got {a.max_body_bytes}")
-    if a.api_key is not None and not a.api_key.strip():
-        raise EdgeMoEError("--api-key must not be empty")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -95,14 +64,12 @@ def _url(sock: socket.socket) -> str:
 
 
 def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
-    _check_flags(a)  # the cheap checks first, so that a typo fails at once rather than after the imports
-    if a.max_running is not None:
-        engine_kwargs["max_num_seqs"] = a.max_running
+    serve = ServeConfig(**flag_values(a, ServeConfig))  # the cheap checks first: a typo fails before the imports
     model = engine_kwargs.get("model")
     if model and not Path(model).is_dir():  # the engine checks the rest, while /health says 503
         raise EdgeMoEError(f"model path {model} does not exist or is not a folder")
     model_id = Path(model).resolve().name if model else DEMO_MODEL_ID
-    sock = _bind(a.host, a.port)
+    sock = _bind(serve.host, serve.port)
 
     import uvicorn
 
@@ -114,11 +81,11 @@ def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
     metrics = Metrics()
     engine_loop = EngineLoop(
         lambda: LLM(**engine_kwargs, progress=sys.stderr.isatty()).engine,
-        engine_kwargs.get("max_num_seqs", 8),
-        a.max_queue,
+        engine_kwargs["max_num_seqs"],
+        serve.max_queue,
         metrics,
     )
-    config = ServerConfig(model_id, frozenset({model} if model else ()), a.api_key, a.max_body_bytes)
+    config = ServerConfig(model_id, frozenset({model} if model else ()), serve.api_key, serve.max_body_bytes)
     app = create_app(engine_loop, metrics, config)
     uv_config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = GracefulServer(uv_config, engine_loop, _url(sock), model_id, SHUTDOWN_GRACE_S)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.moe.test_expert_cache import random_trace
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.engine.cuda_graphs import capture_graph
@@ -17,6 +16,7 @@ from edgemoe.offload.layout import split_rows
 from edgemoe.offload.policies import POLICIES
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.gpu.test_expert_offload import ensure_copy_read, pinned_bank
+from tests.offload.test_expert_cache import random_trace
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

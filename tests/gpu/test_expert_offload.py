@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.moe.test_expert_cache import random_trace
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.offload.banks import allocate_bank
 from edgemoe.offload.expert_cache import ExpertCache, copy_rows_reference
 from edgemoe.offload.policies import POLICIES
 from tests.gpu.sync_free import decode_without_sync
+from tests.offload.test_expert_cache import random_trace
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = ["ROMEO.\n", "Of Man's first disobedience", "To be, or not to be, that is the question:", "KING.\n"]

@@ -9,13 +9,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.moe.test_expert_cache import check_invariants, random_trace  # noqa: E402
-
 from edgemoe.kernels.ensure import ensure_fused  # noqa: E402
 from edgemoe.kernels.miss_copy import copy_rows  # noqa: E402
 from edgemoe.offload.expert_cache import ExpertCache, copy_rows_reference  # noqa: E402
 from edgemoe.offload.policies import POLICIES  # noqa: E402
 from tests.kernels import interpreter_only  # noqa: E402
+from tests.offload.test_expert_cache import check_invariants, random_trace  # noqa: E402
 
 # Scored keys divide by a zero chance of use on purpose (-> inf, clamped); numpy warns about it
 pytestmark = [interpreter_only, pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")]

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from edgemoe.kernels.miss_copy import Arrivals, copy_rows_pair  # noqa: E402
+from edgemoe.kernels.miss_copy import copy_rows_pair  # noqa: E402
 from edgemoe.kernels.moe_gemv import Blocks, fused_experts, pick_blocks  # noqa: E402
 from edgemoe.moe.experts import gathered_experts  # noqa: E402
+from edgemoe.offload.protocol import Arrivals  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -69,7 +69,7 @@ class ServerProcess:
 def server(tmp_path_factory):
     proc = ServerProcess(
         tmp_path_factory.mktemp("server"),
-        *("--max-running", str(MAX_RUNNING), "--max-queue", str(MAX_QUEUE), "--max-body-bytes", str(MAX_BODY)),
+        *("--max-num-seqs", str(MAX_RUNNING), "--max-queue", str(MAX_QUEUE), "--max-body-bytes", str(MAX_BODY)),
     )
     try:
         proc.wait_ready()

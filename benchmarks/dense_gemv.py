@@ -5,20 +5,9 @@ graphs, against HBM bandwidth (a device-to-device copy) in the same run.
     python benchmarks/dense_gemv.py [--tokens 1,4] [--shapes qwen3] [--configs n4_k512_w4_s4,...] [--json OUT]
                                                                       (tokens <= 4: the GEMV's limit)
 
-Why: with every expert cached, a qwen3-30b-a3b layer's qkv and o projections took 7.6 and 7.2 µs under cuBLAS, 0.65
-and 0.55 of HBM (benchmarks/RESULTS.md), where the routed-expert GEMVs of `kernels/moe_gemv.py` reach 0.77. The
-GEMV: one program per BLOCK_N output rows, fp32 accumulation over K in BLOCK_K steps with `STAGES` steps in flight,
-every token's row against one read of each weight tile. Swept over (BLOCK_N, BLOCK_K, warps, stages) per shape, its
-best won at one token on qkv, o and the shared-expert down (1.07-1.30x; it lost on gate_up, and on qkv at 4
-tokens), so the engine runs it there through `DecodeLinear` (`edgemoe/layers/linear.py`) at one row, with the
-config those wins share (`pick_block_n`, `pick_steps`, 4 warps). Each line prints cuBLAS | engine | best.
-
-`--configs` replaces the sweep's configs (nB_kK_wW_sS: BLOCK_N, BLOCK_K, warps, stages), `--shapes` keeps the
-shapes whose names start with one of the given prefixes. Session 5's sweep (benchmarks/h200_session5/dense_gemv.json)
-fits t = 3.8 µs + bytes / min(HBM, bytes in flight / 0.8 µs) (15 % rms): BLOCK_K 512-1024 or 6 stages keep more
-bytes in flight than n4/n8_k256_w4_s4, which the fit put past the knee (qkv no faster, o <= 0.3 µs). Measured in
-session 15 (`--configs n4_k256_w4_s4,n4_k512_w4_s4,n8_k256_w4_s4,n8_k512_w4_s4`): right for rows of 2048, wrong
-for rows of 4096 and more, which gain 9-10 % at 512 columns (`dense_gemv.pick_steps`).
+Each line prints cuBLAS | engine | best. `--configs` replaces the sweep's configs (nB_kK_wW_sS: BLOCK_N, BLOCK_K,
+warps, stages), `--shapes` keeps the shapes whose names start with one of the given prefixes. Why the engine runs
+this GEMV at one row, and how its configs were chosen: docs/findings.md, "Dense GEMV".
 
 Shapes (out x in, bf16): qwen3-30b-a3b's qkv (5120 x 2048) and o (2048 x 4096); qwen1.5-moe-a2.7b's qkv (6144 x
 2048), o (2048 x 2048) and shared-expert gate_up (11264 x 2048) and down (2048 x 5632). Every call of a timed graph

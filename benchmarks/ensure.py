@@ -7,7 +7,8 @@ Each geometry's whole model is one cache (all MoE layers, a quarter or half of a
 the synthetic routing trace `edgemoe bench` uses; the cache is first warmed eagerly over the trace, then `steps`
 decode steps (every layer's ensure) are captured once per implementation and replayed. Both implementations see
 the same trace rows from the same warm state, so they do the same work (hits, misses, victim searches).
-`--sweep` times the fused kernel alone over slots per step of its key pass (`BLOCK_S`) and warps (`NUM_WARPS`).
+`--sweep` times the fused kernel alone over slots per step of its key pass (`ensure_fused`'s `block_s`; the engine's
+`BLOCK_S` is the default), at the engine's warps.
 """
 
 from __future__ import annotations
@@ -17,17 +18,20 @@ import json
 from pathlib import Path
 
 import torch
+
 from edgemoe.bench import capture, timed
+from edgemoe.kernels.ensure import BLOCK_S, NUM_WARPS, ensure_fused
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.cache_sim import synthetic_trace
 from edgemoe.moe.expert_cache import ExpertCache
 
-import edgemoe.kernels.ensure as ensure_kernel
-
 GEOMETRIES = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b")
 
 
-def per_call_us(geometry: str, fraction: float, policy: str, tokens: int, steps: int, fused: bool) -> float:
+def per_call_us(
+    geometry: str, fraction: float, policy: str, tokens: int, steps: int, fused: bool, block_s: int | None = None
+) -> float:
+    """µs per `ensure` call; `fused` False: the plain-torch oracle; `block_s`: the fused kernel's key-pass step."""
     p = PRESETS[geometry]
     L, E = p["num_hidden_layers"], p.get("num_experts") or p["num_local_experts"]
     k = p["num_experts_per_tok"]
@@ -35,7 +39,14 @@ def per_call_us(geometry: str, fraction: float, policy: str, tokens: int, steps:
     trace = synthetic_trace(4 * steps + 64, L, E, k, skew=1.0, repeat=0.3, seed=0)  # [steps, layers, k]
     ids = torch.from_numpy(trace).long().cuda()
     cache = ExpertCache(L, E, S, policy, "cuda", 1, collect_stats=True)
-    ensure = cache.ensure if fused else cache._ensure_torch
+    if not fused:
+        ensure = cache._ensure_torch
+    elif block_s is None:
+        ensure = cache.ensure
+    else:
+
+        def ensure(layer: int, ids: torch.Tensor) -> object:
+            return ensure_fused(cache, layer, ids, block_s=block_s)
 
     def step(rows: torch.Tensor) -> None:  # rows: [layers, k] for token 0; more tokens repeat other rows
         for layer in range(L):
@@ -48,20 +59,12 @@ def per_call_us(geometry: str, fraction: float, policy: str, tokens: int, steps:
     return timed(graph.replay, torch.device("cuda"), 5) / (steps * L) * 1e6
 
 
-SWEEP = [(b, w) for b in (1024, 2048, 4096) for w in (4, 8, 16)]  # (BLOCK_S, NUM_WARPS)
+SWEEP = (1024, 2048, 4096)  # BLOCK_S candidates
 
 
 def sweep(geometry: str, fraction: float, policy: str, tokens: int, steps: int) -> dict[str, float]:
-    """The fused kernel's µs per call at each (BLOCK_S, NUM_WARPS) of SWEEP; the engine's constants restored."""
-    engine = ensure_kernel.BLOCK_S, ensure_kernel.NUM_WARPS
-    out = {}
-    try:
-        for block_s, warps in SWEEP:
-            ensure_kernel.BLOCK_S, ensure_kernel.NUM_WARPS = block_s, warps
-            out[f"s{block_s}_w{warps}"] = per_call_us(geometry, fraction, policy, tokens, steps, True)
-    finally:
-        ensure_kernel.BLOCK_S, ensure_kernel.NUM_WARPS = engine
-    return out
+    """The fused kernel's µs per call at each key-pass step of SWEEP."""
+    return {f"s{b}": per_call_us(geometry, fraction, policy, tokens, steps, True, b) for b in SWEEP}
 
 
 def main() -> None:
@@ -69,7 +72,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1, help="decode batch (distinct ids per layer: up to tokens x k)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--geometries", default=",".join(GEOMETRIES), help="comma-separated (default: all three)")
-    ap.add_argument("--sweep", action="store_true", help="the fused kernel over BLOCK_S and NUM_WARPS instead")
+    ap.add_argument("--sweep", action="store_true", help="the fused kernel over its key-pass step instead")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     geometries = [g for g in a.geometries.split(",") if g]
@@ -83,9 +86,9 @@ def main() -> None:
                 row = dict(geometry=geometry, fraction=fraction, policy=policy)
                 if a.sweep:
                     row["fused_us"] = sweep(geometry, fraction, policy, a.tokens, a.steps)
-                    engine = f"s{ensure_kernel.BLOCK_S}_w{ensure_kernel.NUM_WARPS}"
                     line = " ".join(f"{k} {v:5.1f}" for k, v in row["fused_us"].items())
-                    print(f"{geometry:>18} {fraction:.0%} {policy:>6}: us per call (engine {engine}): {line}")
+                    engine = f"engine s{BLOCK_S}, {NUM_WARPS} warps"
+                    print(f"{geometry:>18} {fraction:.0%} {policy:>6}: us per call ({engine}): {line}")
                 else:
                     fused = per_call_us(geometry, fraction, policy, a.tokens, a.steps, True)
                     torch_ = per_call_us(geometry, fraction, policy, a.tokens, a.steps, False)

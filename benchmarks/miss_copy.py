@@ -10,9 +10,7 @@ batched-cudaMemcpyAsync way, which needs the list on the host), and the kernel o
 `--sweep`: over persistent-grid sizes, programs per SM, block sizes and warps). Also: the cost of an empty list (every
 expert hit: the launch that finds nothing to copy), timed from a CUDA graph of 50 launches; and the default kernel
 on rows drawn from one large pinned bank (`--bank-gib`), as the engine's banks of every layer are, to show whether
-the GPU's translation of scattered host pages costs bandwidth. And a candidate: the same persistent loop reading the
-host rows with TMA (Hopper's bulk tensor loads, through a host-side tensor descriptor over the pinned bank), against
-the default kernel on the same single bank, to see whether bulk requests raise the PCIe read rate of SM-issued loads.
+the GPU's translation of scattered host pages costs bandwidth.
 """
 
 from __future__ import annotations
@@ -22,61 +20,14 @@ import json
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
+
 from edgemoe.bench import timed
+from edgemoe.engine.cuda_graphs import capture_graph
+from edgemoe.kernels.miss_copy import BLOCK, PROGRAMS_PER_SM, copy_rows_pair
 from edgemoe.models.random_checkpoint import PRESETS
 from edgemoe.moe.banks import allocate_bank
 
-from edgemoe.engine.cuda_graphs import capture_graph
-from edgemoe.kernels.miss_copy import BLOCK, PROGRAMS_PER_SM, _sm_count, copy_rows, copy_rows_pair
-
 GiB = 2**30
-
-
-TMA_WIDTH = 256  # elements per TMA box row (the box limit): a bank row is viewed as [rows / 256, 256]
-
-
-@triton.jit
-def _copy_rows_tma(
-    src_ids, dst_ids, count, desc, pool, ROWS: tl.constexpr, CR: tl.constexpr, CHUNKS: tl.constexpr, W: tl.constexpr
-):
-    items = tl.load(count) * CHUNKS
-    for i in range(tl.program_id(0), items, tl.num_programs(0)):
-        r = i // CHUNKS
-        c = i % CHUNKS
-        src = tl.load(src_ids + r).to(tl.int32)
-        dst = tl.load(dst_ids + r).to(tl.int64)
-        block = desc.load([(src * ROWS + c * CR).to(tl.int32), 0])  # [CR, 256] into shared memory; int32 coordinates
-        rr = c * CR + tl.arange(0, CR)
-        offs = (dst * ROWS + rr[:, None]) * W + tl.arange(0, W)[None, :]
-        tl.store(pool + offs, block, mask=(rr < ROWS)[:, None])
-
-
-def tma_candidate(pool, bank, src, dst, count, sms: int, nbytes: int, out: dict) -> None:
-    """Bytes per second of `_copy_rows_tma` for a few box heights (or the error), next to `copy_rows` on this bank."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    row = bank[0].numel()
-    out["single_bank_kernel"] = nbytes / seconds(lambda: copy_rows(pool, bank, src, dst, count))
-    out["tma"] = {}
-    for cr in (8, 16, 32):
-        try:
-            desc = TensorDescriptor.from_tensor(bank.view(-1, TMA_WIDTH), [cr, TMA_WIDTH])
-            rows = row // TMA_WIDTH
-
-            def fn(desc=desc, cr=cr, rows=rows) -> None:
-                _copy_rows_tma[(PROGRAMS_PER_SM * sms,)](
-                    src, dst, count, desc, pool, rows, cr, triton.cdiv(rows, cr), TMA_WIDTH
-                )
-
-            pool.zero_()
-            fn()
-            torch.cuda.synchronize()
-            ok = torch.equal(pool[dst].cpu().view(torch.int16), bank[src.cpu()].view(torch.int16))
-            out["tma"][f"box{cr}x{TMA_WIDTH}"] = nbytes / seconds(fn) if ok else "wrong bytes"
-        except Exception as exc:  # a candidate that fails to compile or launch is reported, not fatal
-            out["tma"][f"box{cr}x{TMA_WIDTH}"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
 
 
 def seconds(fn, reps: int = 20) -> float:
@@ -112,7 +63,7 @@ def measure(banks: tuple[torch.Tensor, ...], rows: int, sweep: bool, slots: int 
     copy_rows_pair(pools, banks, src_d, dst_d, count)
     for pool, bank in zip(pools, banks):
         assert torch.equal(pool[dst_d].cpu().view(torch.int16), bank[src].view(torch.int16)), "wrong bytes copied"
-    sms = _sm_count(torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     out["kernel"] = {}
     configs = [(p, b, w) for p in (1, 2, 4, 8) for b in (2048, 4096, 8192) for w in (4, 8)] if sweep else []
     for per_sm, block, warps in configs + [(PROGRAMS_PER_SM, BLOCK, 4)]:
@@ -131,9 +82,6 @@ def measure(banks: tuple[torch.Tensor, ...], rows: int, sweep: bool, slots: int 
 
     graph, _ = capture_graph(noop)
     out["empty_list_us"] = seconds(graph.replay) / 50 * 1e6
-    if banks[0][0].numel() % TMA_WIDTH == 0:
-        one = rows * banks[0][0].numel() * banks[0].element_size()
-        tma_candidate(pools[0], banks[0], src_d, dst_d, count, sms, one, out)
     return out
 
 
@@ -165,9 +113,6 @@ def main() -> None:
             f"kernel {kernel / 1e9:.1f} ({r['kernel_default_over_memcpy']:.3f} of memcpy; "
             f"best {r['kernel_best']} {r['kernel_best_over_memcpy']:.3f}); empty list {r['empty_list_us']:.2f} us"
         )
-        if "tma" in r:
-            tma = ", ".join(f"{k} {v / 1e9:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["tma"].items())
-            print(f"  one bank: kernel {r['single_bank_kernel'] / 1e9:.1f} GB/s; TMA candidate: {tma}")
         torch.cuda.empty_cache()
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))

@@ -15,6 +15,7 @@ for dtype in bfloat16 float32; do
   python3 benchmarks/decode_speed.py --device cuda --dtype "$dtype" --no-cuda-graphs --json "$out/decode_${dtype}_eager.json" || rc=1
 done
 python3 benchmarks/miss_copy.py --json "$out/miss_copy.json" | tail -12 || rc=1
+python3 benchmarks/copy_service.py --rows 1,2,8 --json "$out/copy_service.json" | tail -12 || rc=1
 python3 benchmarks/moe_gemv.py --json "$out/moe_gemv.json" | tail -16 || rc=1
 python3 benchmarks/dense_gemv.py --json "$out/dense_gemv.json" | tail -14 || rc=1
 python3 benchmarks/router.py --json "$out/router.json" | tail -12 || rc=1

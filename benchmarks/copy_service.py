@@ -1,4 +1,4 @@
-"""Probe: the engine's miss copy by the copy engine (`edgemoe.moe.copy_service`) against a pinned memcpy.
+"""Probe: the engine's miss copy by the copy engine (`edgemoe.offload.copy_service`) against a pinned memcpy.
 
     python benchmarks/copy_service.py [--layers 48] [--rows 1,2,3,8] [--json OUT]
 
@@ -14,7 +14,7 @@ Variants, timed in the same run:
 - `host_joined`: the same with each expert's two rows side by side in one bank row and one slot (one copy an
   expert instead of two), and `host_quarters`: each of the two rows in 4 copies (8 an expert). Against
   `host_rows`, these give what one more copy costs the copy engine;
-- `service_joined2`: `service_batch2` (below) over that layout, the engine's (`edgemoe.moe.offload.split_rows`);
+- `service_joined2`: `service_batch2` (below) over that layout, the engine's (`edgemoe.offload.layout.split_rows`);
 - `host_two_streams`: `host_rows` with each expert's gate_up row on one stream and its down row on another (two
   copy engines, if the GPU runs them side by side);
 - `sm`: the engine's eager copy, SMs reading pinned memory (`edgemoe.kernels.miss_copy.copy_rows_pair`);
@@ -31,12 +31,14 @@ import sys
 from types import SimpleNamespace
 
 import torch
-from edgemoe.bench import timed
-from edgemoe.moe.banks import allocate_bank
-from edgemoe.moe.copy_service import CopyService, Driver
-from edgemoe.moe.offload import split_rows
+import triton
+import triton.language as tl
 
-from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
+from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair, post_list
+from edgemoe.offload.banks import allocate_bank
+from edgemoe.offload.copy_service import CopyService, Driver
+from edgemoe.offload.layout import split_rows
+from edgemoe.tools.bench import timed
 
 HIDDEN, INTER = 2048, 768  # qwen3-30b-a3b
 
@@ -70,6 +72,23 @@ def capture(k, body) -> torch.cuda.CUDAGraph:
     return graph
 
 
+@triton.jit
+def _post(src, dst, count, tick, mailbox, bank_a, bank_b, M, RING: tl.constexpr, MAX: tl.constexpr,
+          BLOCK_M: tl.constexpr):  # fmt: skip
+    n = tl.load(count)
+    if n > 0:  # the engine never posts an empty list either
+        post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, tl.arange(0, BLOCK_M), RING, MAX)
+
+
+def post(service: CopyService, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, banks) -> None:
+    """What the engine's captured `ensure` does once its victims are chosen (`post_list` into the service's mailbox),
+    as a kernel of its own: the list here comes from the host, not from an `ensure`."""
+    t = service.target(banks)
+    M = src.numel()
+    _post[(1,)](src, dst, count, t.tick, t.mailbox, t.bank_a, t.bank_b, M, t.ring, t.max_entries,
+                triton.next_power_of_2(M), num_warps=1)  # fmt: skip
+
+
 def service_variant(k, lists, group: int, reps: int, joined: bool = False) -> tuple[float, dict]:
     """Seconds per served replay of a graph whose layers post `lists` to a service, and what it copied. `joined`:
     the service over the side-by-side banks and pool (`split_rows`, the engine's layout)."""
@@ -82,7 +101,7 @@ def service_variant(k, lists, group: int, reps: int, joined: bool = False) -> tu
 
     def layer_step(layer: int) -> None:
         k.counters.zero_()  # as ensure does
-        service.post(d_src[layer], d_dst[layer], d_count[layer], banks)
+        post(service, d_src[layer], d_dst[layer], d_count[layer], banks)
         service.wait(d_count[layer])
 
     graph = capture(k, layer_step)

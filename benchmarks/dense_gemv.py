@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from edgemoe.bench import bandwidths, capture, timed
 
 from edgemoe.kernels.dense_gemv import WARPS, gemv, pick_block_n, pick_steps
+from edgemoe.tools.bench import bandwidths, capture, timed
 
 SETS = 8
 SHAPES = {

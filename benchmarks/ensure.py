@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.bench import capture, timed
 from edgemoe.kernels.ensure import BLOCK_S, NUM_WARPS, ensure_fused
-from edgemoe.models.random_checkpoint import PRESETS
-from edgemoe.moe.cache_sim import synthetic_trace
-from edgemoe.moe.expert_cache import ExpertCache
+from edgemoe.offload.expert_cache import ExpertCache
+from edgemoe.tools.bench import capture, timed
+from edgemoe.tools.cache_sim import synthetic_trace
+from edgemoe.tools.make_model import PRESETS
 
 GEOMETRIES = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b")
 

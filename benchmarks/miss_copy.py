@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.bench import timed
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.kernels.miss_copy import BLOCK, PROGRAMS_PER_SM, copy_rows_pair
-from edgemoe.models.random_checkpoint import PRESETS
-from edgemoe.moe.banks import allocate_bank
+from edgemoe.offload.banks import allocate_bank
+from edgemoe.tools.bench import timed
+from edgemoe.tools.make_model import PRESETS
 
 GiB = 2**30
 

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from edgemoe.bench import bandwidths, capture, timed
 
 from edgemoe.engine.context import ForwardContext
 from edgemoe.kernels.paged_attention import (
@@ -37,6 +36,7 @@ from edgemoe.kernels.paged_attention import (
     paged_decode_attention,
 )
 from edgemoe.layers.attention import PagedAttention
+from edgemoe.tools.bench import bandwidths, capture, timed
 
 DEV = torch.device("cuda")
 BLOCK_SIZE = 16  # the engine's default

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from edgemoe.bench import bandwidths, timed
 
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.moe.router import route
+from edgemoe.tools.bench import bandwidths, timed
 
 DEV = torch.device("cuda")
 # name -> (hidden, experts, top_k, normalize)

@@ -5,7 +5,7 @@
 Each trace is one sequence's decode (`--record-routing`), resident experts, sampled at temperature 0.8 with a
 fixed seed (one greedy); the prompts are openings in the style of the demo model's training text. Prints a
 Markdown table of hit rates (lru, scored, belady) per trace and cache size, and their mean; then the same for
-synthetic traces (`edgemoe.moe.cache_sim.synthetic_trace`: Zipf popularity, temporal repeats) of 8 layers x 64
+synthetic traces (`edgemoe.tools.cache_sim.synthetic_trace`: Zipf popularity, temporal repeats) of 8 layers x 64
 experts, top-6.
 """
 
@@ -15,9 +15,9 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from edgemoe.moe.cache_sim import load_trace, run, simulate, synthetic_trace
 
 from edgemoe import LLM, SamplingParams
+from edgemoe.tools.cache_sim import load_trace, run, simulate, synthetic_trace
 
 PROMPTS = [
     ("greedy", "To be, or not to be, that is the question:", 0.0),

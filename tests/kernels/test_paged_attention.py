@@ -147,8 +147,11 @@ def test_unsupported_head_dim_is_refused() -> None:
     c = paged_case([4], 4, 2, 48, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         kernel(c, 16)
-    assert not PagedAttention(4, 2, 48, 16).fused_decode  # the layer keeps the torch path for it
-    assert PagedAttention(4, 2, 128, 16).fused_decode
+    odd, even = PagedAttention(4, 2, 48, 16), PagedAttention(4, 2, 128, 16)
+    for layer in (odd, even):
+        layer.use_kernels(torch.device("cuda"))  # what the loader does on a GPU (only the choice: nothing runs)
+    assert odd._decode_kernel is None  # the layer keeps the torch path for it
+    assert even._decode_kernel is not None
 
 
 def test_contexts_far_apart_in_a_wide_table() -> None:

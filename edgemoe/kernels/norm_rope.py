@@ -28,11 +28,6 @@ import triton.language as tl
 from edgemoe.kernels.pdl import launch_args, trigger_dependents, wait_for_inputs
 
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-# the attention prologue lets paged attention be scheduled before it waits for the qkv projection, so that attention's
-# reads of step inputs and older K/V rows overlap qkv, not the ~1 us prologue (measured on an H200, resident qwen3
-# decode at 4K with PREFETCH_TILES 1: +0.5-0.7 %, benchmarks/RESULTS.md session 22; benchmarks/decode_variants.py
-# --no-prologue-early-trigger is the control)
-PROLOGUE_EARLY_TRIGGER = True
 
 
 @triton.jit
@@ -247,11 +242,11 @@ def _attention_prologue(
     X_TY: tl.constexpr,
     BLOCK: tl.constexpr,
     RNE_BY_HAND: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if EARLY_TRIGGER:
-        trigger_dependents(PDL)
+    # paged attention may be scheduled before this waits for qkv, so that attention's reads of step inputs and older
+    # K/V rows overlap qkv, not this ~1 us kernel (docs/findings.md, "Attention")
+    trigger_dependents(PDL)
     # program (t, h): h < heads: q head -> q_out; then kv_heads k heads -> k_cache; then kv_heads v heads -> v_cache
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -330,7 +325,7 @@ def attention_prologue(
     _attention_prologue[(tokens, heads + 2 * kv_heads)](
         q, k, v, q_out, k_cache, v_cache, *weights, cos_sin, positions, slot_mapping, heads, kv_heads, dim, 1.0 / dim,
         eps, *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
-        cos_sin.stride(1), norm, _DTYPES[q.dtype], block, not q.is_cuda, PROLOGUE_EARLY_TRIGGER,
+        cos_sin.stride(1), norm, _DTYPES[q.dtype], block, not q.is_cuda,
         num_warps=_norm_warps(block),
         enable_fp_fusion=False, **launch_args(q.device),
     )  # fmt: skip

@@ -40,13 +40,9 @@ def make_cache(L: int, E: int, S: int, policy: str, rows: tuple[tuple[int, int],
 
 
 @pytest.mark.parametrize("joined", [True, False], ids=["joined", "two-rows"])
-@pytest.mark.parametrize("fused_post", [True, False], ids=["ensure-posts", "post-kernel"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("rows", [((16, 8), (8, 8)), ((1536, 2048), (2048, 768))])  # tiny; qwen3-30b-a3b's
-def test_graph_replays_post_and_wait(policy: str, rows: tuple, fused_post: bool, joined: bool, monkeypatch) -> None:
-    import edgemoe.kernels.ensure as ensure
-
-    monkeypatch.setattr(ensure, "FUSED_POST", fused_post)
+def test_graph_replays_post_and_wait(policy: str, rows: tuple, joined: bool) -> None:
     L, E, S, tokens, top_k = 3, 12, 9, 2, 3
     gpu, banks = make_cache(L, E, S, policy, rows, joined)
     assert gpu.copy_service.joined == joined  # joined: one copy an entry
@@ -56,7 +52,7 @@ def test_graph_replays_post_and_wait(policy: str, rows: tuple, fused_post: bool,
     trace = random_trace(12, L, E, tokens, top_k, skew=0.8, seed=9)
     ids.copy_(trace[0])
     graph, outputs = capture_graph(lambda: ensure_copy_read(gpu, banks, ids))  # warm-up: SM copies; capture: posts
-    assert graph.copy_services == (gpu.copy_service,) and gpu.copy_service.served == 0
+    assert graph.hooks == (gpu.copy_service,) and gpu.copy_service.served == 0
     for layer in range(L):
         cpu.ensure(layer, trace[0][layer])
     for step_ids in trace[1:]:
@@ -94,7 +90,7 @@ def test_eager_copies_by_sms_and_capture_posts_without_sync() -> None:
     ids = torch.tensor([[2, 4, 9]], device="cuda")
 
     def step() -> None:
-        got = cache.ensure(0, ids)
+        got = cache.ensure(0, ids, banks[0])
         cache.copy_missing(got, *banks[0])
         cache.await_copy(got)
 
@@ -102,7 +98,7 @@ def test_eager_copies_by_sms_and_capture_posts_without_sync() -> None:
     ids.copy_(torch.tensor([[3, 5, 9]], device="cuda"))  # ... unless the ids change
     torch.cuda.synchronize()
     with host_sync_forbidden():
-        graph.replay()  # posts the list and serves it (a ServedGraph), polling: no host sync
+        graph.replay()  # posts the list and serves it (its replay hook), polling: no host sync
     assert service.served == 1  # 3 and 5 missed: one list
     graph.replay()  # every expert hits: nothing posted
     assert service.served == 1 == int(service.tick)
@@ -128,7 +124,7 @@ def test_captured_ensure_posts_its_own_list() -> None:
         cache.await_copy(got)
 
     graph, _ = capture_graph(step)
-    assert posted == [False, True] and graph.copy_services == (service,)  # the eager warm-up, then the capture
+    assert posted == [False, True] and graph.hooks == (service,)  # the eager warm-up, then the capture
     ids.copy_(torch.tensor([[3, 5, 10]], device="cuda"))
     torch.cuda.synchronize()
     with host_sync_forbidden():

@@ -51,6 +51,7 @@ def test_decode_linear_dispatch(name: str, cublas_fp32_reduction) -> None:
     n, k, bias = SHAPES[name]
     x, w, b = inputs(4, n, k, torch.bfloat16, bias, seed=7, device="cuda")
     layer = DecodeLinear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    layer.use_kernels(torch.device("cuda"))  # as the loader chooses for a CUDA device
     layer.weight.copy_(w)
     if bias:
         layer.bias.copy_(b)

@@ -27,8 +27,8 @@ def pinned_bank(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.
 
 def ensure_copy_read(cache: ExpertCache, banks: list, ids: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """Per layer of ids [L, tokens, k]: ensure, copy, then the slots and the rows read from them right away (a later
-    layer may evict them). Posted copies (a capture with a copy service: posted by ensure itself, or by a post
-    kernel after it with `edgemoe.kernels.ensure.FUSED_POST` off) are waited for first."""
+    layer may evict them). Posted copies (a capture with a copy service: posted by ensure itself) are waited for
+    first."""
     out = []
     for layer in range(ids.shape[0]):
         got = cache.ensure(layer, ids[layer], banks[layer])

@@ -73,7 +73,7 @@ def test_decode_runs_it_without_pdl_with_the_separate_norms_tokens(monkeypatch: 
     fusion switched off). With PDL (Hopper), where it measured slower, decode keeps the separate norm."""
     import edgemoe.kernels.dense_gemv as dense_gemv
     import edgemoe.kernels.pdl as pdl_module
-    from edgemoe.models.decoder import SelfAttention
+    from edgemoe.layers.attention import Attention
 
     if pdl and not pdl_module.use_pdl(torch.device("cuda")):
         pytest.skip("this GPU has no PDL")
@@ -87,6 +87,6 @@ def test_decode_runs_it_without_pdl_with_the_separate_norms_tokens(monkeypatch: 
     layers = llm.engine.runner.model.config.num_layers
     got = llm.generate(["ROMEO.\n"], greedy)[0].token_ids
     assert len(calls) == (0 if pdl else (layers - 1) * 23)  # 23 decode steps after the prefill's token
-    monkeypatch.setattr(SelfAttention, "fuses_norm", lambda *a: False)
+    monkeypatch.setattr(Attention, "fuses_norm", lambda *a: False)
     calls.clear()
     assert llm.generate(["ROMEO.\n"], greedy)[0].token_ids == got and not calls

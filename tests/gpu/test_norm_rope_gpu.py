@@ -1,6 +1,6 @@
 """RMSNorm, rotary and attention-prologue kernels (`edgemoe.kernels.norm_rope`) compiled on CUDA against their torch
 references (`RMSNorm.reference`, `RotaryEmbedding.forward`, `index_copy_` into the KV cache) at real
-shapes in float32 and bf16, without host synchronisation, through the layers' CUDA dispatch (`SelfAttention` against
+shapes in float32 and bf16, without host synchronisation, through the layers' CUDA dispatch (`Attention` against
 its unfused sequence), and replayed from a CUDA graph with new inputs.
 
 The prologue's rotary must be bitwise equal to torch's (it rounds where torch's separate ops round; no FMA). The norm
@@ -16,9 +16,11 @@ import torch
 from edgemoe.config import ModelConfig
 from edgemoe.engine.context import ForwardContext, set_context
 from edgemoe.engine.cuda_graphs import capture_graph
+from edgemoe.layers.attention import Attention
+from edgemoe.layers.kernels import select_kernels
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
-from edgemoe.models.decoder import SelfAttention
+from edgemoe.models.olmoe import OlmoeAttention
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.kernels.test_norm_rope import fused_prologue, unfused_prologue
 
@@ -37,6 +39,7 @@ def randn(*shape: int, g: torch.Generator, dtype: torch.dtype, scale: float = 1.
 
 def make_norm(dim: int, dtype: torch.dtype, g: torch.Generator, weight_dtype: torch.dtype | None = None) -> RMSNorm:
     norm = RMSNorm(dim, EPS).cuda()
+    select_kernels(norm, torch.device("cuda"))
     norm.weight.data = (1 + 0.5 * torch.randn(dim, generator=g, device="cuda")).to(weight_dtype or dtype)
     return norm
 
@@ -154,7 +157,7 @@ SLOTS = 4096
 def prologue_case(
     tokens: int, heads: int, kv_heads: int, dtype: torch.dtype, g: torch.Generator, norm: bool = True
 ) -> tuple[torch.Tensor | None, ...]:
-    """attention_prologue's arguments: q, k, v (separate projections, as SelfAttention's), positions, the table,
+    """attention_prologue's arguments: q, k, v (separate projections, as Attention's), positions, the table,
     caches of random values (a stray write shows) and distinct random slots in them, [norm weights]."""
     q = randn(tokens, heads, HEAD_DIM, g=g, dtype=dtype, scale=2.0)
     k = randn(tokens, kv_heads, HEAD_DIM, g=g, dtype=dtype, scale=2.0)
@@ -280,16 +283,22 @@ def test_prologue_cuda_graph_replays_new_inputs_and_slots(dtype: torch.dtype) ->
 BLOCK_SIZE = 16
 
 
-def make_attention(qk_norm: str | None, clip: float | None, dtype: torch.dtype, g: torch.Generator) -> SelfAttention:
-    """A Qwen3-like ("head") or OLMoE-like ("full", clip) attention layer on CUDA with random weights and a KV cache
-    of random values."""
-    cfg = ModelConfig(
-        model_type="test", vocab_size=16, hidden_size=1024, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM, intermediate_size=16, num_experts=1, top_k=1, moe_intermediate_size=16,
-        moe_layers=(False,), norm_topk_prob=False, qk_norm=qk_norm, clip_qkv=clip, rms_norm_eps=EPS,
-        max_position_embeddings=MAX_POSITIONS, rope_theta=1e6,
-    )  # fmt: skip
-    layer = SelfAttention(cfg, make_rotary(), BLOCK_SIZE).to("cuda", dtype)
+def make_attention(qk_norm: str | None, clip: float | None, dtype: torch.dtype, g: torch.Generator) -> Attention:
+    """A Qwen3-like ("head") or OLMoE-like ("full", clip) attention layer on CUDA with random weights, its kernels
+    chosen as the loader chooses them, and a KV cache of random values."""
+    if qk_norm == "full":
+        cfg = ModelConfig(
+            model_type="olmoe", vocab_size=16, hidden_size=1024, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM, intermediate_size=16, num_experts=1, top_k=1, moe_intermediate_size=16,
+            moe_layers=(False,), norm_topk_prob=False, clip_qkv=clip, rms_norm_eps=EPS,
+            max_position_embeddings=MAX_POSITIONS, rope_theta=1e6,
+        )  # fmt: skip
+        layer = OlmoeAttention(cfg, make_rotary(), BLOCK_SIZE)
+    else:
+        eps = EPS if qk_norm == "head" else None
+        layer = Attention(1024, HEADS, KV_HEADS, HEAD_DIM, make_rotary(), BLOCK_SIZE, head_norm_eps=eps)
+    layer = layer.to("cuda", dtype)
+    select_kernels(layer, torch.device("cuda"))
     if qk_norm is not None:
         layer.q_norm.weight.data = make_norm(layer.q_norm.weight.shape[0], dtype, g).weight.data
         layer.k_norm.weight.data = make_norm(layer.k_norm.weight.shape[0], dtype, g).weight.data
@@ -297,15 +306,11 @@ def make_attention(qk_norm: str | None, clip: float | None, dtype: torch.dtype, 
     return layer
 
 
-def unfused_forward(layer: SelfAttention, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """SelfAttention.forward before the fusion (each op its own kernel): the reference of the wiring."""
-    q, k, v = layer.qkv_proj(x).split(layer.qkv_sizes, dim=-1)
-    if layer.qk_norm == "full":
-        q, k = layer.q_norm(q), layer.k_norm(k)
-    if layer.clip is not None:
-        q, k, v = (t.clamp(-layer.clip, layer.clip) for t in (q, k, v))
+def unfused_forward(layer: Attention, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Attention.forward before the fusion (each op its own kernel): the reference of the wiring."""
+    q, k, v = layer.transform_qkv(*layer.qkv_proj(x).split(layer.qkv_sizes, dim=-1))
     q, k, v = q.view(-1, layer.nq, layer.d), k.view(-1, layer.nkv, layer.d), v.view(-1, layer.nkv, layer.d)
-    if layer.qk_norm == "head":
+    if layer.head_norm:
         q, k = layer.q_norm(q), layer.k_norm(k)
     q, k = layer.rotary[0](pos, q, k)
     return layer.o_proj(layer.attn(q, k, v))
@@ -332,7 +337,7 @@ def batch_context(lens: list[int], new: list[int], prefill: bool) -> tuple[Forwa
 def test_self_attention_fused_prologue_equals_unfused(
     qk_norm: str | None, clip: float | None, dtype: torch.dtype, prefill: bool
 ) -> None:
-    """SelfAttention on CUDA (fused prologue, then attention over the cache it wrote) against its unfused sequence
+    """Attention on CUDA (fused prologue, then attention over the cache it wrote) against its unfused sequence
     on a copy of the same cache: output and caches bitwise; decode without host syncs."""
     g = gen(20)
     layer = make_attention(qk_norm, clip, dtype, g)

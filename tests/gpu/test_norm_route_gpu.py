@@ -77,15 +77,16 @@ def test_sparse_moe_fuses_the_norm_in_decode_only(monkeypatch: pytest.MonkeyPatc
     import edgemoe.kernels.router as router
     from edgemoe.config import ModelConfig
     from edgemoe.engine.context import ForwardContext, set_context
+    from edgemoe.layers.kernels import select_kernels
     from edgemoe.layers.rotary import RotaryEmbedding
-    from edgemoe.models.decoder import DecoderLayer
+    from edgemoe.models.qwen3_moe import Qwen3MoeDecoderLayer
 
     cfg = ModelConfig(
         model_type="qwen3_moe", vocab_size=64, hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=4,
         head_dim=64, intermediate_size=512, num_experts=60, top_k=4, moe_intermediate_size=64, moe_layers=(True,),
         norm_topk_prob=True,
     )  # fmt: skip
-    layer = DecoderLayer(cfg, 0, RotaryEmbedding(64, 128, 10000.0), 16).to(device="cuda", dtype=torch.bfloat16)
+    layer = Qwen3MoeDecoderLayer(cfg, 0, RotaryEmbedding(64, 128, 10000.0), 16).to(device="cuda", dtype=torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(12)
     for p in layer.parameters():  # every weight from the seed (the experts' are allocated uninitialised)
         p.data.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
@@ -94,6 +95,7 @@ def test_sparse_moe_fuses_the_norm_in_decode_only(monkeypatch: pytest.MonkeyPatc
     calls = []
     fused = router.norm_route
     monkeypatch.setattr(router, "norm_route", lambda *a, **k: (calls.append(a), fused(*a, **k))[1])
+    select_kernels(layer, torch.device("cuda"))  # after the patch: the layer takes the counting kernel
     moe, norm, empty = layer.mlp, layer.post_attention_layernorm, torch.empty(0, dtype=torch.long, device="cuda")
     try:
         with torch.inference_mode():

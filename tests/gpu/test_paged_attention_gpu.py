@@ -181,7 +181,7 @@ def test_cuda_graph_replays_new_lengths_and_tables(dtype, seqs: int) -> None:
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL and the prefetch: sm_90+"
 )
 @pytest.mark.parametrize("seqs", [1, 4])
-def test_early_trigger_and_kv_prefetch_change_nothing(monkeypatch, seqs: int) -> None:
+def test_kv_prefetch_changes_nothing(monkeypatch, seqs: int) -> None:
     """Replayed from a CUDA graph as decode runs them (the qkv GEMV -> the attention prologue -> paged attention),
     with new x, caches, tables and lengths each round: the prologue letting attention be scheduled before it waits
     for qkv (three kernels in flight), and attention asking L2 for 0, 1, 2 or 4 tiles of K/V before its own wait,
@@ -213,11 +213,9 @@ def test_early_trigger_and_kv_prefetch_change_nothing(monkeypatch, seqs: int) ->
         return paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, bs)
 
     graphs = {}
-    for early in (False, True):
-        for tiles in (0, 1, 2, 4):  # read when the kernels are launched, so at capture
-            monkeypatch.setattr(norm_rope, "PROLOGUE_EARLY_TRIGGER", early)
-            monkeypatch.setattr(paged_attention, "PREFETCH_TILES", tiles)
-            graphs[early, tiles] = capture_graph(step)
+    for tiles in (0, 1, 2, 4):  # read when the kernels are launched, so at capture
+        monkeypatch.setattr(paged_attention, "PREFETCH_TILES", tiles)
+        graphs[tiles] = capture_graph(step)
     gen = torch.Generator().manual_seed(1)
     for r, round_lens in enumerate(([1, 129, 4096, 8192], [4096] * 4, [700, 8191, 64, 3000])):
         round_lens = round_lens[-seqs:]
@@ -232,13 +230,13 @@ def test_early_trigger_and_kv_prefetch_change_nothing(monkeypatch, seqs: int) ->
             graph.replay()
             outs[key], caches[key] = out.clone(), (k_cache.clone(), v_cache.clone())
         for key in outs:
-            assert torch.equal(outs[key], outs[False, 0]), f"lens {round_lens}, early/tiles {key}"
-            assert all(torch.equal(a, b) for a, b in zip(caches[key], caches[False, 0])), f"caches, {key}"
+            assert torch.equal(outs[key], outs[0]), f"lens {round_lens}, tiles {key}"
+            assert all(torch.equal(a, b) for a, b in zip(caches[key], caches[0])), f"caches, {key}"
         q, k, v = (t.view(1, -1, dim) for t in gemv(x, w_qkv).split(sizes, dim=-1))
         q, k = norm_rope.rms_norm(q, norm_w, 1e-6), norm_rope.rms_norm(k, norm_w, 1e-6)
         for i in range(seqs):  # the reference: torch's rotary, the newest row written by hand
             qi, ki = rope(positions[i : i + 1], q, k)
-            k_ref, v_ref = caches[False, 0]
+            k_ref, v_ref = caches[0]
             assert torch.equal(k_ref[slots[i]], ki[0]) and torch.equal(v_ref[slots[i]], v[0])
             expected = plain_attention(qi, k_ref, v_ref, tables[i : i + 1], lens[i : i + 1], bs)
-            torch.testing.assert_close(outs[False, 0][i : i + 1].double(), expected, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(outs[0][i : i + 1].double(), expected, atol=2e-2, rtol=2e-2)

@@ -102,7 +102,7 @@ def check_prologue() -> None:
     positions, slots = torch.tensor([5]), torch.tensor([5])
     norm_rope.attention_prologue(q, k, v, positions, cos_sin, cache, cache.clone(), slots, norm_w, norm_w)
     ((args, options),) = prologue.calls
-    assert norm_rope.PROLOGUE_EARLY_TRIGGER and args["EARLY_TRIGGER"] and args["PDL"]
+    assert args["PDL"]
     args["RNE_BY_HAND"] = False  # the GPU build's (True only for the interpreter's CPU tensors)
     ptx = ptx_for_sm90(prologue.kernel, args, options)
     assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")

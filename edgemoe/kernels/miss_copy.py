@@ -29,6 +29,8 @@ import triton.language as tl
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 from edgemoe.offload.protocol import HEADER
 
+_HEADER = tl.constexpr(HEADER)  # a jitted function reads only constexpr globals
+
 BLOCK = 4096  # elements per work item: 8 KiB of bf16
 # programs of the persistent grid per SM: P x BLOCK bytes in flight cover PCIe's latency with room to spare. On an
 # H200 (benchmarks/miss_copy.py) 1 to 8 per SM copy at the same rate (0.90 of memcpy at qwen3's experts, within
@@ -192,7 +194,7 @@ def post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, r, RING: tl.constex
     seq = tl.load(tick) + 1
     tl.debug_barrier()  # every thread has read the tick before it moves
     tl.store(tick, seq)
-    row = mailbox + ((seq - 1) % RING) * (HEADER + 2 * MAX)
+    row = mailbox + ((seq - 1) % RING) * (_HEADER + 2 * MAX)
     tl.store(row + 1, n)
     tl.store(row + 2, bank_a)
     tl.store(row + 3, bank_b)

@@ -71,12 +71,13 @@ def test_profiler_sees_the_side_stream_beside_the_miss_copy() -> None:
     engine = llm.engine
     engine.add_request("ROMEO.\n", SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     engine.step()  # prefill
-    graphs, seq = engine.runner.graphs, engine.scheduler.running[0]
+    runner, seq = engine.runner, engine.scheduler.running[0]
     pos, bs = seq.num_computed, engine.kv.block_size
     slot = seq.block_table[pos // bs] * bs + pos % bs
+    runner.decode.fill([seq.token_ids[-1]], [pos], [slot], [pos + 1], [list(seq.block_table)])
 
     def replay() -> None:  # the same decode step again and again (it rewrites one KV slot)
-        graphs.replay([seq.token_ids[-1]], [pos], [slot], [pos + 1], [list(seq.block_table)])
+        runner.graphs.replay(1)
 
     steps = 4
     got = summarize(record(replay, steps), steps)

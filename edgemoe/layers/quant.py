@@ -100,6 +100,17 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, m
 
 
+def _pack_k_scales(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """`_k_scales`'s inverse: 6-bit scales and mins [..., 8] -> the 12 bytes [..., 12] (uint8)."""
+    hi_sc, hi_m = sc[..., 4:], m[..., 4:]
+    packed = [
+        (sc[..., :4] & 63) | ((hi_sc >> 4) << 6),
+        (m[..., :4] & 63) | ((hi_m >> 4) << 6),
+        (hi_sc & 15) | ((hi_m & 15) << 4),
+    ]
+    return torch.cat(packed, dim=-1).to(torch.uint8)
+
+
 def _q4_0(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 18] -> [..., blocks, 32]
     d = _f16(b[..., 0], b[..., 1])
     q = _nibbles(b[..., 2:]).flatten(-2).to(torch.int32) - 8
@@ -210,10 +221,8 @@ def random_blocks(
         sc = torch.randint(1, 64, (*blocks, 8), generator=g)
         m = (sc + torch.randint(-3, 4, sc.shape, generator=g)).clamp(0, 63)  # dmin m ~ d sc qmax / 2
         dmin = d * qmax / 2
-        packed = torch.cat([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
-                            (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], dim=-1).to(torch.uint8)  # fmt: skip
         fifth = [randbytes(32)] if q.name == "Q5_K" else []
-        parts = [_f16_bytes(d), _f16_bytes(dmin), packed, *fifth, randbytes(128)]
+        parts = [_f16_bytes(d), _f16_bytes(dmin), _pack_k_scales(sc, m), *fifth, randbytes(128)]
     else:  # Q6_K: 73.9 the RMS of a random int8 scale, 18.5 the std of uniform q - 32
         d = std / (73.9 * 18.5) * uniform()
         parts = [randbytes(192), randbytes(16), _f16_bytes(d)]

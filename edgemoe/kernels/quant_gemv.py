@@ -45,7 +45,7 @@ def _up(
     x, ids, w13, h, dst, count, arrived, inter, top_k, nblk, stride_x, stride_e, stride_r, M,
     QTYPE: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, L: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr, STAGES: tl.constexpr, STREAMED: tl.constexpr, AFTER_ENSURE: tl.constexpr,
-    CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, CACHE: tl.constexpr, PDL: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, CACHE: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if STREAMED:  # as moe_gemv's up: no wait for the copy kernel, only for this pair's rows if listed
@@ -61,7 +61,7 @@ def _up(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] gate rows; up's are inter rows further
     half = tl.arange(0, 2)  # 0: gate, 1: up
     row = half[:, None] * inter + tl.minimum(n, inter - 1)[None, :]  # [2, BLOCK_N], the ragged end clamped
-    rows = w13 + expert * stride_e + row.to(tl.int64) * stride_r  # [2, BLOCK_N] row starts (bytes)
+    rows = w13 + (expert * stride_e + row.to(tl.int64) * stride_r) * UNIT  # [2, BLOCK_N] row starts (bytes)
     vec = x + (pair // top_k).to(tl.int64) * stride_x + tl.zeros([1, 1], dtype=tl.int64)  # [1, 1] x's row
     acc = tl.zeros([2, BLOCK_N, G, L], dtype=tl.float32)  # reduced once after the loop
     for blk in tl.range(0, nblk, NB, num_stages=STAGES):
@@ -76,7 +76,8 @@ def _up(
 def _down(
     h, ids, weights, w2, out, H, inter, top_k, nblk, stride_o, stride_e, stride_r,
     QTYPE: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, CACHE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, CACHE: tl.constexpr, UNIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(PDL)
     t = tl.program_id(0)
@@ -85,7 +86,8 @@ def _down(
     pair = t * top_k + tl.minimum(p, top_k - 1)  # padding repeats the last pair, weighted 0 below
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output rows
     expert = tl.load(ids + pair).to(tl.int64)  # [BLOCK_P]
-    rows = w2 + expert[:, None] * stride_e + tl.minimum(n, H - 1)[None, :].to(tl.int64) * stride_r  # [P, N]
+    row = tl.minimum(n, H - 1)[None, :].to(tl.int64)
+    rows = w2 + (expert[:, None] * stride_e + row * stride_r) * UNIT  # [BLOCK_P, BLOCK_N] row starts (bytes)
     vec = h + (pair * inter).to(tl.int64)[:, None]  # [BLOCK_P, 1] each pair's h
     acc = tl.zeros([BLOCK_P, BLOCK_N, G, L], dtype=tl.float32)
     for blk in tl.range(0, nblk, NB, num_stages=STAGES):
@@ -117,15 +119,19 @@ def _step_blocks(q: QuantType, n: int) -> int:
 
 @functools.cache
 def pick_blocks(qtype_gate_up: QuantType, qtype_down: QuantType, hidden: int, inter: int) -> QuantBlocks:
-    """Up's fields depend on gate_up's format only, down's on down's. Not yet swept on a GPU (the bf16 kernel's
-    shapes, with down_n 2 so that each h load serves two rows: h is bf16, the weights ~4.5 bits)."""
+    """Up's fields depend on gate_up's format only, down's on down's. Not yet timed on a GPU: chosen from the
+    compiled sm_90 code at qwen3's shape (instructions per weight in the loop, registers, no layout conversions
+    through shared memory): up as the bf16 kernel (16 rows, 8 warps: 8.1 instructions per Q4_K weight, 78
+    registers); down 4 rows per program so that each h element loaded serves 4 rows (h is bf16, the weights ~4.5
+    bits), 8 warps (8.2 per Q4_K weight, where 2 rows over 4 warps converted layouts with 32 shuffles a step).
+    `benchmarks/quant_gemv.py --sweep` times the alternatives."""
     return QuantBlocks(
         up_n=min(16, triton.next_power_of_2(inter)),
         up_blocks=_step_blocks(qtype_gate_up, hidden),
         up_warps=8,
-        down_n=min(2, triton.next_power_of_2(hidden)),
+        down_n=min(4, triton.next_power_of_2(hidden)),
         down_blocks=_step_blocks(qtype_down, inter),
-        down_warps=4,
+        down_warps=8,
     )
 
 
@@ -152,11 +158,18 @@ def quant_fused_experts(
     return quant_down_proj(h, ids, weights, w2, q2, inter, hidden, b, streamed=arrivals is not None)
 
 
-def _check_bank(w: torch.Tensor, rows: int, q: QuantType, n: int) -> None:
+def _strides(w: torch.Tensor, rows: int, q: QuantType, n: int) -> tuple[int, int, int]:
+    """Checks a bank -> (expert stride, row stride, unit): the strides in units of the largest power of two up to
+    16 that divides both and the address. The kernels multiply by the unit in-kernel, so that the compiler sees
+    the alignment of the row starts (it assumes 16 of arguments that are multiples of 16, else nothing): Q6_K's
+    630-byte rows of qwen3's down are then read two bytes at a time, not one."""
     assert w.dtype == torch.uint8 and w.dim() == 3, "a quantized bank is uint8 [N, rows, row_bytes]"
     assert w.shape[1:] == (rows, row_bytes(q, n)) and w.stride(2) == 1, f"expected [N, {rows}, {row_bytes(q, n)}]"
-    align = ALIGN[q.name]  # the kernels load the scales as halves or words
-    assert w.data_ptr() % align == 0 and w.stride(0) % align == 0, f"{q.name} blocks must start {align}-aligned"
+    unit = 16
+    while w.data_ptr() % unit or w.stride(0) % unit or w.stride(1) % unit:
+        unit //= 2
+    assert unit >= ALIGN[q.name], f"{q.name} blocks must start {ALIGN[q.name]}-aligned (scales load as halves or words)"
+    return w.stride(0) // unit, w.stride(1) // unit, unit
 
 
 def quant_up_proj(
@@ -173,7 +186,7 @@ def quant_up_proj(
     q = quant_type(qtype)
     (T, H), K = x.shape, ids.shape[1]
     assert H == hidden
-    _check_bank(w13, 2 * inter, q, hidden)
+    stride_e, stride_r, unit = _strides(w13, 2 * inter, q, hidden)
     x, ids = x if x.stride(1) == 1 else x.contiguous(), ids.contiguous()
     h = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)  # [pairs, I]
     if T * K:
@@ -182,10 +195,10 @@ def quant_up_proj(
         M, nblk = a.dst.numel(), hidden // q.block_weights
         groups, lanes = GROUPS[q.name]
         _up[(T * K, triton.cdiv(inter, b.up_n))](
-            x, ids, w13, h, a.dst, a.count, a.counters, inter, K, nblk, x.stride(0), w13.stride(0), w13.stride(1), M,
+            x, ids, w13, h, a.dst, a.count, a.counters, inter, K, nblk, x.stride(0), stride_e, stride_r, M,
             int(q.ggml_type), b.up_blocks, groups * b.up_blocks, lanes, b.up_n, nblk % b.up_blocks == 0, b.up_stages,
             arrivals is not None, a.after_ensure, a.chunks, triton.next_power_of_2(max(M, 1)),
-            ".cg" if arrivals is not None else "", num_warps=b.up_warps, **launch_args(x.device),
+            ".cg" if arrivals is not None else "", unit, num_warps=b.up_warps, **launch_args(x.device),
         )  # fmt: skip
     return h
 
@@ -206,7 +219,7 @@ def quant_down_proj(
     q = quant_type(qtype)
     T, K = ids.shape
     assert h.shape == (T * K, inter) and h.is_contiguous()
-    _check_bank(w2, hidden, q, inter)
+    stride_e, stride_r, unit = _strides(w2, hidden, q, inter)
     ids, weights = ids.contiguous(), weights.contiguous()
     out = torch.empty(T, hidden, dtype=h.dtype, device=h.device)
     if T:
@@ -214,9 +227,9 @@ def quant_down_proj(
         nblk = inter // q.block_weights
         groups, lanes = GROUPS[q.name]
         _down[(T, triton.cdiv(hidden, b.down_n))](
-            h, ids, weights, w2, out, hidden, inter, K, nblk, out.stride(0), w2.stride(0), w2.stride(1),
+            h, ids, weights, w2, out, hidden, inter, K, nblk, out.stride(0), stride_e, stride_r,
             int(q.ggml_type), b.down_blocks, groups * b.down_blocks, lanes, triton.next_power_of_2(K), b.down_n,
-            nblk % b.down_blocks == 0, b.down_stages, ".cg" if streamed else "", num_warps=b.down_warps,
+            nblk % b.down_blocks == 0, b.down_stages, ".cg" if streamed else "", unit, num_warps=b.down_warps,
             **launch_args(h.device),
         )  # fmt: skip
     return out

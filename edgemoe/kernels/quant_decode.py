@@ -146,10 +146,10 @@ def _k_scale_min(words, j):
 
 @triton.jit
 def _q45_k(
-    acc, rows, vec, blk, nblk, FIVE: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
-    VCACHE: tl.constexpr,
+    acc, rows, vec, blk, nblk, FIVE: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr,
+    CACHE: tl.constexpr, VCACHE: tl.constexpr,
 ):  # fmt: skip
-    """Q4_K, and with FIVE Q5_K (its 32 bytes of fifth bits between the scales and the nibbles)."""
+    """Q4_K, and with FIVE (BITS 5) Q5_K (its 32 bytes of fifth bits between the scales and the nibbles)."""
     b, ok = _blocks(blk, nblk, NB, 4, EVEN)  # group g of 32 bytes: sub-blocks 2 g (low nibbles) and 2 g + 1
     g = tl.arange(0, 4 * NB) % 4
     base = rows[:, :, None] + (b * (176 if FIVE else 144))[None, None, :]  # [A, B, G]
@@ -164,7 +164,6 @@ def _q45_k(
         shift = 2 * g[None, None, :, None]
         lo |= ((qh >> shift) & 1) << 4
         hi |= ((qh >> (shift + 1)) & 1) << 4
-    BITS: tl.constexpr = 5 if FIVE else 4
     pos = (b * 256 + 64 * g)[:, None] + tl.arange(0, 32)[None, :]
     sc, m = _k_scale_min(words, 2 * g)
     acc += _affine(d * sc, -(dmin * m), _unit(lo, BITS), BITS) * _vec(vec, pos, ok, EVEN, VCACHE)
@@ -208,9 +207,9 @@ def decode_step(
     elif QTYPE == 39:
         acc = _mxfp4(acc, rows, vec, blk, nblk, NB, EVEN, CACHE, VCACHE)
     elif QTYPE == 12:
-        acc = _q45_k(acc, rows, vec, blk, nblk, False, NB, EVEN, CACHE, VCACHE)
+        acc = _q45_k(acc, rows, vec, blk, nblk, False, 4, NB, EVEN, CACHE, VCACHE)
     elif QTYPE == 13:
-        acc = _q45_k(acc, rows, vec, blk, nblk, True, NB, EVEN, CACHE, VCACHE)
+        acc = _q45_k(acc, rows, vec, blk, nblk, True, 5, NB, EVEN, CACHE, VCACHE)
     else:
         tl.static_assert(QTYPE == 14, "unsupported block format")
         acc = _q6_k(acc, rows, vec, blk, nblk, NB, EVEN, CACHE, VCACHE)

@@ -33,11 +33,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from edgemoe.kernels.miss_copy import Arrivals
 from edgemoe.kernels.moe_gemv import _await_rows
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 from edgemoe.kernels.quant_decode import ALIGN, GROUPS, decode_step
-from edgemoe.layers.quant import QuantType, dequantize, quant_type, row_bytes
+from edgemoe.layers.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
+from edgemoe.offload.protocol import Arrivals
 
 
 @triton.jit
@@ -124,7 +124,8 @@ def pick_blocks(qtype_gate_up: QuantType, qtype_down: QuantType, hidden: int, in
     through shared memory): up as the bf16 kernel (16 rows, 8 warps: 8.1 instructions per Q4_K weight, 78
     registers); down 4 rows per program so that each h element loaded serves 4 rows (h is bf16, the weights ~4.5
     bits), 8 warps (8.2 per Q4_K weight, where 2 rows over 4 warps converted layouts with 32 shuffles a step).
-    `benchmarks/quant_gemv.py --sweep` times the alternatives."""
+    Triton 3.6 (the GPU image's) lays the same code out otherwise (Q4_K down: 12.2 per weight, its bytes through
+    shared memory to meet h's layout). `benchmarks/quant_gemv.py --sweep` times the alternatives."""
     return QuantBlocks(
         up_n=min(16, triton.next_power_of_2(inter)),
         up_blocks=_step_blocks(qtype_gate_up, hidden),
@@ -141,8 +142,8 @@ def quant_fused_experts(
     weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    qtype_gate_up: QuantType | str,
-    qtype_down: QuantType | str,
+    qtype_gate_up: QuantLike,
+    qtype_down: QuantLike,
     inter: int,
     hidden: int,
     blocks: QuantBlocks | None = None,
@@ -176,7 +177,7 @@ def quant_up_proj(
     x: torch.Tensor,
     ids: torch.Tensor,
     w13: torch.Tensor,
-    qtype: QuantType | str,
+    qtype: QuantLike,
     inter: int,
     hidden: int,
     blocks: QuantBlocks | None = None,
@@ -208,7 +209,7 @@ def quant_down_proj(
     ids: torch.Tensor,
     weights: torch.Tensor,
     w2: torch.Tensor,
-    qtype: QuantType | str,
+    qtype: QuantLike,
     inter: int,
     hidden: int,
     blocks: QuantBlocks | None = None,
@@ -241,8 +242,8 @@ def quant_experts_reference(
     weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    qtype_gate_up: QuantType | str,
-    qtype_down: QuantType | str,
+    qtype_gate_up: QuantLike,
+    qtype_down: QuantLike,
     inter: int,
     hidden: int,
 ) -> torch.Tensor:

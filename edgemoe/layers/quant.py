@@ -24,45 +24,49 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import gguf
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 
 @dataclass(frozen=True)
 class QuantType:
-    """One GGUF block format: `block_weights` weights stored in `block_bytes` bytes."""
+    """One GGUF block format: `block_weights` weights stored in `block_bytes` bytes. `ggml_type` is its
+    `gguf.GGMLQuantizationType` value (an IntEnum: the two compare equal)."""
 
     name: str
-    ggml_type: GGMLQuantizationType
+    ggml_type: int
     block_weights: int
     block_bytes: int
 
 
-_SUPPORTED = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
-QUANT_TYPES: dict[str, QuantType] = {
-    name: QuantType(name, GGMLQuantizationType[name], *GGML_QUANT_SIZES[GGMLQuantizationType[name]])
-    for name in _SUPPORTED
-}
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 = (QUANT_TYPES[name] for name in _SUPPORTED)
+# name -> GGML type id, weights and bytes per block: gguf's GGMLQuantizationType and GGML_QUANT_SIZES (the tests
+# compare them), written out so that the decode path needs no gguf (the GPU machines' image lacks it)
+_FORMATS = {"Q4_0": (2, 32, 18), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
+            "Q6_K": (14, 256, 210), "MXFP4": (39, 32, 17)}  # fmt: skip
+QUANT_TYPES: dict[str, QuantType] = {name: QuantType(name, *spec) for name, spec in _FORMATS.items()}
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 = QUANT_TYPES.values()
 # the types gguf has a quantizer for (the K types have only dequantizers there)
 QUANTIZABLE = (Q4_0, Q8_0, MXFP4)
 # E2M1 values doubled, indexed by the nibble (sign bit 3), as gguf's table (its -0 entry is +0)
 _E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+QuantLike = QuantType | int | str  # a format, its GGML type (a gguf.GGMLQuantizationType or its id) or its name
 
 
-def quant_type(qtype: QuantType | GGMLQuantizationType | str) -> QuantType:
-    """The supported format named by a QuantType, a GGML type or its name ("Q4_K"); ValueError otherwise."""
+def quant_type(qtype: QuantLike) -> QuantType:
+    """The supported format named by a QuantType, a GGML type (gguf's enum or its id) or a name ("Q4_K");
+    ValueError otherwise."""
     if isinstance(qtype, QuantType):
         return qtype
-    name = qtype.name if isinstance(qtype, GGMLQuantizationType) else str(qtype).upper()
-    if name not in QUANT_TYPES:
-        raise ValueError(f"unsupported block format {name!r} (supported: {', '.join(_SUPPORTED)})")
+    by_id = {q.ggml_type: q for q in QUANT_TYPES.values()}
+    if isinstance(qtype, int) and qtype in by_id:
+        return by_id[qtype]
+    name = getattr(qtype, "name", str(qtype).upper())
+    if isinstance(qtype, int) or name not in QUANT_TYPES:
+        raise ValueError(f"unsupported block format {name!r} (supported: {', '.join(QUANT_TYPES)})")
     return QUANT_TYPES[name]
 
 
-def row_bytes(qtype: QuantType | GGMLQuantizationType | str, n: int) -> int:
+def row_bytes(qtype: QuantLike, n: int) -> int:
     """Bytes of one row of `n` weights; `n` must be a whole number of blocks."""
     q = quant_type(qtype)
     if n <= 0 or n % q.block_weights:
@@ -162,13 +166,13 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 210] -> [..., block
 _DEQUANTIZE = {"Q4_0": _q4_0, "Q8_0": _q8_0, "MXFP4": _mxfp4, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
-def dequantize(raw: torch.Tensor, qtype: QuantType | GGMLQuantizationType | str, n: int) -> torch.Tensor:
+def dequantize(raw: torch.Tensor, qtype: QuantLike, n: int) -> torch.Tensor:
     """raw: uint8 [..., row_bytes(qtype, n)] -> float32 [..., n], on raw's device, bitwise `gguf.quants.dequantize`."""
     q = quant_type(qtype)
     return _DEQUANTIZE[q.name](_blocks(raw, q, n)).flatten(-2)
 
 
-def quantize(w: torch.Tensor, qtype: QuantType | GGMLQuantizationType | str) -> torch.Tensor:
+def quantize(w: torch.Tensor, qtype: QuantLike) -> torch.Tensor:
     """w: [..., n] (any float dtype) -> uint8 [..., row_bytes(qtype, n)] on w's device, by gguf's own quantizer (in
     numpy on the CPU: for loading, not for the decode path). Q4_0, Q8_0 and MXFP4 only: gguf has none for the K
     types (`random_blocks` makes valid ones)."""
@@ -176,7 +180,9 @@ def quantize(w: torch.Tensor, qtype: QuantType | GGMLQuantizationType | str) -> 
     if q not in QUANTIZABLE:
         raise NotImplementedError(f"gguf has no {q.name} quantizer (quantizable: Q4_0, Q8_0, MXFP4)")
     row_bytes(q, w.shape[-1])  # checks n
-    out = gguf.quants.quantize(w.detach().to("cpu", torch.float32).numpy(), q.ggml_type)
+    import gguf  # a dependency, but only loading needs it
+
+    out = gguf.quants.quantize(w.detach().to("cpu", torch.float32).numpy(), gguf.GGMLQuantizationType(q.ggml_type))
     return torch.from_numpy(np.ascontiguousarray(out)).to(w.device)
 
 
@@ -187,7 +193,7 @@ def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
 
 def random_blocks(
     shape: tuple[int, ...] | torch.Size,
-    qtype: QuantType | GGMLQuantizationType | str,
+    qtype: QuantLike,
     generator: torch.Generator | None = None,
     std: float = 0.02,
 ) -> torch.Tensor:

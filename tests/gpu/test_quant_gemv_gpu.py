@@ -97,8 +97,9 @@ def test_cuda_graph_replays_new_inputs(q13: str, q2: str) -> None:
 def test_streamed_behind_the_miss_copy_equals_plain() -> None:
     """Q4_K_M rows copied from pinned host banks into slots by the miss copy, the GEMV behind it (PDL) waiting per
     pair for listed slots: bitwise the plain GEMV after the copy, slots refilled with other blocks every round."""
-    from edgemoe.kernels.miss_copy import Arrivals, chunks_per_entry, copy_rows_pair
+    from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
     from edgemoe.kernels.quant_gemv import quant_fused_experts
+    from edgemoe.offload.protocol import Arrivals
 
     q13, q2, slots = "Q4_K", "Q6_K", 12
     banks = split(host_banks(q13, q2), q13, q2)

@@ -14,14 +14,14 @@ reference's 0.2 %): still inside both bounds.
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
+gguf = pytest.importorskip("gguf")
 
-from edgemoe.kernels.miss_copy import Arrivals, copy_rows_pair  # noqa: E402
+from edgemoe.kernels.miss_copy import copy_rows_pair  # noqa: E402
 from edgemoe.kernels.quant_gemv import (  # noqa: E402
     QuantBlocks,
     pick_blocks,
@@ -29,6 +29,7 @@ from edgemoe.kernels.quant_gemv import (  # noqa: E402
     quant_fused_experts,
 )
 from edgemoe.layers.quant import QUANT_TYPES, quant_type, random_blocks, row_bytes  # noqa: E402
+from edgemoe.offload.protocol import Arrivals  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXPERTS, TOP_K = 4, 2

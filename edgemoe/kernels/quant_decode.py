@@ -5,14 +5,14 @@ accumulator. `edgemoe.layers.quant` gives the byte layouts and is the reference.
 `rows` [A, B] points at the rows' first bytes; `vec` [A or 1, B or 1] at the x (or h) row each row of the tile is
 dotted with. A step covers blocks blk .. blk + NB - 1 as G groups of L lanes, each lane one quant byte (Q8_0: one
 int8), a group one contiguous run of a block; a nibble format's byte holds two weights, and the x positions of both
-are loaded to match, so bytes never move between threads. GROUPS gives (G / NB, L) per format. Scales are decoded
-once per group; blocks past the row's end (EVEN false) are clamped to its last block and meet x = 0.
+are loaded to match, so no byte has to reach another byte's position (the compiler may still re-lay a tile out to
+meet x's layout: `quant_gemv.pick_blocks`). GROUPS gives (G / NB, L) per format. Scales are decoded once per group;
+blocks past the row's end (EVEN false) are clamped to its last block and meet x = 0.
 
-Quants become floats without int-to-float conversions (a quarter of the FMA rate on Hopper, one per weight would
-cap the GEMV near half of HBM bandwidth): `_unit` ORs q's bits under the exponent of 1.0, f = 1 + q / 2^BITS
-exactly, and the block's affine map w = s q + o becomes one FMA, w = (2^BITS s) f + (o - 2^BITS s). The rounding
-of that FMA is within ~2^BITS ulps of s, far below a quant step: the kernels match `dequantize` to ~1e-6, not
-bitwise.
+Quants become floats without int-to-float conversions (an eighth of the FMA rate on Hopper: one per weight would
+cap a Q4_K GEMV near half of HBM bandwidth): `_unit` ORs q's bits under the exponent of 1.0, f = 1 + q / 2^BITS
+exactly, and the block's affine map w = s q + o becomes one FMA, w = (2^BITS s) f + (o - 2^BITS s), which rounds
+at most ~2^(BITS - 23) of a quant step s: the kernels match `dequantize` to ~1e-7 relative, not bitwise.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ mix Q4_K and Q6_K). The programs are `edgemoe.kernels.moe_gemv`'s, fp32 accumula
 
 Each loop step decodes a whole number of blocks of every row of the tile in registers: the quant bytes as 16- or
 32-byte runs of one block ([rows, groups, lanes] tiles), the scales once per group (a sub-block or a block), each
-weight dequantized as `layers/quant.dequantize` computes it, then multiplied by the input element it meets (the
-x or h positions of each nibble are loaded to match the bytes: no shuffles). Rows past the end are clamped, not
+weight dequantized as `layers/quant.dequantize` computes it (up to one FMA's rounding) and multiplied by the input
+element it meets (the x or h positions of each nibble are loaded to match the bytes, which are never permuted;
+`quant_decode.py`). Rows past the end are clamped, not
 masked (the loads stay in the expert's rows; their results are never stored), and blocks past a row's end meet
 zeros of x/h, so only the x/h loads carry masks, and only when a row is not a whole number of steps.
 

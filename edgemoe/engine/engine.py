@@ -102,7 +102,7 @@ class LLMEngine:
         if moe.record_routing:
             self.recorder = RoutingRecorder(self.runner.record_routing(), moe.record_routing)
         if self.device.type == "cuda" and config.shared_expert_overlap:
-            # resident too: with every expert cached the side stream still gains ~9 % (benchmarks/RESULTS.md)
+            # resident too: with every expert cached the side stream still gains (docs/findings.md, "Side stream")
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             set_shared_expert_stream(self.model, side_stream(index))
         if self.device.type == "cuda" and config.cuda_graphs:

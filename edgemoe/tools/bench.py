@@ -308,9 +308,9 @@ UPLOAD_VARIANTS["none+warm-replay"] = ("none", True)
 
 def profile_uploads(step, steps: int) -> dict:
     """Per upload policy (a fresh capture each), `steps` replays recorded and summarised. Each policy's recording
-    follows one of a single replay, discarded: in offloaded steps the policy profiled first (`auto`) read 10-15 %
-    slower than `none` in every profile (docs/findings.md, "Graph upload policies make no difference"), most likely the profiler's
-    set-up in its first session slowing the copy service's driver calls, so every policy now gets the same start."""
+    follows one of a single replay, discarded: the policy profiled first once read 10-15 % slower, most likely the
+    profiler's set-up slowing the copy service's driver calls (docs/findings.md, "Graph upload policies make no
+    difference"), so every policy now gets the same start."""
     from edgemoe.tools.profiler import record, summarize
 
     out = {}

@@ -154,10 +154,10 @@ class ExpertCache:
             return None
         return self.ensure_scratch[self.num_slots + self.num_experts :]
 
-    def arrivals(self, copy: Ensured):
-        """CUDA: what the expert GEMV needs to wait for `copy`'s entries one by one instead of the whole copy
+    def arrivals(self, copy: Ensured) -> Arrivals | None:
+        """With kernels: what the expert GEMV needs to wait for `copy`'s entries one by one instead of the whole copy
         (`edgemoe.offload.protocol.Arrivals`); None elsewhere, where the copy is done when `copy_missing` returns."""
-        if not self.w13.is_cuda:
+        if self._copy_rows is None:
             return None
         from edgemoe.kernels.miss_copy import chunks_per_entry
 

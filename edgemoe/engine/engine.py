@@ -126,7 +126,7 @@ class LLMEngine:
                     "moe_strategy offload on the cpu needs moe_cache_slots, moe_cache_fraction or vram_budget"
                 )
             budget = weights + int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
-        per_expert = expert_bytes(cfg, self.dtype)
+        per_expert = expert_bytes(self.model, self.dtype)
         reserve = (min_cache_slots(cfg, self.config.max_num_seqs) + 1) * per_expert if offload else 0
         per_block = bytes_per_block(cfg, self.config.block_size, self.dtype)
         if budget is not None and budget - weights - reserve < per_block:
@@ -140,7 +140,7 @@ class LLMEngine:
             )
         cache = None
         if offload and budget is None:
-            cache = self._attach_cache(moe, cache_slots(moe, cfg, self.config.max_num_seqs, self.dtype, None))
+            cache = self._attach_cache(moe, cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, None))
         kv_room = None if budget is None else budget - weights - reserve
         if offload and kv_room is not None:
             kv_room //= 4  # KV "auto" under a budget takes at most a quarter: the rest caches experts
@@ -158,7 +158,7 @@ class LLMEngine:
                 f"minimum is {(weights + kv_bytes + reserve) / MiB:.1f} MiB"
             )
         if offload and cache is None:
-            slots = cache_slots(moe, cfg, self.config.max_num_seqs, self.dtype, budget - weights - kv_bytes)
+            slots = cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, budget - weights - kv_bytes)
             note = f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, KV {kv_bytes / MiB:.1f} MiB"
             cache = self._attach_cache(moe, slots, note)
         return cache
@@ -174,7 +174,7 @@ class LLMEngine:
     def _attach_cache(self, moe: ExpertCacheConfig, slots: int, note: str = "") -> ExpertCache:
         cfg = self.model_config
         cache = attach_expert_cache(self.model, slots, moe.moe_policy, moe.moe_collect_stats, self.device, self.dtype)
-        total, size = cfg.num_experts * sum(cfg.moe_layers), (slots + 1) * expert_bytes(cfg, self.dtype)
+        total, size = cfg.num_experts * sum(cfg.moe_layers), (slots + 1) * expert_bytes(self.model, self.dtype)
         print(
             f"edgemoe: expert cache: {slots} of {total} experts ({100 * slots / total:.1f} %), {size / MiB:.1f} MiB, "
             f"policy {moe.moe_policy}{note}",

@@ -189,7 +189,7 @@ def run_bench(a: argparse.Namespace) -> dict:
     resident = a.moe_strategy == "resident"
     model = build_model(a.geometry, a.layers, device, dtype, max(a.context, a.prefill) + total_steps + 1, resident)
     cfg = model.config
-    L, per_expert = sum(cfg.moe_layers), expert_bytes(cfg, dtype)
+    L, per_expert = sum(cfg.moe_layers), expert_bytes(model, dtype)
     runner = make_runner(model, max(a.context, a.prefill) + total_steps)
     kv = runner.kv
     dense = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".experts." not in n)
@@ -227,7 +227,7 @@ def run_bench(a: argparse.Namespace) -> dict:
     for key, value in sizes:
         moe = ExpertCacheConfig(moe_strategy="offload", **{key: value})
         room = None if a.vram_budget is None else parse_size(a.vram_budget) - dense - kv_bytes
-        slots = cache_slots(moe, cfg, 1, dtype, room)
+        slots = cache_slots(moe, cfg, 1, per_expert, room)
         for policy in a.moe_policy.split(","):
             cache = attach_expert_cache(model, slots, policy, True, device, dtype)
             if a.prefill and not result.get("prefill"):
@@ -246,7 +246,7 @@ def run_bench(a: argparse.Namespace) -> dict:
                 }
             decode_runs(result, a, runner, cache, trace, slots, policy, bw, dense_read + kv_read)
             del cache
-            model.apply(lambda m: setattr(m, "cache", None) if isinstance(m, OffloadedExperts) else None)
+            model.apply(lambda m: m.attach(None) if isinstance(m, OffloadedExperts) else None)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return settled(result, device, per_expert)

@@ -18,8 +18,8 @@ from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.loader import load_model
-from edgemoe.models.registry import read_config
+from edgemoe.models.loader import load_gguf, load_model
+from edgemoe.models.registry import read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.routing_trace import RoutingRecorder
 from edgemoe.offload.expert_cache import ExpertCache
@@ -73,19 +73,17 @@ def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dt
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        folder = Path(config.model) if config.model else demo_model_path()
-        if not folder.is_dir():
-            raise EdgeMoEError(f"model path {folder} does not exist or is not a folder")
-        self.model_config, family = read_config(folder)
+        path = Path(config.model) if config.model else demo_model_path()
+        self.model_config, family, gguf = read_checkpoint(path)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
-        self.tokenizer = Tokenizer(folder)
+        self.tokenizer = Tokenizer(path) if gguf is None else Tokenizer.from_gguf(gguf)
         self.max_model_len = min(config.max_model_len or sys.maxsize, self.model_config.max_position_embeddings)
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or config.block_size < 1:
             raise EdgeMoEError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
         moe = config.moe
-        self.model = load_model(
-            folder,
+        self.model = (load_model if gguf is None else load_gguf)(
+            path if gguf is None else gguf,
             self.model_config,
             family,
             self.device,

@@ -111,6 +111,36 @@ class OffloadedExperts(nn.Module):
         return out
 
 
+class ResidentExperts(nn.Module):
+    """Every expert of a layer on the device in a layout's storage (quantized experts: GGUF blocks as stored), read in
+    place by the layout's decode kernel; prefill dequantizes the experts it uses."""
+
+    def __init__(self, num_experts: int, layout: ExpertLayout) -> None:
+        super().__init__()
+        self.layout, self.num_experts = layout, num_experts
+        self.register_buffer("joined", torch.empty(num_experts, layout.row, dtype=layout.dtype), persistent=False)
+
+    def use_kernels(self, device: torch.device) -> None:
+        self.layout.use_kernels(device)
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self.layout.views(self.joined)[0]
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self.layout.views(self.joined)[1]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, hidden]; ids, weights: [tokens, top_k]
+        w13, w2 = self.layout.views(self.joined)
+        if not get_context().is_prefill:
+            return self.layout.decode(x, ids, weights, w13, w2)
+        if ids.numel() <= self.num_experts:
+            return self.layout.gathered(x, ids, weights, w13, w2)
+        return self.layout.grouped(x, ids, weights, w13, w2)
+
+
 def expert_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """Bytes of one expert's storage row (a slot): its layout's where the experts are offloaded, else dense."""
     layout = next((m.layout for m in model.modules() if hasattr(m, "layout")), None)

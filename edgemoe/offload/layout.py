@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from edgemoe.layers.quant import QuantLike, dequantize, quant_type, row_bytes
 from edgemoe.moe.experts import decode_reference, gathered_experts
@@ -65,6 +66,26 @@ class ExpertLayout:
     ) -> torch.Tensor:
         """`gathered_experts` over these views (prefill with few pairs)."""
         return gathered_experts(x, ids, weights, w13, w2)
+
+    def grouped(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """`grouped_experts` over these views, each used expert made dense once (prefill with many pairs)."""
+        tokens, top_k = ids.shape
+        order = ids.flatten().argsort(stable=True)  # pair indices grouped by expert
+        counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
+        token_of_pair = order // top_k
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs, tok = order[start : start + n], token_of_pair[start : start + n]
+            gate, up = F.linear(x[tok], self.dense_gate_up(w13[expert])).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.dense_down(w2[expert])) * weights.flatten()[pairs, None]
+            out.index_add_(0, tok, y)
+            start += n
+        return out
 
 
 class QuantExpertLayout(ExpertLayout):

@@ -82,16 +82,13 @@ class LLMEngine:
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or config.block_size < 1:
             raise EdgeMoEError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
         moe = config.moe
-        self.model = (load_model if gguf is None else load_gguf)(
-            path if gguf is None else gguf,
-            self.model_config,
-            family,
-            self.device,
-            self.dtype,
-            config.block_size,
-            config.progress,
-            offload=moe.moe_strategy == "offload",
-        )
+        offload, args = moe.moe_strategy == "offload", (self.device, self.dtype, config.block_size, config.progress)
+        if gguf is None:
+            self.model = load_model(path, self.model_config, family, *args, offload, moe.expert_dtype)
+        elif moe.expert_dtype != "auto":
+            raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
+        else:
+            self.model = load_gguf(gguf, self.model_config, family, *args, offload)
         self.expert_cache = self._place(moe)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)

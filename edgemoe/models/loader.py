@@ -20,7 +20,7 @@ from tqdm import tqdm
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.kernels import select_kernels
-from edgemoe.layers.quant import QUANT_TYPES, quant_type
+from edgemoe.layers.quant import QUANT_TYPES, quant_type, quantize
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint
 from edgemoe.offload.experts import ResidentExperts
@@ -59,26 +59,57 @@ def load_model(
     block_size: int,
     progress: bool = True,
     offload: bool = False,
+    expert_dtype: str = "auto",
 ) -> MoEForCausalLM:
     """The model of `folder`'s checkpoint (None: random weights, `fill_random`) built for `device`: on the meta device
     first, weights streamed into place, kernels chosen for the device. `offload`: routed experts go to host banks
-    (`edgemoe.offload.banks`) instead of the device."""
+    (`edgemoe.offload.banks`) instead of the device. `expert_dtype`: a GGUF block format (q8_0, q4_0, mxfp4) the
+    routed experts are quantized to once, as the `gguf` package quantizes them; auto keeps `dtype`."""
     with torch.device("meta"):
         model = MoEForCausalLM(cfg, family.LAYER, block_size).to(dtype)
-    host = {}
-    if offload:
-        from edgemoe.offload.banks import offload_experts
-
-        host = offload_experts(model, dtype, pin=device.type == "cuda", progress=progress)
+    layouts = {}
+    if expert_dtype != "auto":
+        q, (H, inter) = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size)
+        if H % q.block_weights or inter % q.block_weights:
+            raise EdgeMoEError(
+                f"expert_dtype {expert_dtype} stores rows in blocks of {q.block_weights} weights; this model's experts "
+                f"have rows of {H} and {inter}"
+            )
+        layouts = {i: QuantExpertLayout(H, inter, q, q, dtype) for i, moe in enumerate(cfg.moe_layers) if moe}
+    host = _place_experts(model, layouts, dtype, device, progress, offload)
     model.to_empty(device=device)
     model.tie_weights()
     if folder is None:
         fill_random(model, host)
     else:
-        load_weights(model, folder, family, progress, host)
+        load_weights(model, folder, family, progress, host | _resident_targets(model))
     model.model.rotary.build(device)
     select_kernels(model, device)
     return model.eval().requires_grad_(False)
+
+
+def _place_experts(
+    model: MoEForCausalLM, layouts: dict, dtype: torch.dtype, device: torch.device, progress: bool, offload: bool
+) -> dict[str, torch.Tensor]:
+    """Routed experts (model still on the meta device) into host banks (`offload`) or, where `layouts` lay them out
+    other than as parameters, into resident storage. -> the host banks by parameter name (the loader's targets)."""
+    if offload:
+        from edgemoe.offload.banks import offload_experts
+
+        return offload_experts(model, dtype, device.type == "cuda", progress, layouts)
+    for i, layout in layouts.items():
+        model.model.layers[i].mlp.experts = ResidentExperts(model.config.num_experts, layout)
+    return {}
+
+
+def _resident_targets(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
+    """Resident experts' storage views by parameter name (they are buffers, not parameters)."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(getattr(layer.mlp, "experts", None), ResidentExperts):
+            out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = layer.mlp.experts.gate_up_proj
+            out[f"model.layers.{i}.mlp.experts.down_proj"] = layer.mlp.experts.down_proj
+    return out
 
 
 @torch.no_grad()
@@ -119,14 +150,23 @@ def load_weights(
             name, target = _target(family.rename(key), params, model)
             if target is None:
                 continue
-            src = handle.get_slice(key)
-            if list(src.get_shape()) != list(target.shape):
-                raise EdgeMoEError(f"tensor {key} has shape {src.get_shape()}, the config implies {list(target.shape)}")
-            target.copy_(handle.get_tensor(key))
+            shape = handle.get_slice(key).get_shape()
+            tensor = handle.get_tensor(key) if target.dtype != torch.uint8 else quantize_rows(model, name, handle, key)
+            if list(tensor.shape) != list(target.shape):
+                raise EdgeMoEError(f"tensor {key} has shape {shape}, the config implies {list(target.shape)}")
+            target.copy_(tensor)
             filled[name] += target.numel()
     missing = [n for n, p in params.items() if filled[n] < p.numel()]
     if missing:
         raise EdgeMoEError(f"checkpoint {folder} lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
+
+
+def quantize_rows(model: MoEForCausalLM, name: str, handle, key: str) -> torch.Tensor:  # noqa: ANN001
+    """A checkpoint's expert weights [..., rows, n] in the block format of `name`'s layer (quantize-on-load)."""
+    layer = int(name.split(".")[2])
+    layout = model.model.layers[layer].mlp.experts.layout
+    q = layout.q_down if name.endswith("down_proj") else layout.q_gate_up
+    return quantize(handle.get_tensor(key), q)
 
 
 def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausalLM):
@@ -209,14 +249,7 @@ def load_gguf(
     with torch.device("meta"):
         model = MoEForCausalLM(cfg, family.LAYER, block_size).to(dtype)
     layouts = expert_layouts(ckpt, cfg, dtype)
-    host = {}
-    if offload:
-        from edgemoe.offload.banks import offload_experts
-
-        host = offload_experts(model, dtype, device.type == "cuda", progress, layouts)
-    elif layouts:
-        for i, layout in layouts.items():
-            model.model.layers[i].mlp.experts = ResidentExperts(cfg.num_experts, layout)
+    host = _place_experts(model, layouts, dtype, device, progress, offload)
     model.to_empty(device=device)
     model.tie_weights()
     params = dict(model.named_parameters()) | host

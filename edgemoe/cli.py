@@ -125,6 +125,11 @@ def _add_bench_parser(sub) -> None:
     )
     b.add_argument("--device", default="cuda")
     b.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    b.add_argument(
+        "--expert-dtype",
+        default="auto",
+        help="routed experts as GGUF blocks: q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4 (random valid blocks); auto: --dtype",
+    )
     b.add_argument("--json", type=Path, help="write the results here")
     b.add_argument("--plot", type=Path, help="PNG of tok/s against cache size (needs matplotlib)")
 

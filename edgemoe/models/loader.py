@@ -20,7 +20,7 @@ from tqdm import tqdm
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.kernels import select_kernels
-from edgemoe.layers.quant import QUANT_TYPES, quant_type, quantize
+from edgemoe.layers.quant import QUANT_TYPES, quant_type, quantize, random_blocks
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint
 from edgemoe.offload.experts import ResidentExperts
@@ -64,7 +64,8 @@ def load_model(
     """The model of `folder`'s checkpoint (None: random weights, `fill_random`) built for `device`: on the meta device
     first, weights streamed into place, kernels chosen for the device. `offload`: routed experts go to host banks
     (`edgemoe.offload.banks`) instead of the device. `expert_dtype`: a GGUF block format (q8_0, q4_0, mxfp4) the
-    routed experts are quantized to once, as the `gguf` package quantizes them; auto keeps `dtype`."""
+    routed experts are quantized to once, as the `gguf` package quantizes them (random weights: any format of
+    `edgemoe.layers.quant`); auto keeps `dtype`."""
     with torch.device("meta"):
         model = MoEForCausalLM(cfg, family.LAYER, block_size).to(dtype)
     layouts = {}
@@ -118,7 +119,7 @@ def fill_random(model: MoEForCausalLM, host: dict[str, torch.Tensor], seed: int 
     experts (device parameters or `host` banks alike, so resident and offloaded models hold the same values) a few
     random experts tiled, since filling tens of GB with fresh random numbers would dominate the run."""
     gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
-    experts = {n: p for n, p in model.named_parameters() if ".experts." in n} | host
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n} | host | _resident_targets(model)
     for name, p in model.named_parameters():
         if name in experts:
             continue
@@ -129,10 +130,15 @@ def fill_random(model: MoEForCausalLM, host: dict[str, torch.Tensor], seed: int 
         else:
             p.normal_(0, 1 / math.sqrt(p.shape[-1] if "embed_tokens" not in name else 1), generator=gen)
     cpu = torch.Generator().manual_seed(seed)
-    for _, bank in sorted(experts.items()):  # by name: the same values resident and offloaded
+    for name, bank in sorted(experts.items()):  # by name: the same values resident and offloaded
         E, rest = bank.shape[0], bank.shape[1:]
         tile = math.gcd(E, 4)
-        base = (torch.randn(tile, *rest, generator=cpu) / math.sqrt(rest[-1])).to(bank.device, bank.dtype)
+        if bank.dtype == torch.uint8:  # GGUF blocks: valid random ones of the layer's format
+            layout = model.get_submodule(name.rsplit(".", 1)[0]).layout
+            q, n = (layout.q_down, layout.inter) if name.endswith("down_proj") else (layout.q_gate_up, layout.hidden)
+            base = random_blocks((tile, *rest[:-1], n), q, cpu, std=1 / math.sqrt(n)).to(bank.device)
+        else:
+            base = (torch.randn(tile, *rest, generator=cpu) / math.sqrt(rest[-1])).to(bank.device, bank.dtype)
         bank.view(E // tile, tile, *rest).copy_(base.expand(E // tile, tile, *rest))
 
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.quant import random_blocks
-from edgemoe.tools.make_model import TOKENIZER_PRE, checkpoint_shapes, random_tensors
+from edgemoe.tools.make_model import DTYPES, TOKENIZER_PRE, checkpoint_shapes, random_tensors
 
 Q = gguf.GGMLQuantizationType
 ARCHS = {
@@ -46,7 +46,11 @@ EXPERT_DTYPES = {
     "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     "mixed": None,
 }
-_EXPERTS = {"gate": gguf.MODEL_TENSOR.FFN_GATE_EXP, "up": gguf.MODEL_TENSOR.FFN_UP_EXP}
+_EXPERTS = {
+    "gate": gguf.MODEL_TENSOR.FFN_GATE_EXP,
+    "up": gguf.MODEL_TENSOR.FFN_UP_EXP,
+    "down": gguf.MODEL_TENSOR.FFN_DOWN_EXP,
+}
 
 
 def expert_types(expert_dtype: str, layer: int) -> tuple[Q, Q]:
@@ -103,7 +107,7 @@ def _write(writer: gguf.GGUFWriter, partial: Path, plan: dict, family: str, conf
     blocks = torch.Generator().manual_seed(seed + 1)  # the K types' random blocks; `seed` draws what HF would hold
     total = sum(int(np.prod(gguf.quant_shape_to_byte_shape(s, q))) for e in plan.values() for _, s, q in e)
     with tqdm(total=total, desc="writing", unit="B", unit_scale=True, leave=False, disable=None) as bar:
-        for hf_name, t in random_tensors(family, config, "fused", seed, _torch_dtype(config["dtype"])):
+        for hf_name, t in random_tensors(family, config, "fused", seed, DTYPES[config["dtype"]]):
             for (_, shape, qtype), data in zip(plan[hf_name], _convert(hf_name, t, config, family)):
                 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # random valid blocks, weights of the drawn scale
                     raw = random_blocks(shape, int(qtype), blocks, std=shape[-1] ** -0.5).numpy()
@@ -114,13 +118,9 @@ def _write(writer: gguf.GGUFWriter, partial: Path, plan: dict, family: str, conf
     writer.close()
 
 
-def _torch_dtype(dtype: str) -> torch.dtype:
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-
-
 def _plan(family: str, config: dict, dense: Q, expert_dtype: str) -> dict[str, list[tuple[str, tuple, Q]]]:
     """Hugging Face name -> the GGUF tensors it becomes: (name, numpy shape, GGML type), in writing order."""
-    names = gguf.get_tensor_name_map(ARCHS[family], config["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(ARCHS[family], config["num_hidden_layers"])  # Hugging Face's -> GGUF's
     plan = {}
     for hf_name, shape in checkpoint_shapes(family, config):
         if ".experts." in hf_name:
@@ -130,7 +130,7 @@ def _plan(family: str, config: dict, dense: Q, expert_dtype: str) -> dict[str, l
                 half = (shape[0], shape[1] // 2, shape[2])
                 parts = [(_expert_name(kind, layer), half, gate_up) for kind in ("gate", "up")]
             else:  # [E, H, I]
-                parts = [(names.get_name(hf_name) + ".weight", shape, down)]
+                parts = [(_expert_name("down", layer), shape, down)]
             plan[hf_name] = parts
             continue
         base, suffix = hf_name.rsplit(".", 1)

@@ -110,6 +110,7 @@ PRESETS: dict[str, dict] = {
     ),
 }
 _PER_EXPERT = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # default: mlp, gate/up/down_proj
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # family -> how its tokenizer splits text before byte-level BPE, by llama.cpp's name (tokenizer.ggml.pre)
 TOKENIZER_PRE = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "mixtral": "gpt-2", "olmoe": "gpt-2"}
 
@@ -280,7 +281,7 @@ def make_model(
         raise EdgeMoEError("layout must be per-expert or fused")
     geometry = dict(PRESETS[size])
     family = geometry.pop("family", family)
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(dtype)
+    torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
         raise EdgeMoEError("dtype must be bfloat16, float16 or float32")
     demo = demo_model_path()

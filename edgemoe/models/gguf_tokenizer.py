@@ -81,17 +81,21 @@ def _byte_level(meta: dict, split: str | None) -> Tokenizer:
         vocab[token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode())] = i
     merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix=""))
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+    tok.pre_tokenizer = byte_level_pre_tokenizer(split)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def byte_level_pre_tokenizer(split: str | None) -> pre_tokenizers.PreTokenizer:
+    """Text split by `split` (None: GPT-2's regex, inside ByteLevel), then spelled in the byte alphabet."""
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def _sentencepiece(meta: dict) -> Tokenizer:

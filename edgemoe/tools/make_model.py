@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Regex, Tokenizer, pre_tokenizers
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
-from edgemoe.models.gguf_tokenizer import QWEN2_SPLIT
+from edgemoe.models.gguf_tokenizer import QWEN2_SPLIT, byte_level_pre_tokenizer
 from edgemoe.models.registry import FAMILIES
 
 # geometry -> family and config fields (public config.json values for the real ones)
@@ -244,12 +244,7 @@ def tokenizer_files(family: str) -> tuple[str, str]:
     tokenizer, config = (demo / "tokenizer.json").read_text(), (demo / "tokenizer_config.json").read_text()
     if TOKENIZER_PRE[family] == "qwen2":
         tok = Tokenizer.from_str(tokenizer)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+        tok.pre_tokenizer = byte_level_pre_tokenizer(QWEN2_SPLIT)
         tokenizer = tok.to_str(pretty=True)
     return tokenizer, config
 

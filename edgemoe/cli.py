@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--layers", type=int, help="truncate to this many layers")
     mk.add_argument("--layout", default="per-expert", help="per-expert (Hub style) or fused (transformers 5)")
     mk.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    mk.add_argument("--format", default="hf", choices=("hf", "gguf"), help="hf (folder) or gguf (OUT/model.gguf)")
+    mk.add_argument(
+        "--expert-dtype",
+        help="gguf experts: bf16, f16, f32, q8_0, q4_0, mxfp4, q4_k, q5_k, q6_k, q4_k_m (Q4_K, down Q6_K) or mixed "
+        "(layers alternate Q4_K, Q8_0); default: --dtype",
+    )
     mk.add_argument("--seed", type=int, default=0)
     add_serve_parser(sub, _engine_flags)
 
@@ -181,7 +187,9 @@ def _print_moe_stats(stats: dict) -> None:
 def cmd_make_model(a: argparse.Namespace) -> None:
     from edgemoe.tools.make_model import make_model
 
-    out = make_model(a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype)
+    out = make_model(
+        a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype, format=a.format, expert_dtype=a.expert_dtype
+    )
     print(f"wrote {out}")
 
 

@@ -67,7 +67,7 @@ class GGUFCheckpoint:
         self.path, self.readers = path, []
         for file in gguf_files(path):
             try:
-                self.readers.append(GGUFReader(file))
+                self.readers.append(GGUFReader(file, "c"))  # copy-on-write: torch takes its arrays as writable
             except (ValueError, OSError, IndexError, KeyError) as exc:  # a short file fails inside numpy's memmap
                 raise EdgeMoEError(f"cannot read {file}: not a complete GGUF file ({exc})") from None
         self.tensors = {t.name: t for r in self.readers for t in r.tensors}
@@ -165,6 +165,8 @@ class GGUFCheckpoint:
 
                 t = torch.from_numpy(gguf_dequantize(np.asarray(data), tensor.tensor_type)).float()
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        if hf_name.endswith("shared_expert_gate.weight"):
+            shape = (1, *shape)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as [hidden]
         t = t.reshape(shape)
         if self.arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
             heads = cfg_heads[0] if ".q_proj." in hf_name else cfg_heads[1]

@@ -141,7 +141,9 @@ class ExpertCacheConfig:
 class EngineConfig:
     """Engine knobs. Defaults suit one consumer GPU or a laptop CPU."""
 
-    model: str | None = option(None, "Hugging Face model folder (default: the bundled demo model)")
+    model: str | None = option(
+        None, "Hugging Face model folder, or a GGUF file (or any part of a split set) (default: the bundled demo model)"
+    )
     device: str = option("cpu", "cpu or cuda")
     dtype: str = option("auto", "auto, float32, bfloat16 or float16")
     max_model_len: int | None = option(None, "context limit in tokens (default: the model's)")

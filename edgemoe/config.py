@@ -42,6 +42,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
+    def __post_init__(self) -> None:
+        """What a config.json could get wrong that would otherwise fail deep in the model, mid-generation
+        (`read_config` names the file)."""
+        sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts")
+        for name in (*sizes, "top_k", "moe_intermediate_size", "max_position_embeddings"):
+            if not _count(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
     @property
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up and down projections)."""

@@ -235,6 +235,8 @@ def _print_moe_stats(stats: dict) -> None:
 def cmd_make_model(a: argparse.Namespace) -> None:
     from edgemoe.tools.make_model import make_model
 
+    if a.layers is not None and a.layers < 1:
+        raise EdgeMoEError(f"--layers must be >= 1, got {a.layers}")
     out = make_model(a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype)
     print(f"wrote {out}")
 

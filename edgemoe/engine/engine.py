@@ -50,6 +50,8 @@ def resolve_device(name: str) -> torch.device:
         raise EdgeMoEError(f"unknown device {name!r}: use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EdgeMoEError("device cuda requested but CUDA is not available (no GPU, or a CPU build of torch)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise EdgeMoEError(f"no device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type not in ("cpu", "cuda"):
         raise EdgeMoEError(f"unsupported device {name!r}: use cpu or cuda")
     return device

@@ -197,8 +197,12 @@ def _read_prompt(arg: str | None) -> str:
     tokenizer). Python hands over such an argument with surrogate escapes: they are turned back into the bytes."""
     if arg is not None:
         data, where = arg.encode("utf-8", "surrogateescape"), "PROMPT"
+    elif sys.stdin is None or sys.stdin.isatty():
+        data, where = b"", "standard input"
     else:
-        data, where = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read(), "standard input"
+        data, where = getattr(sys.stdin, "buffer", sys.stdin).read(), "standard input"
+        if isinstance(data, str):  # a text stream put in place of stdin (an embedding program, a test)
+            data = data.encode("utf-8", "surrogateescape")
     try:
         prompt = data.decode("utf-8")
     except UnicodeDecodeError as exc:

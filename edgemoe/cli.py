@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--layers", type=int, help="truncate to this many layers")
     mk.add_argument("--layout", default="per-expert", help="per-expert (Hub style) or fused (transformers 5)")
     mk.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    mk.add_argument("--format", default="hf", choices=("hf", "gguf"), help="hf (folder) or gguf (OUT/model.gguf)")
+    mk.add_argument(
+        "--expert-dtype",
+        help="gguf experts: bf16, f16, f32, q8_0, q4_0, mxfp4, q4_k, q5_k, q6_k, q4_k_m (Q4_K, down Q6_K) or mixed "
+        "(layers alternate Q4_K, Q8_0); default: --dtype",
+    )
     mk.add_argument("--seed", type=int, default=0)
     add_serve_parser(sub, _engine_flags)
 
@@ -144,6 +150,11 @@ def _add_bench_parser(sub) -> None:
     )
     b.add_argument("--device", default="cuda")
     b.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    b.add_argument(
+        "--expert-dtype",
+        default="auto",
+        help="routed experts as GGUF blocks: q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4 (random valid blocks); auto: --dtype",
+    )
     b.add_argument("--json", type=Path, help="write the results here")
     b.add_argument("--plot", type=Path, help="PNG of tok/s against cache size (needs matplotlib)")
 
@@ -217,10 +228,15 @@ def _count_tokens(model: str | None, request: str | list[dict], chat: bool) -> i
     from edgemoe.engine.engine import demo_model_path
     from edgemoe.tokenizer import Tokenizer
 
-    folder = Path(model) if model else demo_model_path()
-    if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
+    path = Path(model) if model else demo_model_path()
+    if path.suffix == ".gguf" and path.is_file():
+        from edgemoe.models.gguf import GGUFCheckpoint
+
+        tok = Tokenizer.from_gguf(GGUFCheckpoint(path))
+    elif (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        tok = Tokenizer(path)
+    else:
         return None
-    tok = Tokenizer(folder)
     return len(tok.encode_chat(request) if chat else tok.encode(request))
 
 
@@ -241,7 +257,9 @@ def cmd_make_model(a: argparse.Namespace) -> None:
 
     if a.layers is not None and a.layers < 1:
         raise EdgeMoEError(f"--layers must be >= 1, got {a.layers}")
-    out = make_model(a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype)
+    out = make_model(
+        a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype, format=a.format, expert_dtype=a.expert_dtype
+    )
     print(f"wrote {out}")
 
 

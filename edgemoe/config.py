@@ -97,6 +97,7 @@ def parse_size(text: str | int) -> int:
 
 
 MOE_STRATEGIES = ("resident", "offload")
+EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4")
 GRAPH_UPLOADS = ("auto", "capture", "none")
 
 
@@ -118,6 +119,11 @@ class ExpertCacheConfig:
         None, "device memory for weights, KV and expert cache, e.g. 16GiB (offload: sizes the cache)"
     )
     moe_policy: str = option("lru", "offload: eviction policy, lru or scored")
+    expert_dtype: str = option(
+        "auto",
+        f"routed experts' storage: auto (as the checkpoint's) or {', '.join(EXPERT_DTYPES[1:])}: a safetensors "
+        "checkpoint's experts quantized once at load, as the gguf package quantizes",
+    )
     moe_collect_stats: bool = option(False, "offload: count accesses, hits, misses, evictions, bytes per layer")
     record_routing: str | None = option(
         None, "save one sequence's routed expert ids of each decode step (.npy) for `edgemoe cache-sim`", metavar="FILE"
@@ -128,6 +134,8 @@ class ExpertCacheConfig:
 
         if self.moe_strategy not in MOE_STRATEGIES:
             raise EdgeMoEError(f"unknown moe_strategy {self.moe_strategy!r}: use resident or offload")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise EdgeMoEError(f"unknown expert_dtype {self.expert_dtype!r}: use {', '.join(EXPERT_DTYPES)}")
         if self.moe_policy not in POLICIES:
             raise EdgeMoEError(f"unknown moe_policy {self.moe_policy!r}: use {' or '.join(POLICIES)}")
         sizes = [n for n in ("moe_cache_slots", "moe_cache_fraction", "vram_budget") if getattr(self, n) is not None]
@@ -149,7 +157,9 @@ class ExpertCacheConfig:
 class EngineConfig:
     """Engine knobs. Defaults suit one consumer GPU or a laptop CPU."""
 
-    model: str | None = option(None, "Hugging Face model folder (default: the bundled demo model)")
+    model: str | None = option(
+        None, "Hugging Face model folder, or a GGUF file (or any part of a split set) (default: the bundled demo model)"
+    )
     device: str = option("cpu", "cpu or cuda")
     dtype: str = option("auto", "auto, float32, bfloat16 or float16")
     max_model_len: int | None = option(None, "context limit in tokens (default: the model's)")

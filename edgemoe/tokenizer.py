@@ -24,11 +24,29 @@ class Tokenizer:
             raise EdgeMoEError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
         cfg_path = folder / "tokenizer_config.json"
         try:
-            self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+            config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise EdgeMoEError(f"malformed {cfg_path}: {exc}") from None
-        if not isinstance(self.config, dict):
+        if not isinstance(config, dict):
             raise EdgeMoEError(f"malformed {cfg_path}: expected a JSON object")
+        self._setup(config)
+
+    @classmethod
+    def from_gguf(cls, ckpt) -> Tokenizer:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
+        """The tokenizer and chat template a GGUF file's metadata holds."""
+        from edgemoe.models.gguf_tokenizer import tokenizer_from_gguf
+
+        text, config = tokenizer_from_gguf(ckpt.readers[0])
+        tokenizer = cls.__new__(cls)
+        try:
+            tokenizer._tok = HFTokenizer.from_str(text)
+        except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
+            raise EdgeMoEError(f"{ckpt.path.name}: cannot build its tokenizer: {str(exc).splitlines()[0]}") from None
+        tokenizer._setup(config)
+        return tokenizer
+
+    def _setup(self, config: dict) -> None:
+        self.config = config
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))

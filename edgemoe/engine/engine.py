@@ -19,8 +19,8 @@ from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.loader import checkpoint_files, load_model
-from edgemoe.models.registry import read_config
+from edgemoe.models.loader import checkpoint_files, load_gguf, load_model
+from edgemoe.models.registry import read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.routing_trace import RoutingRecorder
 from edgemoe.offload.expert_cache import ExpertCache
@@ -92,32 +92,26 @@ def _unreadable_checkpoint(folder: Path, exc: SafetensorError) -> str:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        folder = Path(config.model) if config.model else demo_model_path()
-        if not folder.is_dir():
-            raise EdgeMoEError(f"model path {folder} does not exist or is not a folder")
-        self.model_config, family = read_config(folder)
+        path = Path(config.model) if config.model else demo_model_path()
+        self.model_config, family, gguf = read_checkpoint(path)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
-        self.tokenizer = Tokenizer(folder)
+        self.tokenizer = Tokenizer(path) if gguf is None else Tokenizer.from_gguf(gguf)
         self.max_model_len = min(config.max_model_len or sys.maxsize, self.model_config.max_position_embeddings)
         moe = config.moe
+        offload, args = moe.moe_strategy == "offload", (self.device, self.dtype, config.block_size, config.progress)
+        if gguf is not None and moe.expert_dtype != "auto":
+            raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
         try:
-            self.model = load_model(
-                folder,
-                self.model_config,
-                family,
-                self.device,
-                self.dtype,
-                config.block_size,
-                config.progress,
-                offload=moe.moe_strategy == "offload",
-            )
+            if gguf is None:
+                self.model = load_model(path, self.model_config, family, *args, offload, moe.expert_dtype)
+            else:
+                self.model = load_gguf(gguf, self.model_config, family, *args, offload)
         except SafetensorError as exc:
-            raise EdgeMoEError(_unreadable_checkpoint(folder, exc)) from None
+            raise EdgeMoEError(_unreadable_checkpoint(path, exc)) from None
         except torch.OutOfMemoryError:
             raise EdgeMoEError(
-                f"the weights do not fit the memory of {self.device}"
-                f"{'' if moe.moe_strategy == 'offload' else ': try moe_strategy offload'}"
+                f"the weights do not fit the memory of {self.device}{'' if offload else ': try moe_strategy offload'}"
             ) from None
         self.expert_cache = self._place(moe)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -127,7 +121,7 @@ class LLMEngine:
         if moe.record_routing:
             self.recorder = RoutingRecorder(self.runner.record_routing(), moe.record_routing)
         if self.device.type == "cuda" and config.shared_expert_overlap:
-            # resident too: with every expert cached the side stream still gains ~9 % (benchmarks/RESULTS.md)
+            # resident too: with every expert cached the side stream still gains (docs/findings.md, "Side stream")
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             set_shared_expert_stream(self.model, side_stream(index))
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -155,7 +149,7 @@ class LLMEngine:
                     "moe_strategy offload on the cpu needs moe_cache_slots, moe_cache_fraction or vram_budget"
                 )
             budget = weights + int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
-        per_expert = expert_bytes(cfg, self.dtype)
+        per_expert = expert_bytes(self.model, self.dtype)
         reserve = (min_cache_slots(cfg, self.config.max_num_seqs) + 1) * per_expert if offload else 0
         per_block = bytes_per_block(cfg, self.config.block_size, self.dtype)
         if budget is not None and budget - weights - reserve < per_block:
@@ -169,7 +163,7 @@ class LLMEngine:
             )
         cache = None
         if offload and budget is None:
-            cache = self._attach_cache(moe, cache_slots(moe, cfg, self.config.max_num_seqs, self.dtype, None))
+            cache = self._attach_cache(moe, cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, None))
         kv_room = None if budget is None else budget - weights - reserve
         if offload and kv_room is not None:
             kv_room //= 4  # KV "auto" under a budget takes at most a quarter: the rest caches experts
@@ -192,7 +186,7 @@ class LLMEngine:
             file=sys.stderr,
         )
         if offload and cache is None:
-            slots = cache_slots(moe, cfg, self.config.max_num_seqs, self.dtype, budget - weights - kv_bytes)
+            slots = cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, budget - weights - kv_bytes)
             note = f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, KV {kv_bytes / MiB:.1f} MiB"
             cache = self._attach_cache(moe, slots, note)
         return cache
@@ -208,7 +202,7 @@ class LLMEngine:
     def _attach_cache(self, moe: ExpertCacheConfig, slots: int, note: str = "") -> ExpertCache:
         cfg = self.model_config
         cache = attach_expert_cache(self.model, slots, moe.moe_policy, moe.moe_collect_stats, self.device, self.dtype)
-        total, size = cfg.num_experts * sum(cfg.moe_layers), (slots + 1) * expert_bytes(cfg, self.dtype)
+        total, size = cfg.num_experts * sum(cfg.moe_layers), (slots + 1) * expert_bytes(self.model, self.dtype)
         print(
             f"edgemoe: expert cache: {slots} of {total} experts ({100 * slots / total:.1f} %), {size / MiB:.1f} MiB, "
             f"policy {moe.moe_policy}{note}",

@@ -2,15 +2,13 @@
 (cuBLAS, which the engine ran before). One program per BLOCK_N output rows, fp32 accumulation over K in BLOCK_K steps
 with STAGES steps in flight, every token's row against one read of each weight tile.
 
-Why: on an H200 at one token in bf16 (graph replays, no weight in L2; `python benchmarks/dense_gemv.py`) it
-beat cuBLAS on qwen3-30b-a3b's qkv 5120x2048 (7.9 vs 8.4 µs) and o 2048x4096 (7.3 vs 9.5, where cuBLAS also
-launches a split-K reduce), and qwen1.5-moe-a2.7b's qkv (9.0 vs 9.7), o (4.9 vs 6.2) and shared-expert down
-2048x5632 (8.8 vs 11.1); it lost on the shared gate_up 11264x2048 (15.0 vs 14.1) and, at 4 tokens, on qkv (0.81x).
-Hence `edgemoe.layers.linear.DecodeLinear` runs it for exactly those winners at one row.
+Why: at one token it beats cuBLAS on qkv, o and the shared expert's down, and loses at four tokens
+(docs/findings.md, "Triton GEMV against cuBLAS at one token"), so `edgemoe.layers.linear.DecodeLinear` runs it at
+one row only.
 
 `norm_gemv` also takes the pre-norm block's residual add and RMSNorm before it (decode's qkv projection: every
 program normalises the row it multiplies, so the norm's own launch goes; the engine runs it only on GPUs without
-PDL, where it measured faster: `SelfAttention.fuses_norm`). FMA contraction is off so that the norm rounds as
+PDL: `Attention.fuses_norm`). FMA contraction is off so that the norm rounds as
 `add_rms_norm` does; the GEMV's multiply-adds are written as FMAs, as the compiler contracted them before.
 
 No host sync and only a torch.empty output: CUDA-graph capturable once compiled.
@@ -26,7 +24,7 @@ from edgemoe.kernels.norm_rope import _inv_rms, _norm_warps, _normalize, _round
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 
 MAX_TOKENS = 4  # every token's accumulator lives in registers: [T, BLOCK_N, BLOCK_K] fp32
-BLOCK_K, WARPS, STAGES = 256, 4, 4  # the best of the H200 sweep at the winning shapes: n4/n8_k256_w4_s4
+BLOCK_K, WARPS, STAGES = 256, 4, 4  # the best of a sweep at the shapes it runs (benchmarks/dense_gemv.py)
 LONG_ROW = 4096  # rows this long: wider steps, fewer in flight (`pick_steps`)
 SHORT_STEPS, LONG_STEPS = (BLOCK_K, STAGES), (512, 3)  # (columns a step, steps in flight)
 MAX_NORM_HIDDEN = 8192  # norm_gemv: the row's 1 / rms from one tile, 16 fp32 registers a thread at 16 warps
@@ -40,11 +38,7 @@ def pick_block_n(n: int) -> int:
 
 def pick_steps(k: int) -> tuple[int, int]:
     """(columns a loop step, steps in flight) for rows of k: LONG_STEPS from LONG_ROW on, else SHORT_STEPS.
-    Wider steps pay only over a long loop. On an H200 (session 15, benchmarks/RESULTS.md), qwen3-30b-a3b's o (K =
-    4096, 16 steps of 256) took 6.1 µs alone at 512 columns against 6.7 at 256, and resident decode went from
-    382.7 to 383.8 tok/s at 4 stages and from 383.7 to 386.3 at 3 (less shared memory a program: 10 KB against 15;
-    2 stages lost, 377.2); qwen1.5's shared-expert down (K = 5632) took 7.45 µs against 8.32 alone. qkv (K = 2048)
-    loses at 512 (n8: 9.7 against 7.3 µs) and at 3 stages in decode (382.9-383.2 against 383.6-383.7)."""
+    Wider steps pay only over a long loop (docs/findings.md, "Long rows: 512-column steps, 3 stages")."""
     return LONG_STEPS if k >= LONG_ROW else SHORT_STEPS
 
 

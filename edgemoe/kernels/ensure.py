@@ -9,7 +9,7 @@ mapping update; the policy's update; stats. The keys of a pool of up to BLOCK_S 
 victims are taken from them one by one; larger pools keep their keys in scratch and per-block maxima in registers.
 
 Two things shorten the decode step's critical path, which runs router -> ensure -> copy -> experts when a layer
-misses (benchmarks/RESULTS.md, issue #5):
+misses (docs/findings.md, "`ensure`"):
 - Before its PDL wait, the kernel computes every slot's key and asks L2 for the layer's `slot_of` row (and
   `freq`, `last`) in bulk. Only earlier calls of this kernel write the clock and the cache state these read, not
   the router it waits for, and each of those calls had finished before the kernel just before this one started
@@ -33,7 +33,7 @@ devices and in tests.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -41,16 +41,29 @@ import triton.language as tl
 
 from edgemoe.kernels.miss_copy import post_list
 from edgemoe.kernels.pdl import launch_args, prefetch_l2, use_pdl, wait_for_inputs
-from edgemoe.offload.policies import KEY_MAX, LRU, Scored
+from edgemoe.offload.policies import KEY_MAX, LRU, EvictionPolicy, Scored
 from edgemoe.offload.protocol import Ensured, PostTarget
 
-if TYPE_CHECKING:
-    from edgemoe.offload.expert_cache import ExpertCache
 
-# slots per step of the key pass and the victim search, and warps: qwen3-30b-a3b's 3,072 and 1,536 slots in one step
-# over 8 warps cut a call by ~18 % at 25 % cached (`benchmarks/ensure.py --sweep`), and decode at 25 % and 50 %
-# was as fast or faster in every cell of two A/B runs (decode_variants.py --ensure-block-s --ensure-warps;
-# benchmarks/RESULTS.md); smaller pools take one step of next_power_of_2(S)
+class CacheState(Protocol):
+    """What the kernel reads and writes of an `edgemoe.offload.expert_cache.ExpertCache`."""
+
+    num_layers: int
+    num_experts: int
+    num_slots: int
+    device: torch.device
+    expert_bytes: int
+    collect_stats: bool
+    policy: EvictionPolicy
+    slot_of: torch.Tensor
+    owner: torch.Tensor
+    clock: torch.Tensor
+    stats: torch.Tensor
+    ensure_scratch: torch.Tensor | None
+
+
+# slots per step of the key pass and the victim search, and warps: a real pool's slots in one step over 8 warps
+# (docs/findings.md, "Every slot's key before the wait"); smaller pools take one step of next_power_of_2(S)
 BLOCK_S = 4096
 BLOCK_N = 256  # ids per step
 NUM_WARPS = 8
@@ -262,7 +275,7 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
 
 
 def ensure_fused(
-    cache: ExpertCache, layer: int, ids: torch.Tensor, block_s: int | None = None, post: PostTarget | None = None
+    cache: CacheState, layer: int, ids: torch.Tensor, block_s: int | None = None, post: PostTarget | None = None
 ) -> Ensured:
     """`ExpertCache.ensure` in one launch (see the module docstring); `block_s` is for tests of several blocks.
     `post`: a copy service's mailbox (CUDA), to which the kernel posts a non-empty copy list itself once its victims

@@ -32,11 +32,8 @@ from edgemoe.offload.protocol import HEADER
 _HEADER = tl.constexpr(HEADER)  # a jitted function reads only constexpr globals
 
 BLOCK = 4096  # elements per work item: 8 KiB of bf16
-# programs of the persistent grid per SM: P x BLOCK bytes in flight cover PCIe's latency with room to spare. On an
-# H200 (benchmarks/miss_copy.py) 1 to 8 per SM copy at the same rate (0.90 of memcpy at qwen3's experts, within
-# noise at qwen1.5's). Since the expert GEMV runs beside the copy (Arrivals), 2 per SM decode at least as fast as 8
-# in every configuration measured (qwen3 25/50 %, lru/scored: +0.2-0.6 %; qwen1.5 32K with and without the shared
-# expert's side stream: +0.2-0.3 %; qwen3 all cached: +1 %, the empty list's grid is smaller; benchmarks/RESULTS.md)
+# programs of the persistent grid per SM: P x BLOCK bytes in flight cover PCIe's latency; beside the expert GEMV,
+# 2 decode at least as fast as 8 (docs/findings.md, "Copy grid, copy stream, capture hygiene")
 PROGRAMS_PER_SM = 2
 INTERPRETED_PROGRAMS = 3  # the grid under Triton's interpreter (CPU tests): several programs, several items each
 

@@ -179,11 +179,10 @@ class Blocks:
 
 @functools.cache
 def pick_blocks(hidden: int, inter: int) -> Blocks:
-    """From a sweep on an H200 in bf16 at the real geometries, batch 1 and 4 (`benchmarks/moe_gemv.py --sweep`): up,
-    16 rows x 128 columns over 8 warps, 4 loop steps in flight (`--sweep-stages`, batch 1: qwen3 16.2 -> 14.2 us,
-    qwen1.5 15.4 -> 13.3, mixtral unchanged; 2 stages were slower than 1); down, one output row per program (many
-    small programs keep enough loads in flight even at one token), longer steps for long rows, no pipelining (it
-    made down slower at every geometry)."""
+    """Blocks from shapes alone, the best of a sweep at the real geometries (`benchmarks/moe_gemv.py --sweep`;
+    docs/findings.md, "Blocks: what lost"): up, 16 rows x 128 columns over 8 warps, 4 loop steps in flight; down,
+    one output row per program (many small programs keep loads in flight at one token), longer steps for long
+    rows, no pipelining."""
     p2 = triton.next_power_of_2
     down_k = 128 if inter < 4096 else 256
     return Blocks(

@@ -8,8 +8,8 @@ block table and only up to the sequence's context length (split-KV, "flash decod
   device: L = cdiv(ctx_len, S) rounded up to whole tiles (at least `min_split_tiles`), split s covering
   [s * L, min((s + 1) * L, ctx_len)), so a short context in a table padded far past it still spreads over many
   programs (4K tokens at S = 128: 32 two-tile splits per KV head, where fixed 512-token splits made 8). Splits past
-  the context exit at once, before the PDL wait (at 4K, 384 of the 512 programs; +0.25 % resident decode against
-  waiting first, benchmarks/RESULTS.md).
+  the context exit at once, before the PDL wait (docs/findings.md, "Reduce in one round trip, empty splits exit
+  early").
 - reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
   the output: with at most 64 splits in one round trip to memory (every split's max, sum and accumulator loaded at
   once), with more in chunks of 64 after a pass over the maxima. With one split the partial kernel normalises and
@@ -39,21 +39,18 @@ MAX_SPLITS = 256  # bounds the partials workspace and the reduce's serial work
 STAND_IN_SMS = 132  # an H200's count, for CPU tensors (the interpreter): deterministic tests
 BLOCK_N = 64  # tokens per tile
 # the partial kernel's warps and pipeline stages (its plain `range` loop keeps STAGES - 1 tiles' loads ahead; 3 is
-# Triton's default); benchmarks/decode_variants.py --attention-warps / --attention-stages change them for A/B
+# Triton's default)
 WARPS, STAGES = 4, 3
-# tiles of K and V a partial program asks into L2 before its PDL wait (0: none; benchmarks/decode_variants.py
-# --attention-prefetch-tiles N); sm_90+ only, where PDL runs. With the prologue's early trigger the requests overlap the
-# qkv GEMV: on an H200 (resident qwen3 decode at 4K, two-tile splits) 1 tile +0.7 %, 2 tiles +0.1 %, and without the
-# early trigger 2 tiles -2.1 % (benchmarks/RESULTS.md session 22)
+# tiles of K and V a partial program asks into L2 before its PDL wait (sm_90+), overlapping the qkv GEMV since the
+# prologue lets attention be scheduled early (docs/findings.md, "The prologue's early trigger and one K/V tile")
 PREFETCH_TILES = 1
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def choose_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int = BLOCK_N) -> int:
     """Splits per (sequence, KV head): the smallest power of two S with seqs * kv_heads * S >= the largest power of
-    two <= PROGRAMS_PER_SM * sms programs (512 on an H200's 132 SMs; measured there, benchmarks/paged_attention.py:
-    1024 programs slower at every shape, 512 the best or near it, e.g. qwen3 B=1 12.7 us at 4K where 128 programs
-    took 11.1, 30.7 at 32K against 30.0), capped at MAX_SPLITS and at
+    two <= PROGRAMS_PER_SM * sms programs (512 on an H200's 132 SMs; docs/findings.md, "Splits: 512 programs, at
+    least two tiles"), capped at MAX_SPLITS and at
     the largest power of two <= width // block_n (a full-width context gives every split at least one tile); 1 when
     the width holds fewer than two tiles.
 
@@ -73,9 +70,8 @@ def choose_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int =
 
 def min_split_tiles(seqs: int, kv_heads: int, splits: int, sms: int) -> int:
     """Tiles a split holds at least: 2 where half the splits still give every SM a program, else 1. A short context
-    then spreads over fewer, two-tile, splits (measured on an H200, benchmarks/paged_attention.py, qwen3 batch 1 at
-    4K: 32 splits of 128 tokens 11.1 us against 64 of 64 tokens 12.0-12.7; at batch 4, 16.7 against 20.6; qwen1.5
-    21.1 against 23.6), while one KV head at batch 1 (MQA, 4K: 7.8 against 7.4) keeps one-tile splits."""
+    then spreads over fewer, two-tile, splits, while one KV head at batch 1 keeps one-tile splits (docs/findings.md,
+    "Splits: 512 programs, at least two tiles")."""
     return 2 if seqs * kv_heads * splits >= 2 * sms else 1
 
 

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
@@ -19,7 +20,11 @@ from tqdm import tqdm
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.kernels import select_kernels
+from edgemoe.layers.quant import QUANT_TYPES, quant_type, quantize, random_blocks
 from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint
+from edgemoe.offload.experts import ResidentExperts
+from edgemoe.offload.layout import QuantExpertLayout
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -54,26 +59,58 @@ def load_model(
     block_size: int,
     progress: bool = True,
     offload: bool = False,
+    expert_dtype: str = "auto",
 ) -> MoEForCausalLM:
     """The model of `folder`'s checkpoint (None: random weights, `fill_random`) built for `device`: on the meta device
     first, weights streamed into place, kernels chosen for the device. `offload`: routed experts go to host banks
-    (`edgemoe.offload.banks`) instead of the device."""
+    (`edgemoe.offload.banks`) instead of the device. `expert_dtype`: a GGUF block format (q8_0, q4_0, mxfp4) the
+    routed experts are quantized to once, as the `gguf` package quantizes them (random weights: any format of
+    `edgemoe.layers.quant`); auto keeps `dtype`."""
     with torch.device("meta"):
         model = MoEForCausalLM(cfg, family.LAYER, block_size).to(dtype)
-    host = {}
-    if offload:
-        from edgemoe.offload.banks import offload_experts
-
-        host = offload_experts(model, dtype, pin=device.type == "cuda", progress=progress)
+    layouts = {}
+    if expert_dtype != "auto":
+        q, (H, inter) = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size)
+        if H % q.block_weights or inter % q.block_weights:
+            raise EdgeMoEError(
+                f"expert_dtype {expert_dtype} stores rows in blocks of {q.block_weights} weights; this model's experts "
+                f"have rows of {H} and {inter}"
+            )
+        layouts = {i: QuantExpertLayout(H, inter, q, q, dtype) for i, moe in enumerate(cfg.moe_layers) if moe}
+    host = _place_experts(model, layouts, dtype, device, progress, offload)
     model.to_empty(device=device)
     model.tie_weights()
     if folder is None:
         fill_random(model, host)
     else:
-        load_weights(model, folder, family, progress, host)
+        load_weights(model, folder, family, progress, host | _resident_targets(model))
     model.model.rotary.build(device)
     select_kernels(model, device)
     return model.eval().requires_grad_(False)
+
+
+def _place_experts(
+    model: MoEForCausalLM, layouts: dict, dtype: torch.dtype, device: torch.device, progress: bool, offload: bool
+) -> dict[str, torch.Tensor]:
+    """Routed experts (model still on the meta device) into host banks (`offload`) or, where `layouts` lay them out
+    other than as parameters, into resident storage. -> the host banks by parameter name (the loader's targets)."""
+    if offload:
+        from edgemoe.offload.banks import offload_experts
+
+        return offload_experts(model, dtype, device.type == "cuda", progress, layouts)
+    for i, layout in layouts.items():
+        model.model.layers[i].mlp.experts = ResidentExperts(model.config.num_experts, layout)
+    return {}
+
+
+def _resident_targets(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
+    """Resident experts' storage views by parameter name (they are buffers, not parameters)."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(getattr(layer.mlp, "experts", None), ResidentExperts):
+            out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = layer.mlp.experts.gate_up_proj
+            out[f"model.layers.{i}.mlp.experts.down_proj"] = layer.mlp.experts.down_proj
+    return out
 
 
 @torch.no_grad()
@@ -82,7 +119,7 @@ def fill_random(model: MoEForCausalLM, host: dict[str, torch.Tensor], seed: int 
     experts (device parameters or `host` banks alike, so resident and offloaded models hold the same values) a few
     random experts tiled, since filling tens of GB with fresh random numbers would dominate the run."""
     gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
-    experts = {n: p for n, p in model.named_parameters() if ".experts." in n} | host
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n} | host | _resident_targets(model)
     for name, p in model.named_parameters():
         if name in experts:
             continue
@@ -93,10 +130,15 @@ def fill_random(model: MoEForCausalLM, host: dict[str, torch.Tensor], seed: int 
         else:
             p.normal_(0, 1 / math.sqrt(p.shape[-1] if "embed_tokens" not in name else 1), generator=gen)
     cpu = torch.Generator().manual_seed(seed)
-    for _, bank in sorted(experts.items()):  # by name: the same values resident and offloaded
+    for name, bank in sorted(experts.items()):  # by name: the same values resident and offloaded
         E, rest = bank.shape[0], bank.shape[1:]
         tile = math.gcd(E, 4)
-        base = (torch.randn(tile, *rest, generator=cpu) / math.sqrt(rest[-1])).to(bank.device, bank.dtype)
+        if bank.dtype == torch.uint8:  # GGUF blocks: valid random ones of the layer's format
+            layout = model.get_submodule(name.rsplit(".", 1)[0]).layout
+            q, n = (layout.q_down, layout.inter) if name.endswith("down_proj") else (layout.q_gate_up, layout.hidden)
+            base = random_blocks((tile, *rest[:-1], n), q, cpu, std=1 / math.sqrt(n)).to(bank.device)
+        else:
+            base = (torch.randn(tile, *rest, generator=cpu) / math.sqrt(rest[-1])).to(bank.device, bank.dtype)
         bank.view(E // tile, tile, *rest).copy_(base.expand(E // tile, tile, *rest))
 
 
@@ -114,14 +156,23 @@ def load_weights(
             name, target = _target(family.rename(key), params, model)
             if target is None:
                 continue
-            src = handle.get_slice(key)
-            if list(src.get_shape()) != list(target.shape):
-                raise EdgeMoEError(f"tensor {key} has shape {src.get_shape()}, the config implies {list(target.shape)}")
-            target.copy_(handle.get_tensor(key))
+            shape = handle.get_slice(key).get_shape()
+            tensor = handle.get_tensor(key) if target.dtype != torch.uint8 else quantize_rows(model, name, handle, key)
+            if list(tensor.shape) != list(target.shape):
+                raise EdgeMoEError(f"tensor {key} has shape {shape}, the config implies {list(target.shape)}")
+            target.copy_(tensor)
             filled[name] += target.numel()
     missing = [n for n, p in params.items() if filled[n] < p.numel()]
     if missing:
         raise EdgeMoEError(f"checkpoint {folder} lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
+
+
+def quantize_rows(model: MoEForCausalLM, name: str, handle, key: str) -> torch.Tensor:  # noqa: ANN001
+    """A checkpoint's expert weights [..., rows, n] in the block format of `name`'s layer (quantize-on-load)."""
+    layer = int(name.split(".")[2])
+    layout = model.model.layers[layer].mlp.experts.layout
+    q = layout.q_down if name.endswith("down_proj") else layout.q_gate_up
+    return quantize(handle.get_tensor(key), q)
 
 
 def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausalLM):
@@ -154,3 +205,99 @@ def _param(params: dict[str, torch.nn.Parameter], pname: str, key: str) -> torch
     if pname not in params:
         raise EdgeMoEError(f"unexpected tensor {key} in the checkpoint (does config.json match the weights?)")
     return params[pname]
+
+
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: experts stored so are loaded as dense experts
+
+
+def expert_layouts(ckpt: GGUFCheckpoint, cfg: ModelConfig, dtype: torch.dtype) -> dict[int, QuantExpertLayout]:
+    """Per MoE layer, the layout of its experts as the GGUF file stores them (empty: float experts, made dense).
+    gate and up share one format, down may differ, and so may layers: every layout then shares the longest row."""
+    formats = {}
+    for i, moe in enumerate(cfg.moe_layers):
+        if not moe:
+            continue
+        kinds = [ckpt.expert_tensor(i, part).tensor_type for part in EXPERT_PARTS]
+        if all(int(k) in _FLOAT_TYPES for k in kinds):
+            continue
+        try:
+            gate, up, down = (quant_type(int(k)) for k in kinds)
+        except ValueError:
+            names = "/".join(getattr(k, "name", str(k)) for k in kinds)
+            raise EdgeMoEError(
+                f"{ckpt.path.name}: layer {i}'s experts are stored as {names}; expert formats supported: "
+                f"{', '.join(QUANT_TYPES)}, F32, F16, BF16"
+            ) from None
+        if gate != up:
+            raise EdgeMoEError(f"{ckpt.path.name}: layer {i} stores gate as {gate.name} but up as {up.name}")
+        formats[i] = (gate, down)
+    if formats and len(formats) != sum(cfg.moe_layers):
+        raise EdgeMoEError(f"{ckpt.path.name}: some layers' experts are quantized and some are not")
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    own = {i: QuantExpertLayout(H, inter, *f, dtype) for i, f in formats.items()}
+    row = max((layout.row for layout in own.values()), default=0)
+    split = next((layout.split for layout in own.values()), 0)
+    return {i: QuantExpertLayout(H, inter, *f, dtype, row=row, copy_split=split) for i, f in formats.items()}
+
+
+def load_gguf(
+    ckpt: GGUFCheckpoint,
+    cfg: ModelConfig,
+    family: ModuleType,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    progress: bool = True,
+    offload: bool = False,
+) -> MoEForCausalLM:
+    """`load_model` for a GGUF checkpoint: dense weights dequantized to `dtype`; routed experts kept as stored (their
+    raw blocks copied from the memory-mapped file into host banks or device storage) unless stored as floats."""
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg, family.LAYER, block_size).to(dtype)
+    layouts = expert_layouts(ckpt, cfg, dtype)
+    host = _place_experts(model, layouts, dtype, device, progress, offload)
+    model.to_empty(device=device)
+    model.tie_weights()
+    params = dict(model.named_parameters()) | host
+    filled = dict.fromkeys(params, 0)
+    heads = (cfg.num_heads, cfg.num_kv_heads)
+    tensors = ckpt.dense_tensors()
+    with torch.no_grad():
+        for hf_name, tensor in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress or None):
+            name, target = _target(hf_name, params, model)
+            if target is None:
+                continue
+            t = ckpt.to_torch(tensor, hf_name, heads)
+            if t.shape != target.shape:
+                raise EdgeMoEError(f"tensor {tensor.name} has shape {list(t.shape)}, the config implies {target.shape}")
+            target.copy_(t)
+            filled[name] += target.numel()
+        for i, moe in enumerate(
+            tqdm(cfg.moe_layers, desc="loading experts", unit="layer", disable=not progress or None)
+        ):
+            if moe:
+                filled.update(_fill_experts(ckpt, model, params, i, i in layouts))
+    missing = [n for n, p in params.items() if filled[n] < p.numel()]
+    if missing:
+        raise EdgeMoEError(f"{ckpt.path.name} lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
+    model.model.rotary.build(device)
+    select_kernels(model, device)
+    return model.eval().requires_grad_(False)
+
+
+def _fill_experts(ckpt: GGUFCheckpoint, model: MoEForCausalLM, params: dict, layer: int, raw: bool) -> dict:
+    """One layer's stacked experts into place: raw blocks as stored (`raw`), else as dense weights. -> filled counts."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    experts = model.model.layers[layer].mlp.experts
+    w13 = params.get(f"{prefix}.gate_up_proj", experts.gate_up_proj)
+    w2 = params.get(f"{prefix}.down_proj", experts.down_proj)
+    inter = w13.shape[1] // 2
+    for part, target in (("gate", w13[:, :inter]), ("up", w13[:, inter:]), ("down", w2)):
+        tensor = ckpt.expert_tensor(layer, part)
+        t = torch.from_numpy(np.asarray(tensor.data)) if raw else ckpt.to_torch(tensor, "", (1, 1))
+        if t.shape != target.shape:
+            shapes = f"{list(t.shape)}, the config implies {list(target.shape)}"
+            raise EdgeMoEError(f"{ckpt.path.name}: {tensor.name} has shape {shapes}")
+        target.copy_(t)
+    counts = {f"{prefix}.gate_up_proj": w13.numel(), f"{prefix}.down_proj": w2.numel()}
+    return {name: n for name, n in counts.items() if name in params}

@@ -12,6 +12,7 @@ from types import ModuleType
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from edgemoe.models.gguf import GGUFCheckpoint
 
 FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen2_moe, qwen3_moe, mixtral, olmoe)}
 
@@ -46,3 +47,21 @@ def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
         raise EdgeMoEError(f"malformed {path}: missing field {exc}") from None
     except (TypeError, ValueError) as exc:
         raise EdgeMoEError(f"malformed {path}: {exc}") from None
+
+
+def read_checkpoint(path: Path) -> tuple[ModelConfig, ModuleType, GGUFCheckpoint | None]:
+    """A model folder (`config.json`, safetensors) or a GGUF file (one, or any part of a split set) ->
+    (config, family, the opened GGUF checkpoint or None)."""
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise EdgeMoEError(f"model file {path} does not exist")
+        ckpt = GGUFCheckpoint(path)
+        hf = ckpt.hf_config()
+        family = FAMILIES[hf["model_type"]]
+        try:
+            return family.normalise(hf), family, ckpt
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EdgeMoEError(f"{path.name}: bad or missing metadata {exc}") from None
+    if not path.is_dir():
+        raise EdgeMoEError(f"model path {path} does not exist, or is neither a folder nor a .gguf file")
+    return (*read_config(path), None)

@@ -35,9 +35,14 @@ def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torc
 
 
 def offload_experts(
-    model: MoEForCausalLM, dtype: torch.dtype, pin: bool, progress: bool = True
+    model: MoEForCausalLM,
+    dtype: torch.dtype,
+    pin: bool,
+    progress: bool = True,
+    layouts: dict[int, ExpertLayout] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Swap every MoE layer's `Experts` (still on the meta device) for `OffloadedExperts` over new host banks.
+    """Swap every MoE layer's `Experts` (still on the meta device) for `OffloadedExperts` over new host banks, each
+    laid out by `layouts[decoder layer]` (default: dense experts in `dtype`).
 
     Returns the banks by Hugging Face-style parameter name (`model.layers.N.mlp.experts.gate_up_proj`), the
     loader's targets for them; the swapped modules hold no parameters, so `to_empty` puts nothing of theirs on
@@ -46,9 +51,11 @@ def offload_experts(
     targets, index = {}, 0
     layers = [(i, layer) for i, layer in enumerate(model.model.layers) if layer.is_moe]
     desc = "allocating pinned expert banks" if pin else "allocating expert banks"
-    layout = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+    dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
     for i, layer in tqdm(layers, desc=desc, unit="layer", disable=not progress or None, leave=False):
-        experts = OffloadedExperts(index, allocate_bank((cfg.num_experts, layout.row), dtype, pin), layout)
+        layout = (layouts or {}).get(i, dense)
+        bank = allocate_bank((cfg.num_experts, layout.row), layout.dtype, pin)
+        experts = OffloadedExperts(index, bank, layout)
         layer.mlp.experts = experts
         targets[f"model.layers.{i}.mlp.experts.gate_up_proj"] = experts.gate_up_proj
         targets[f"model.layers.{i}.mlp.experts.down_proj"] = experts.down_proj

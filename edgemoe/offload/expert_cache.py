@@ -52,8 +52,9 @@ class ExpertCache:
         self.ensure_scratch = (
             torch.zeros(S + 2 * E, dtype=torch.long, device=device) if self.device.type == "cuda" else None
         )
-        self.w13: torch.Tensor | None = None  # [S + 1, 2 * inter, hidden]
-        self.w2: torch.Tensor | None = None  # [S + 1, hidden, inter]
+        self.joined: torch.Tensor | None = None  # [S + 1, row]: the pool, one expert's row a slot
+        self.w13: torch.Tensor | None = None  # [S + 1, ...] its first half (dense: gate_up), as the miss copy moves it
+        self.w2: torch.Tensor | None = None  # [S + 1, ...] the rest
         self.copy_service = None  # a CopyService once `start_copy_service` ran (CUDA)
         # the implementation, chosen once for the device: one Triton launch on CUDA, plain torch elsewhere
         if self.device.type == "cuda":
@@ -64,9 +65,11 @@ class ExpertCache:
         else:
             self._ensure_impl, self._copy_rows = None, None
 
-    def attach_pool(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def attach_pool(self, w13: torch.Tensor, w2: torch.Tensor, joined: torch.Tensor | None = None) -> None:
+        """The slot pool: (w13, w2) the two parts of each slot the miss copy moves, views of `joined` [S + 1, row]
+        (the storage the layers view in their own layout) where there is one."""
         assert w13.shape[0] == w2.shape[0] == self.num_slots + 1, "the pool has S slots plus one scratch slot"
-        self.w13, self.w2 = w13, w2
+        self.w13, self.w2, self.joined = w13, w2, joined
 
     def start_copy_service(self) -> None:
         """Hand the miss copy to the copy engine (`edgemoe.offload.copy_service`): CUDA pools, pinned banks."""
@@ -154,10 +157,10 @@ class ExpertCache:
             return None
         return self.ensure_scratch[self.num_slots + self.num_experts :]
 
-    def arrivals(self, copy: Ensured):
-        """CUDA: what the expert GEMV needs to wait for `copy`'s entries one by one instead of the whole copy
+    def arrivals(self, copy: Ensured) -> Arrivals | None:
+        """With kernels: what the expert GEMV needs to wait for `copy`'s entries one by one instead of the whole copy
         (`edgemoe.offload.protocol.Arrivals`); None elsewhere, where the copy is done when `copy_missing` returns."""
-        if not self.w13.is_cuda:
+        if self._copy_rows is None:
             return None
         from edgemoe.kernels.miss_copy import chunks_per_entry
 

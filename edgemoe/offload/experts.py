@@ -20,7 +20,6 @@ from torch import nn
 from edgemoe.config import ExpertCacheConfig, ModelConfig
 from edgemoe.engine.context import get_context
 from edgemoe.errors import EdgeMoEError
-from edgemoe.moe.experts import gathered_experts
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.layout import ExpertLayout
 from edgemoe.offload.protocol import Ensured
@@ -34,9 +33,15 @@ class OffloadedExperts(nn.Module):
     def __init__(self, layer: int, bank: torch.Tensor, layout: ExpertLayout) -> None:
         super().__init__()
         self.layer, self.layout = layer, layout  # layer: index among MoE layers
-        self.gate_up_proj, self.down_proj = layout.views(bank)  # [E, 2I, H], [E, H, I] on the host
+        self.gate_up_proj, self.down_proj = layout.views(bank)  # dense: [E, 2I, H], [E, H, I] on the host
+        self.banks = layout.copy_views(bank)  # what the miss copy reads
         self.num_experts = bank.shape[0]
-        self.cache: ExpertCache | None = None  # set by attach_expert_cache
+        self.cache: ExpertCache | None = None  # set by `attach`
+        self.w13 = self.w2 = None  # this layer's views of the cache's slot pool
+
+    def attach(self, cache: ExpertCache | None) -> None:
+        self.cache = cache
+        self.w13, self.w2 = (None, None) if cache is None else self.layout.views(cache.joined)
 
     def use_kernels(self, device: torch.device) -> None:
         self.layout.use_kernels(device)
@@ -47,17 +52,16 @@ class OffloadedExperts(nn.Module):
         gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
         if gathered and (pairs <= S or E <= S):
             got = self.load(ids)
-            cache = self.cache
             if get_context().is_prefill:  # bitwise as resident
-                return gathered_experts(x, got.slots, weights, cache.w13, cache.w2)
-            return self.layout.decode(x, got.slots, weights, cache.w13, cache.w2, arrivals=cache.arrivals(got))
+                return self.layout.gathered(x, got.slots, weights, self.w13, self.w2)
+            return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=self.cache.arrivals(got))
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
         return self._grouped_waves(x, ids, weights)
 
     def load(self, ids: torch.Tensor) -> Ensured:
-        got = self.cache.ensure(self.layer, ids, (self.gate_up_proj, self.down_proj))
-        self.cache.copy_missing(got, self.gate_up_proj, self.down_proj)
+        got = self.cache.ensure(self.layer, ids, self.banks)
+        self.cache.copy_missing(got, *self.banks)
         return got
 
     def _waves(self, experts: list[int]) -> Iterator[tuple[list[int], list[int]]]:
@@ -82,9 +86,10 @@ class OffloadedExperts(nn.Module):
             in_wave = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
             in_wave[wave] = True
             slot = slot_of[flat]  # [pairs]
-            gate, up = torch.bmm(self.cache.w13[slot], xs)[:, :, 0].chunk(2, dim=-1)
+            w13, w2 = self.layout.dense_gate_up(self.w13[slot]), self.layout.dense_down(self.w2[slot])
+            gate, up = torch.bmm(w13, xs)[:, :, 0].chunk(2, dim=-1)
             h = (F.silu(gate) * up)[:, :, None]
-            out = torch.where(in_wave[flat][:, None], torch.bmm(self.cache.w2[slot], h)[:, :, 0], out)
+            out = torch.where(in_wave[flat][:, None], torch.bmm(w2, h)[:, :, 0], out)
         return (out.view(tokens, top_k, -1) * weights[:, :, None]).sum(dim=1)
 
     def _grouped_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -99,14 +104,47 @@ class OffloadedExperts(nn.Module):
             for expert, slot in zip(wave, slots):
                 pairs = order[starts[expert] : starts[expert] + counts[expert]]
                 tok = token_of_pair[starts[expert] : starts[expert] + counts[expert]]
-                gate, up = F.linear(x[tok], self.cache.w13[slot]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, self.cache.w2[slot]) * weights.flatten()[pairs, None]
+                w13, w2 = self.layout.dense_gate_up(self.w13[slot]), self.layout.dense_down(self.w2[slot])
+                gate, up = F.linear(x[tok], w13).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, w2) * weights.flatten()[pairs, None]
                 out.index_add_(0, tok, y)
         return out
 
 
-def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return cfg.expert_params * dtype.itemsize
+class ResidentExperts(nn.Module):
+    """Every expert of a layer on the device in a layout's storage (quantized experts: GGUF blocks as stored), read in
+    place by the layout's decode kernel; prefill dequantizes the experts it uses."""
+
+    def __init__(self, num_experts: int, layout: ExpertLayout) -> None:
+        super().__init__()
+        self.layout, self.num_experts = layout, num_experts
+        self.register_buffer("joined", torch.empty(num_experts, layout.row, dtype=layout.dtype), persistent=False)
+
+    def use_kernels(self, device: torch.device) -> None:
+        self.layout.use_kernels(device)
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self.layout.views(self.joined)[0]
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self.layout.views(self.joined)[1]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, hidden]; ids, weights: [tokens, top_k]
+        w13, w2 = self.layout.views(self.joined)
+        if not get_context().is_prefill:
+            return self.layout.decode(x, ids, weights, w13, w2)
+        if ids.numel() <= self.num_experts:
+            return self.layout.gathered(x, ids, weights, w13, w2)
+        return self.layout.grouped(x, ids, weights, w13, w2)
+
+
+def expert_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of one expert's storage row (a slot): its layout's where the experts are offloaded, else dense."""
+    layout = next((m.layout for m in model.modules() if hasattr(m, "layout")), None)
+    return layout.row_bytes if layout is not None else model.config.expert_params * dtype.itemsize
 
 
 def min_cache_slots(cfg: ModelConfig, max_num_seqs: int) -> int:
@@ -114,13 +152,11 @@ def min_cache_slots(cfg: ModelConfig, max_num_seqs: int) -> int:
     return min(cfg.num_experts, max_num_seqs * cfg.top_k)
 
 
-def cache_slots(
-    moe: ExpertCacheConfig, cfg: ModelConfig, max_num_seqs: int, dtype: torch.dtype, room: int | None
-) -> int:
+def cache_slots(moe: ExpertCacheConfig, cfg: ModelConfig, max_num_seqs: int, per: int, room: int | None) -> int:
     """Slots from `moe_cache_slots`, `moe_cache_fraction` of all experts, or what `room` bytes of device memory
-    hold (one scratch slot aside); capped at all experts."""
+    hold (one scratch slot aside, `per` bytes a slot); capped at all experts."""
     total = cfg.num_experts * sum(cfg.moe_layers)
-    minimum, per = min_cache_slots(cfg, max_num_seqs), expert_bytes(cfg, dtype)
+    minimum = min_cache_slots(cfg, max_num_seqs)
     why = (
         f"the minimum is {minimum} slots ({minimum * per / MiB:.1f} MiB): one decode step of a layer needs "
         f"min(experts {cfg.num_experts}, max_num_seqs {max_num_seqs} x top_k {cfg.top_k})"
@@ -152,9 +188,10 @@ def attach_expert_cache(
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
     layout = layers[0].layout if layers else ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
     cache = ExpertCache(len(layers), cfg.num_experts, slots, policy, device, layout.row_bytes, collect_stats)
-    cache.attach_pool(*layout.views(layout.empty(slots + 1, device)))
+    joined = layout.empty(slots + 1, device)
+    cache.attach_pool(*layout.copy_views(joined), joined)
     for m in layers:
-        m.cache = cache
+        m.attach(cache)
     if device.type == "cuda" and layers:
         cache.start_copy_service()
     return cache

@@ -1,9 +1,15 @@
-"""How an offloaded expert's weights are laid out, in host banks and device slots alike: one seam, so that another
-storage format (quantized blocks) is one new class rather than edits across the offload package.
+"""How a routed expert's weights are laid out, in host banks, device slots and resident banks alike: one seam, so
+that a storage format is one class rather than edits across the offload package.
 
-A bank is `[experts, row]` and the slot pool `[slots + 1, row]`; each row holds one expert's gate_up weights, then
-its down weights, as one run of memory, so a miss is one copy (`copy_service.c`). The layout gives the views the
-expert kernels read, and which decode function reads them.
+Storage is `[experts or slots, row]`: each row holds one expert's gate_up weights, then its down weights, as one run
+of memory, so a miss is one copy (`copy_service.c`). A layout gives
+- `views(joined)`: the gate_up and down views the expert kernels read (and the loader fills by name);
+- `copy_views(joined)`: the two halves the miss copy moves (rows of the same storage; the split may be any point);
+- `decode`: the decode function that reads `views` in place, and `dense_gate_up`/`dense_down` for prefill.
+
+`ExpertLayout` keeps experts in the model's dtype; `QuantExpertLayout` keeps GGUF blocks (`edgemoe.layers.quant`) as
+stored, one format for gate_up and one for down. The layers of one model may use different formats (Q4_K_M files
+do): they then share one storage row, the longest of them (`row`), so that one slot pool serves every layer.
 """
 
 from __future__ import annotations
@@ -11,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from edgemoe.moe.experts import decode_reference
+from edgemoe.layers.quant import QuantLike, dequantize, quant_type, row_bytes
+from edgemoe.moe.experts import decode_reference, gathered_experts
 
 
 class ExpertLayout:
@@ -21,6 +29,7 @@ class ExpertLayout:
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
         self.hidden, self.inter, self.dtype = hidden, inter, dtype
         self.row = 3 * inter * hidden  # elements of one expert's row
+        self.split = 2 * inter * hidden  # where down starts
         self.decode: Callable = decode_reference  # (x, ids, weights, w13, w2, arrivals=) -> [T, H]
 
     def use_kernels(self, device: torch.device) -> None:
@@ -37,11 +46,108 @@ class ExpertLayout:
         return torch.empty(rows, self.row, dtype=self.dtype, device=device)
 
     def views(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate_up [N, 2I, H] and down [N, H, I] views of `joined` [N, row] (the loader fills them by name, the
-        kernels read them in place)."""
-        split, (H, inter) = 2 * self.inter * self.hidden, (self.hidden, self.inter)
+        """gate_up [N, 2I, H] and down [N, H, I] views of `joined` [N, row]."""
+        H, inter = self.hidden, self.inter
         assert joined.shape[1] == self.row and joined.stride(1) == 1
-        return joined[:, :split].unflatten(1, (2 * inter, H)), joined[:, split:].unflatten(1, (H, inter))
+        return joined[:, : self.split].unflatten(1, (2 * inter, H)), joined[:, self.split :].unflatten(1, (H, inter))
+
+    def copy_views(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.views(joined)
+
+    def dense_gate_up(self, w13: torch.Tensor) -> torch.Tensor:
+        """gate_up rows of any leading shape, in the compute dtype (dense: themselves)."""
+        return w13
+
+    def dense_down(self, w2: torch.Tensor) -> torch.Tensor:
+        return w2
+
+    def gathered(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """`gathered_experts` over these views (prefill with few pairs)."""
+        return gathered_experts(x, ids, weights, w13, w2)
+
+    def grouped(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """`grouped_experts` over these views, each used expert made dense once (prefill with many pairs)."""
+        tokens, top_k = ids.shape
+        order = ids.flatten().argsort(stable=True)  # pair indices grouped by expert
+        counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
+        token_of_pair = order // top_k
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs, tok = order[start : start + n], token_of_pair[start : start + n]
+            gate, up = F.linear(x[tok], self.dense_gate_up(w13[expert])).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.dense_down(w2[expert])) * weights.flatten()[pairs, None]
+            out.index_add_(0, tok, y)
+            start += n
+        return out
+
+
+class QuantExpertLayout(ExpertLayout):
+    """Experts as GGUF blocks: gate_up [2I, row_bytes(q_gate_up, H)], then down [H, row_bytes(q_down, I)], uint8.
+    `row`: the storage row in bytes when layers of other formats share the pool (default: this layer's own)."""
+
+    def __init__(
+        self, hidden: int, inter: int, q_gate_up: QuantLike, q_down: QuantLike, compute_dtype: torch.dtype,
+        row: int | None = None, copy_split: int | None = None,
+    ) -> None:  # fmt: skip
+        self.hidden, self.inter, self.dtype = hidden, inter, torch.uint8
+        self.q_gate_up, self.q_down, self.compute_dtype = quant_type(q_gate_up), quant_type(q_down), compute_dtype
+        self.gu_bytes, self.down_bytes = row_bytes(self.q_gate_up, hidden), row_bytes(self.q_down, inter)
+        self.split = 2 * inter * self.gu_bytes
+        self.used = self.split + hidden * self.down_bytes
+        self.row = row or self.used
+        self.copy_split = copy_split or self.split
+        assert self.row >= self.used and 0 < self.copy_split < self.row
+        self.decode = self._decode_reference
+
+    def use_kernels(self, device: torch.device) -> None:
+        from edgemoe.kernels.quant_gemv import quant_fused_experts
+
+        q_gu, q_down, inter, hidden = self.q_gate_up, self.q_down, self.inter, self.hidden
+
+        def decode(x, ids, weights, w13, w2, arrivals=None):  # noqa: ANN001, ANN202 - decode's signature
+            return quant_fused_experts(x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals)
+
+        self.decode = decode
+
+    def views(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up [N, 2I, gu_bytes] and down [N, H, down_bytes] uint8 views of `joined` [N, row]."""
+        assert joined.shape[1] == self.row and joined.stride(1) == 1 and joined.dtype == torch.uint8
+        w13 = joined[:, : self.split].unflatten(1, (2 * self.inter, self.gu_bytes))
+        w2 = joined[:, self.split : self.used].unflatten(1, (self.hidden, self.down_bytes))
+        return w13, w2
+
+    def copy_views(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return joined[:, : self.copy_split], joined[:, self.copy_split :]
+
+    def dense_gate_up(self, w13: torch.Tensor) -> torch.Tensor:
+        return dequantize(w13, self.q_gate_up, self.hidden).to(self.compute_dtype)
+
+    def dense_down(self, w2: torch.Tensor) -> torch.Tensor:
+        return dequantize(w2, self.q_down, self.inter).to(self.compute_dtype)
+
+    def gathered(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """The chosen experts dequantized (each once), then `gathered_experts`' arithmetic."""
+        used, inverse = torch.unique(ids, return_inverse=True)  # [U], ids' shape
+        return gathered_experts(x, inverse, weights, self.dense_gate_up(w13[used]), self.dense_down(w2[used]))
+
+    def _decode_reference(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+        arrivals=None,  # noqa: ANN001 - the kernel's signature; the copy is done when this runs
+    ) -> torch.Tensor:  # fmt: skip
+        """Decode in plain torch (the kernels' reference): fixed shapes, every pair's expert dequantized."""
+        tokens, top_k = ids.shape
+        flat = ids.flatten()
+        pairs = torch.arange(flat.numel(), device=ids.device).view(tokens, top_k)
+        return gathered_experts(x, pairs, weights, self.dense_gate_up(w13[flat]), self.dense_down(w2[flat]))
 
 
 def split_rows(joined: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

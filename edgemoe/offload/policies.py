@@ -45,7 +45,8 @@ class Scored(EvictionPolicy):
     frequency predicts, rho = max(0, (u - f) / (1 - f)) (u: share reused, f: their mean freq). The chance of use
     at the layer's next step is p = rho * last + (1 - rho) * freq. Layer l runs again in
     d = (l - current - 1) mod L + 1 layer-steps (the layer that just ran: L), so the expected next use is
-    d + L * (1/p - 1) layer-steps away: that is the key. Measured against LRU and Belady in benchmarks/RESULTS.md.
+    d + L * (1/p - 1) layer-steps away: that is the key (against LRU and Belady: docs/findings.md, "Eviction
+    policies").
     """
 
     FREQ = 0.03

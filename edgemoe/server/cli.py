@@ -62,9 +62,10 @@ def _url(sock: socket.socket) -> str:
 def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
     serve = ServeConfig(**flag_values(a, ServeConfig))  # the cheap checks first: a typo fails before the imports
     model = engine_kwargs.get("model")
-    if model and not Path(model).is_dir():  # the engine checks the rest, while /health says 503
-        raise EdgeMoEError(f"model path {model} does not exist or is not a folder")
-    model_id = Path(model).resolve().name if model else DEMO_MODEL_ID
+    path = Path(model).resolve() if model else None
+    if path is not None and not (path.is_dir() or path.suffix == ".gguf" and path.is_file()):  # the engine checks more
+        raise EdgeMoEError(f"model path {model} is neither a model folder nor a .gguf file")
+    model_id = DEMO_MODEL_ID if path is None else path.stem if path.suffix == ".gguf" else path.name
     sock = _bind(serve.host, serve.port)
 
     import uvicorn

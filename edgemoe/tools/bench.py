@@ -39,6 +39,7 @@ from edgemoe.engine.scheduler import Batch
 from edgemoe.engine.sequence import Sequence
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
+from edgemoe.layers.quant import QUANT_TYPES
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.loader import load_model
 from edgemoe.models.registry import FAMILIES
@@ -59,6 +60,7 @@ def build_model(
     dtype: torch.dtype,
     positions: int = 0,
     resident: bool = False,
+    expert_dtype: str = "auto",
 ) -> MoEForCausalLM:
     """A random-weight model of a named geometry, through the loader (`load_model` without a checkpoint): dense
     weights on `device`, experts in (pinned) host banks, or with `resident` on `device` holding the same values. Its
@@ -67,7 +69,7 @@ def build_model(
     preset["max_position_embeddings"] = max(preset.get("max_position_embeddings") or 0, positions)
     family = FAMILIES[preset.pop("family", "qwen2_moe")]
     cfg = family.normalise(hf_config(family.MODEL_TYPE, preset, preset["vocab_size"] or 6144, layers))
-    return load_model(None, cfg, family, device, dtype, BLOCK_SIZE, progress=False, offload=not resident)
+    return load_model(None, cfg, family, device, dtype, BLOCK_SIZE, False, not resident, expert_dtype)
 
 
 def make_runner(model: MoEForCausalLM, tokens: int) -> ModelRunner:
@@ -187,9 +189,10 @@ def run_bench(a: argparse.Namespace) -> dict:
     per_run = a.warmup + a.steps + 2 + len(UPLOAD_VARIANTS) * (a.profile + 4)  # positions one decode() advances
     total_steps = 2 * per_run
     resident = a.moe_strategy == "resident"
-    model = build_model(a.geometry, a.layers, device, dtype, max(a.context, a.prefill) + total_steps + 1, resident)
+    positions = max(a.context, a.prefill) + total_steps + 1
+    model = build_model(a.geometry, a.layers, device, dtype, positions, resident, a.expert_dtype)
     cfg = model.config
-    L, per_expert = sum(cfg.moe_layers), expert_bytes(cfg, dtype)
+    L, per_expert = sum(cfg.moe_layers), expert_bytes(model, dtype)
     runner = make_runner(model, max(a.context, a.prefill) + total_steps)
     kv = runner.kv
     dense = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".experts." not in n)
@@ -205,6 +208,7 @@ def run_bench(a: argparse.Namespace) -> dict:
         "dtype": a.dtype,
         "context": a.context,
         "expert_bytes": per_expert,
+        "expert_dtype": a.expert_dtype,
         "experts": L * cfg.num_experts,
         "dense_bytes": dense,
         **bw,
@@ -227,7 +231,7 @@ def run_bench(a: argparse.Namespace) -> dict:
     for key, value in sizes:
         moe = ExpertCacheConfig(moe_strategy="offload", **{key: value})
         room = None if a.vram_budget is None else parse_size(a.vram_budget) - dense - kv_bytes
-        slots = cache_slots(moe, cfg, 1, dtype, room)
+        slots = cache_slots(moe, cfg, 1, per_expert, room)
         for policy in a.moe_policy.split(","):
             cache = attach_expert_cache(model, slots, policy, True, device, dtype)
             if a.prefill and not result.get("prefill"):
@@ -246,7 +250,7 @@ def run_bench(a: argparse.Namespace) -> dict:
                 }
             decode_runs(result, a, runner, cache, trace, slots, policy, bw, dense_read + kv_read)
             del cache
-            model.apply(lambda m: setattr(m, "cache", None) if isinstance(m, OffloadedExperts) else None)
+            model.apply(lambda m: m.attach(None) if isinstance(m, OffloadedExperts) else None)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return settled(result, device, per_expert)
@@ -308,9 +312,9 @@ UPLOAD_VARIANTS["none+warm-replay"] = ("none", True)
 
 def profile_uploads(step, steps: int) -> dict:
     """Per upload policy (a fresh capture each), `steps` replays recorded and summarised. Each policy's recording
-    follows one of a single replay, discarded: in offloaded steps the policy profiled first (`auto`) read 10-15 %
-    slower than `none` in every profile of sessions 17-18 (benchmarks/RESULTS.md), most likely the profiler's
-    set-up in its first session slowing the copy service's driver calls, so every policy now gets the same start."""
+    follows one of a single replay, discarded: the policy profiled first once read 10-15 % slower, most likely the
+    profiler's set-up slowing the copy service's driver calls (docs/findings.md, "Graph upload policies make no
+    difference"), so every policy now gets the same start."""
     from edgemoe.tools.profiler import record, summarize
 
     out = {}
@@ -502,6 +506,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
         raise EdgeMoEError("--steps must be >= 2, --warmup, --prewarm and --prefill >= 0, --context >= 1")
     if not set(a.mode.split(",")) <= {"eager", "graph"}:
         raise EdgeMoEError(f"--mode {a.mode!r}: use eager, graph or eager,graph")
+    if a.expert_dtype != "auto" and a.expert_dtype.upper() not in QUANT_TYPES:
+        raise EdgeMoEError(f"--expert-dtype {a.expert_dtype!r}: use auto or {', '.join(QUANT_TYPES).lower()}")
     if not set(a.shared_expert_overlap.split(",")) <= {"on", "off"}:
         raise EdgeMoEError(f"--shared-expert-overlap {a.shared_expert_overlap!r}: use on, off or off,on")
     if a.profile and (a.profile < 2 or "graph" not in a.mode.split(",")):

@@ -1,22 +1,25 @@
-"""`edgemoe make-model`: write a random-weight checkpoint of a supported family in Hugging Face layout.
+"""`edgemoe make-model`: write a random-weight checkpoint of a supported family in Hugging Face layout, or as one
+GGUF file (`edgemoe.tools.make_gguf`).
 
 For tests (tiny shapes) and benchmarks (real geometries, optionally truncated to fewer layers). The
-tokenizer is the demo model's; larger vocabularies simply have ids it never produces.
+tokenizer is the demo model's (byte-level BPE); larger vocabularies simply have ids it never produces. The Qwen
+families split text before BPE with Qwen2's regex, as their real tokenizers do (GGUF pre-tokenizer `qwen2`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.models.gguf_tokenizer import QWEN2_SPLIT, byte_level_pre_tokenizer
 from edgemoe.models.registry import FAMILIES
 
 # geometry -> family and config fields (public config.json values for the real ones)
@@ -46,6 +49,20 @@ PRESETS: dict[str, dict] = {
         shared_expert_intermediate_size=512,
         vocab_size=None,
         max_position_embeddings=4096,
+    ),
+    # tiny, with every expert row a whole number of 256-weight blocks (the K types): GGUF tests
+    "tiny-k": dict(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        intermediate_size=512,
+        shared_expert_intermediate_size=256,
+        vocab_size=None,
+        max_position_embeddings=1024,
     ),
     "qwen3-30b-a3b": dict(
         family="qwen3_moe",
@@ -93,6 +110,9 @@ PRESETS: dict[str, dict] = {
     ),
 }
 _PER_EXPERT = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # default: mlp, gate/up/down_proj
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# family -> how its tokenizer splits text before byte-level BPE, by llama.cpp's name (tokenizer.ggml.pre)
+TOKENIZER_PRE = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "mixtral": "gpt-2", "olmoe": "gpt-2"}
 
 
 def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) -> dict:
@@ -174,28 +194,34 @@ def _draw(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
 
 
-def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: torch.dtype):
-    """Yield (checkpoint name, tensor) in Hugging Face naming, experts per-expert or fused."""
+def checkpoint_shapes(family: str, config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of every tensor, experts fused, in the order `random_tensors` draws them."""
     module = FAMILIES[family]
-    cfg = module.normalise(config)
     with torch.device("meta"):
-        model = MoEForCausalLM(cfg, module.LAYER)
-    gen = torch.Generator().manual_seed(seed)
-    prefix, gate, up, down = _PER_EXPERT.get(family, ("mlp", "gate_proj", "up_proj", "down_proj"))
+        model = MoEForCausalLM(module.normalise(config), module.LAYER)
     params = dict(model.named_parameters())
+    shapes = []
     for name, p in params.items():
         if name.endswith("qkv_proj.bias"):
-            continue  # drawn with the weight
+            continue  # listed with the weight
         if name.endswith("qkv_proj.weight"):  # Hugging Face's q_proj, k_proj, v_proj, each weight then its bias
             attn = name.removesuffix(".qkv_proj.weight")
-            bias = params.get(f"{attn}.qkv_proj.bias")
-            sizes = model.get_submodule(attn).qkv_sizes
-            for part, rows in zip("qkv", sizes):
-                yield f"{attn}.{part}_proj.weight", _draw(f"{part}.weight", (rows, p.shape[1]), gen).to(dtype)
-                if bias is not None:
-                    yield f"{attn}.{part}_proj.bias", _draw(f"{part}.bias", (rows,), gen).to(dtype)
+            has_bias = f"{attn}.qkv_proj.bias" in params
+            for part, rows in zip("qkv", model.get_submodule(attn).qkv_sizes):
+                shapes.append((f"{attn}.{part}_proj.weight", (rows, p.shape[1])))
+                if has_bias:
+                    shapes.append((f"{attn}.{part}_proj.bias", (rows,)))
             continue
-        t = _draw(name, p.shape, gen).to(dtype)
+        shapes.append((name, tuple(p.shape)))
+    return shapes
+
+
+def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: torch.dtype):
+    """Yield (checkpoint name, tensor) in Hugging Face naming, experts per-expert or fused."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix, gate, up, down = _PER_EXPERT.get(family, ("mlp", "gate_proj", "up_proj", "down_proj"))
+    for name, shape in checkpoint_shapes(family, config):
+        t = _draw(name, shape, gen).to(dtype)
         if ".experts." not in name or layout == "fused":
             yield name, t
             continue
@@ -209,6 +235,20 @@ def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: tor
                 yield f"{layer}.experts.{e}.{down}.weight", t[e].clone()
 
 
+def tokenizer_files(family: str) -> tuple[str, str]:
+    """The random checkpoints' tokenizer.json and tokenizer_config.json (texts): the demo model's, the Qwen
+    families' splitting text with Qwen2's regex (TOKENIZER_PRE)."""
+    from edgemoe.engine.engine import demo_model_path
+
+    demo = demo_model_path()
+    tokenizer, config = (demo / "tokenizer.json").read_text(), (demo / "tokenizer_config.json").read_text()
+    if TOKENIZER_PRE[family] == "qwen2":
+        tok = Tokenizer.from_str(tokenizer)
+        tok.pre_tokenizer = byte_level_pre_tokenizer(QWEN2_SPLIT)
+        tokenizer = tok.to_str(pretty=True)
+    return tokenizer, config
+
+
 def make_model(
     out: Path,
     family: str,
@@ -218,27 +258,42 @@ def make_model(
     seed: int = 0,
     dtype: str = "bfloat16",
     shard_bytes: int = 2 << 30,
+    format: str = "hf",
+    expert_dtype: str | None = None,
 ) -> Path:
+    """Write a random checkpoint into the folder `out`: Hugging Face layout (returns `out`), or with format "gguf"
+    the one file `out/model.gguf` (returns its path), dense weights in `dtype`, experts in `expert_dtype` (default:
+    `dtype`; `edgemoe.tools.make_gguf.EXPERT_DTYPES`)."""
     from edgemoe.engine.engine import demo_model_path
 
+    if format not in ("hf", "gguf"):
+        raise EdgeMoEError(f"format must be hf or gguf, not {format!r}")
+    if expert_dtype is not None and format != "gguf":
+        raise EdgeMoEError("--expert-dtype needs --format gguf")
     if size not in PRESETS:
         raise EdgeMoEError(f"unknown size {size!r}; choose from {', '.join(PRESETS)}")
     if layout not in ("per-expert", "fused"):
         raise EdgeMoEError("layout must be per-expert or fused")
     geometry = dict(PRESETS[size])
     family = geometry.pop("family", family)
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(dtype)
+    torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
         raise EdgeMoEError("dtype must be bfloat16, float16 or float32")
     demo = demo_model_path()
     vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
     config = hf_config(family, geometry, vocab, layers)
     config["dtype"] = dtype
+    tokenizer, tokenizer_config = tokenizer_files(family)
     out.mkdir(parents=True, exist_ok=True)
+    if format == "gguf":
+        from edgemoe.tools.make_gguf import write_gguf
+
+        name = f"edgemoe random {family} {size}"
+        return write_gguf(out / "model.gguf", family, config, tokenizer, tokenizer_config, seed, expert_dtype, name)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo / name, out / name)
+    (out / "tokenizer.json").write_text(tokenizer)
+    (out / "tokenizer_config.json").write_text(tokenizer_config)
     shards: list[list[str]] = []  # tensor names per shard, written as each fills (bounded memory)
     current, size_now = {}, 0
     for name, t in tqdm(

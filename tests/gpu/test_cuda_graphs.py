@@ -75,3 +75,18 @@ def test_capture_collects_garbage_before_and_never_during() -> None:
     x.copy_(torch.randn(256, device="cuda"))
     graph.replay()
     torch.testing.assert_close(y, x * 3)
+
+
+def test_routing_is_recorded_with_graphs_on(tmp_path) -> None:
+    """`--record-routing` keeps CUDA graphs on (the routing seam writes each layer's ids into a buffer the graphs
+    captured) and records exactly what eager decode records."""
+    import numpy as np
+
+    traces = {}
+    for graphs in (False, True):
+        path = tmp_path / f"graphs-{graphs}.npy"
+        llm = LLM(device="cuda", dtype="float32", progress=False, cuda_graphs=graphs, record_routing=str(path))
+        assert (llm.engine.runner.graphs is not None) == graphs
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        traces[graphs] = np.load(path)
+    assert traces[True].shape == (11, 7, 4) and np.array_equal(traces[True], traces[False])

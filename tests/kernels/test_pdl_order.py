@@ -80,7 +80,7 @@ def check_partial() -> None:
     paged_attention._reduce = Recorder(paged_attention._reduce)
     paged_attention.paged_decode_attention(q, cache, cache, tables, lens, dim**-0.5, bs)
     ((args, options),) = partial.calls
-    assert paged_attention.PREFETCH_TILES >= 1  # the engine's setting (benchmarks/RESULTS.md, session 22)
+    assert paged_attention.PREFETCH_TILES >= 1  # the engine's setting (docs/findings.md, "Attention")
     assert args["PREFETCH_N"] == paged_attention.PREFETCH_TILES * paged_attention.BLOCK_N and args["PDL"]
     ptx = ptx_for_sm90(partial.kernel, args, options)
     wait = ptx.index("griddepcontrol.wait")

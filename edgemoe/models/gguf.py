@@ -1,0 +1,185 @@
+"""GGUF checkpoints (llama.cpp's format), read with the `gguf` package's memory-mapped reader.
+
+The config comes from the file's metadata, turned into the `config.json` fields our families normalise; tensors are
+named as llama.cpp names them (`blk.N.attn_q.weight`) and renamed to Hugging Face's here, so the loader fills them
+as it fills a safetensors checkpoint. Routed experts stay as stored (`expert_tensor`): the loader copies their raw
+blocks into the banks, never holding a dequantized copy.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edgemoe.errors import EdgeMoEError
+from edgemoe.layers.quant import dequantize, quant_type
+
+ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# llama.cpp's per-layer names -> Hugging Face's (the suffix .weight / .bias follows)
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+_GLOBAL["output.weight"] = "lm_head.weight"
+EXPERT_PARTS = ("gate", "up", "down")
+_FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type ids
+
+
+def gguf_files(path: Path) -> list[Path]:
+    """`path` alone, or every part of a split set (`-00001-of-0000N.gguf`) given any of its parts."""
+    m = _SPLIT.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    files = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise EdgeMoEError(f"{path.name} is part {m['part']} of {count}, but {', '.join(missing[:3])} is missing")
+    return files
+
+
+class GGUFCheckpoint:
+    """One GGUF checkpoint (one file or a split set): metadata, and tensors by llama.cpp name."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.path, self.readers = path, []
+        for file in gguf_files(path):
+            try:
+                self.readers.append(GGUFReader(file, "c"))  # copy-on-write: torch takes its arrays as writable
+            except (ValueError, OSError, IndexError, KeyError) as exc:  # a short file fails inside numpy's memmap
+                raise EdgeMoEError(f"cannot read {file}: not a complete GGUF file ({exc})") from None
+        self.tensors = {t.name: t for r in self.readers for t in r.tensors}
+        self.arch = str(self.field("general.architecture"))
+        if self.arch not in ARCHITECTURES or (self.arch == "llama" and not self.field(f"{self.arch}.expert_count", 0)):
+            raise EdgeMoEError(
+                f"{path.name}: architecture {self.arch!r} is not supported; supported: qwen3moe, qwen2moe, "
+                "llama with experts (Mixtral)"
+            )
+
+    def field(self, key: str, default: Any = ...) -> Any:
+        field = self.readers[0].fields.get(key)
+        if field is None:
+            if default is ...:
+                raise EdgeMoEError(f"{self.path.name}: metadata {key} is missing")
+            return default
+        return field.contents()
+
+    def hf_config(self) -> dict[str, Any]:
+        """The metadata as the `config.json` fields our families read."""
+        a, t = self.arch, self.tensors
+        layers = int(self.field(f"{a}.block_count"))
+        heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        vocab = self.field(f"{a}.vocab_size", None) or int(self._tensor("token_embd.weight").shape[1])
+        hf: dict[str, Any] = dict(
+            model_type=ARCHITECTURES[a], vocab_size=int(vocab), hidden_size=hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
+            head_dim=int(self.field(f"{a}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self.field(f"{a}.context_length", 4096)),
+            tie_word_embeddings="output.weight" not in t, torch_dtype="bfloat16",
+            num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id", None),
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id", None),
+        )  # fmt: skip
+        experts = int(self.field(f"{a}.expert_count"))
+        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in t]
+        if a == "llama":  # Mixtral: every layer sparse; its feed_forward_length is the experts'
+            return hf | dict(num_local_experts=experts, intermediate_size=int(self.field(f"{a}.feed_forward_length")))
+        hf |= dict(
+            num_experts=experts, mlp_only_layers=dense, decoder_sparse_step=1,
+            intermediate_size=int(self.field(f"{a}.feed_forward_length", 0)),
+            moe_intermediate_size=int(self.field(f"{a}.expert_feed_forward_length")),
+            attention_bias="blk.0.attn_q.bias" in t, qkv_bias="blk.0.attn_q.bias" in t,
+            norm_topk_prob=a == "qwen3moe",  # llama.cpp renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's
+        )  # fmt: skip
+        if a == "qwen2moe":
+            shared = self.field(f"{a}.expert_shared_feed_forward_length", None)
+            if shared is None and "blk.0.ffn_up_shexp.weight" in t:
+                shared = int(t["blk.0.ffn_up_shexp.weight"].shape[1])
+            hf["shared_expert_intermediate_size"] = int(shared or 0)
+        return hf
+
+    def _tensor(self, name: str):  # noqa: ANN202 - gguf's ReaderTensor
+        if name not in self.tensors:
+            raise EdgeMoEError(f"{self.path.name} lacks tensor {name}")
+        return self.tensors[name]
+
+    def dense_tensors(self) -> list[tuple[str, Any]]:
+        """(Hugging Face name, reader tensor) of every tensor but the routed experts."""
+        out = []
+        for name, tensor in self.tensors.items():
+            if "_exps." in name:
+                continue
+            hf = _GLOBAL.get(name)
+            m = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
+            if m and m[2] in _LAYER:
+                hf = f"model.layers.{m[1]}.{_LAYER[m[2]]}.{m[3]}"
+            if hf is None:
+                if name.startswith("rope_") or name.endswith(".rope_freqs.weight"):
+                    continue
+                raise EdgeMoEError(f"{self.path.name}: unexpected tensor {name}")
+            out.append((hf, tensor))
+        return out
+
+    def to_torch(self, tensor: Any, hf_name: str, cfg_heads: tuple[int, int]) -> torch.Tensor:
+        """A dense tensor as float32 in Hugging Face's layout (numpy order; llama's q/k rows un-permuted)."""
+        kind = int(tensor.tensor_type)
+        data = tensor.data
+        if kind in _FLOATS:
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16) if kind == 30 else None
+            t = (t if t is not None else torch.from_numpy(np.ascontiguousarray(data))).float()
+        else:
+            try:
+                q = quant_type(kind)
+            except ValueError:
+                q = None
+            if q is not None:
+                n = int(tensor.shape[0])
+                t = dequantize(torch.from_numpy(np.ascontiguousarray(data)), q, n)
+            else:
+                from gguf.quants import dequantize as gguf_dequantize
+
+                t = torch.from_numpy(gguf_dequantize(np.asarray(data), tensor.tensor_type)).float()
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if hf_name.endswith("shared_expert_gate.weight"):
+            shape = (1, *shape)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as [hidden]
+        t = t.reshape(shape)
+        if self.arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
+            heads = cfg_heads[0] if ".q_proj." in hf_name else cfg_heads[1]
+            t = unpermute(t, heads)
+        return t
+
+    def expert_tensor(self, layer: int, part: str):  # noqa: ANN201 - gguf's ReaderTensor
+        """One layer's stacked experts (`part`: gate, up or down), as stored: `.data` [E, rows, row bytes or
+        elements], `.tensor_type` its GGML type."""
+        return self._tensor(f"blk.{layer}.ffn_{part}_exps.weight")
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation for the llama architecture (its RoPE pairs neighbours; ours halves)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

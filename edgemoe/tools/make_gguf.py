@@ -1,0 +1,225 @@
+"""`edgemoe make-model --format gguf`: a random checkpoint as one GGUF file, written the way llama.cpp's converter
+(convert_hf_to_gguf.py) writes the Hugging Face checkpoint that `make_model` draws from the same seed.
+
+Names come from the gguf package's own tables; experts are stacked per layer (`blk.N.ffn_{gate,up,down}_exps`,
+numpy shapes [E, I, H] and [E, H, I]); size-1 dimensions are squeezed and 1-D tensors, norms and the router are
+F32, as the converter does; the `llama` architecture (Mixtral) stores q and k with the converter's RoPE
+permutation. Dense weights equal the Hugging Face checkpoint's (same draws, same dtype); experts in a float type
+equal them too, Q8_0 / Q4_0 / MXFP4 are gguf's quantization of them, and the K types are random valid blocks
+(gguf has no K quantizer). The file is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from edgemoe.errors import EdgeMoEError
+from edgemoe.layers.quant import random_blocks
+from edgemoe.tools.make_model import DTYPES, TOKENIZER_PRE, checkpoint_shapes, random_tensors
+
+Q = gguf.GGMLQuantizationType
+ARCHS = {
+    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,
+    "olmoe": gguf.MODEL_ARCH.OLMOE,
+}
+FLOAT_TYPES = {"float32": Q.F32, "float16": Q.F16, "bfloat16": Q.BF16}
+# --expert-dtype -> general.file_type; q4_k_m: gate/up Q4_K, down Q6_K; mixed: layers alternate Q4_K and Q8_0
+EXPERT_DTYPES = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "mxfp4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
+    "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S,
+    "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+    "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "mixed": None,
+}
+_EXPERTS = {
+    "gate": gguf.MODEL_TENSOR.FFN_GATE_EXP,
+    "up": gguf.MODEL_TENSOR.FFN_UP_EXP,
+    "down": gguf.MODEL_TENSOR.FFN_DOWN_EXP,
+}
+
+
+def expert_types(expert_dtype: str, layer: int) -> tuple[Q, Q]:
+    """The GGML types of layer `layer`'s (gate and up, down) experts."""
+    if expert_dtype == "q4_k_m":
+        return Q.Q4_K, Q.Q6_K
+    if expert_dtype == "mixed":
+        q = Q.Q4_K if layer % 2 == 0 else Q.Q8_0
+        return q, q
+    return Q[expert_dtype.upper()], Q[expert_dtype.upper()]
+
+
+def write_gguf(
+    path: Path,
+    family: str,
+    config: dict,
+    tokenizer: str,
+    tokenizer_config: str,
+    seed: int,
+    expert_dtype: str | None,
+    name: str,
+) -> Path:
+    """Write the checkpoint of `config` (make_model's config.json, dense weights in config["dtype"]) to `path`."""
+    dense = FLOAT_TYPES[config["dtype"]]
+    expert_dtype = expert_dtype or dense.name.lower()
+    if expert_dtype not in EXPERT_DTYPES:
+        raise EdgeMoEError(f"unknown expert dtype {expert_dtype!r}; choose from {', '.join(EXPERT_DTYPES)}")
+    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[ARCHS[family]])
+    _add_hparams(writer, family, config, name, EXPERT_DTYPES[expert_dtype])
+    _add_tokenizer(writer, config, tokenizer, tokenizer_config, TOKENIZER_PRE[family])
+    plan = _plan(family, config, dense, expert_dtype)
+    for gname, shape, qtype in (entry for entries in plan.values() for entry in entries):
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if shape[-1] % block:
+            raise EdgeMoEError(f"{qtype.name} rows hold a multiple of {block} weights; {gname} has rows of "
+                               f"{shape[-1]} (--size tiny-k fits every type)")  # fmt: skip
+        nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(shape, qtype)))
+        writer.add_tensor_info(gname, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        _write(writer, partial, plan, family, config, seed)
+    except BaseException:  # an interrupted write leaves no file, under either name
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    partial.rename(path)
+    return path
+
+
+def _write(writer: gguf.GGUFWriter, partial: Path, plan: dict, family: str, config: dict, seed: int) -> None:
+    writer.write_header_to_file(partial)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    blocks = torch.Generator().manual_seed(seed + 1)  # the K types' random blocks; `seed` draws what HF would hold
+    total = sum(int(np.prod(gguf.quant_shape_to_byte_shape(s, q))) for e in plan.values() for _, s, q in e)
+    with tqdm(total=total, desc="writing", unit="B", unit_scale=True, leave=False, disable=None) as bar:
+        for hf_name, t in random_tensors(family, config, "fused", seed, DTYPES[config["dtype"]]):
+            for (_, shape, qtype), data in zip(plan[hf_name], _convert(hf_name, t, config, family)):
+                if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # random valid blocks, weights of the drawn scale
+                    raw = random_blocks(shape, int(qtype), blocks, std=shape[-1] ** -0.5).numpy()
+                else:
+                    raw = gguf.quants.quantize(data.reshape(shape).float().numpy(), qtype)
+                writer.write_tensor_data(raw)
+                bar.update(raw.nbytes)
+    writer.close()
+
+
+def _plan(family: str, config: dict, dense: Q, expert_dtype: str) -> dict[str, list[tuple[str, tuple, Q]]]:
+    """Hugging Face name -> the GGUF tensors it becomes: (name, numpy shape, GGML type), in writing order."""
+    names = gguf.get_tensor_name_map(ARCHS[family], config["num_hidden_layers"])  # Hugging Face's -> GGUF's
+    plan = {}
+    for hf_name, shape in checkpoint_shapes(family, config):
+        if ".experts." in hf_name:
+            layer = int(hf_name.split(".")[2])
+            gate_up, down = expert_types(expert_dtype, layer)
+            if hf_name.endswith("gate_up_proj"):  # [E, 2I, H]: gate rows first
+                half = (shape[0], shape[1] // 2, shape[2])
+                parts = [(_expert_name(kind, layer), half, gate_up) for kind in ("gate", "up")]
+            else:  # [E, H, I]
+                parts = [(_expert_name("down", layer), shape, down)]
+            plan[hf_name] = parts
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        gname = f"{names.get_name(base)}.{suffix}"
+        shape = tuple(d for d in shape if d != 1) or (1,)  # the converter squeezes ([1, H] gates become [H])
+        router = gname.endswith("ffn_gate_inp.weight")
+        f32 = len(shape) == 1 or router or gname.endswith("_norm.weight")
+        plan[hf_name] = [(gname, shape, Q.F32 if f32 else dense)]
+    return plan
+
+
+def _expert_name(kind: str, layer: int) -> str:
+    return gguf.TENSOR_NAMES[_EXPERTS[kind]].format(bid=layer) + ".weight"
+
+
+def _convert(hf_name: str, t: torch.Tensor, config: dict, family: str) -> list[torch.Tensor]:
+    """A Hugging Face tensor -> the values of its GGUF tensors (plan order)."""
+    if hf_name.endswith("gate_up_proj"):
+        return list(t.chunk(2, dim=1))
+    if ARCHS[family] == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+        return [llama_permute(t, heads)]
+    return [t]
+
+
+def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's q/k row order for the `llama` architecture: within each head, the two rotary halves
+    interleaved (rows j and j + d/2 become rows 2j and 2j + 1). transformers' GGUF loader undoes it."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add_hparams(w: gguf.GGUFWriter, family: str, config: dict, name: str, ftype: int | None) -> None:
+    """The hyperparameter keys convert_hf_to_gguf.py writes for this family (TextModel, Qwen2MoeModel,
+    LlamaModel, OlmoeModel's set_gguf_parameters)."""
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(name)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])  # Mixtral's and OLMoE's: the experts' width
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])  # OlmoeModel writes 1e-5 whatever the config says: not copied
+    w.add_expert_count(config.get("num_local_experts") or config["num_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    if "head_dim" in config:
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+    if family in ("qwen2_moe", "qwen3_moe"):
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if family == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if ARCHS[family] == gguf.MODEL_ARCH.LLAMA:
+        w.add_vocab_size(config["vocab_size"])
+        w.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    if ftype is not None:
+        w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, config: dict, tokenizer: str, tokenizer_config: str, pre: str) -> None:
+    """A byte-level BPE tokenizer as the converter's `_set_vocab_gpt2` writes it: tokens by id (ids the vocabulary
+    lacks as unused `[PAD<id>]`), their types, then gguf's SpecialVocab (merges, special ids, add_bos_token, chat
+    template) read from the same files."""
+    spec = json.loads(tokenizer)
+    added = {t["id"]: t for t in spec["added_tokens"]}
+    by_id = {i: t for t, i in spec["model"]["vocab"].items()} | {i: t["content"] for i, t in added.items()}
+    tokens, types = [], []
+    for i in range(config["vocab_size"]):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(by_id[i])
+        if i not in added:
+            types.append(gguf.TokenType.NORMAL)
+        elif added[i]["special"] or (by_id[i].startswith("<|") and by_id[i].endswith("|>")):
+            types.append(gguf.TokenType.CONTROL)
+        else:
+            types.append(gguf.TokenType.USER_DEFINED)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "tokenizer.json").write_text(tokenizer)
+        (folder / "tokenizer_config.json").write_text(tokenizer_config)
+        ids = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+        (folder / "config.json").write_text(json.dumps(ids))
+        gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)

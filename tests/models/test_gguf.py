@@ -1,0 +1,163 @@
+"""GGUF checkpoints (`--model FILE.gguf`), written by `edgemoe make-model --format gguf`: greedy output token-identical
+to transformers loading the same file (`gguf_file=`, float32, CPU) for qwen3moe and qwen2moe with experts in every
+block format (mixed between gate/up and down and between layers too); Mixtral, which transformers reads only as a dense
+Llama, against the safetensors checkpoint of the same weights; offloaded equals resident; experts kept as stored;
+host memory bounded; bad files refused in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edgemoe import LLM, SamplingParams
+from edgemoe.errors import EdgeMoEError
+from edgemoe.tools.make_model import make_model
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+_FILES: dict = {}
+
+
+def gguf_file(tmp_path_factory, family: str, size: str, expert_dtype: str) -> Path:
+    key = (family, size, expert_dtype)
+    if key not in _FILES:
+        out = tmp_path_factory.mktemp(f"{family}-{size}-{expert_dtype}")
+        _FILES[key] = make_model(out, family, size, dtype="float32", format="gguf", expert_dtype=expert_dtype)
+    return _FILES[key]
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 6000, (n,), generator=g).tolist() for n in (3, 21)]
+
+
+def transformers_greedy(path: Path, llm: LLM, batch: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    cfg = llm.engine.model_config
+    widths = dict(moe_intermediate_size=cfg.moe_intermediate_size)  # transformers reads neither from the file
+    if cfg.model_type == "qwen2_moe":
+        widths["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **widths).eval()
+    out = []
+    for prompt in batch:
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize(
+    "family, size, expert_dtype",
+    [
+        ("qwen3_moe", "tiny", "f32"),
+        ("qwen3_moe", "tiny", "q8_0"),
+        ("qwen3_moe", "tiny", "q4_0"),
+        ("qwen3_moe", "tiny", "mxfp4"),
+        ("qwen3_moe", "tiny-k", "q4_k_m"),  # gate/up Q4_K, down Q6_K
+        ("qwen3_moe", "tiny-k", "q5_k"),
+        ("qwen3_moe", "tiny-k", "mixed"),  # layers alternate Q4_K and Q8_0
+        ("qwen2_moe", "tiny", "q8_0"),  # a shared expert beside the routed ones
+        ("qwen2_moe", "tiny-k", "q4_k_m"),
+    ],
+)
+def test_greedy_matches_transformers(tmp_path_factory, family: str, size: str, expert_dtype: str) -> None:
+    path = gguf_file(tmp_path_factory, family, size, expert_dtype)
+    llm = LLM(str(path), progress=False, max_num_seqs=2)
+    batch = prompts()
+    ours = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    assert ours == transformers_greedy(path, llm, batch)
+    assert len({t for ids in ours for t in ids}) > 6, "degenerate model: the comparison would prove little"
+    if expert_dtype != "f32":  # experts kept as stored: the file's blocks, byte for byte
+        reader = gguf.GGUFReader(path)
+        stored = {t.name: np.asarray(t.data) for t in reader.tensors}
+        experts = llm.engine.model.model.layers[0].mlp.experts
+        inter = experts.gate_up_proj.shape[1] // 2
+        assert np.array_equal(experts.gate_up_proj[:, :inter].numpy(), stored["blk.0.ffn_gate_exps.weight"])
+        assert np.array_equal(experts.down_proj.numpy(), stored["blk.0.ffn_down_exps.weight"])
+
+
+@pytest.mark.parametrize("expert_dtype", ["q4_k_m", "mixed"])
+def test_offloaded_equals_resident(tmp_path_factory, expert_dtype: str) -> None:
+    path = gguf_file(tmp_path_factory, "qwen3_moe", "tiny-k", expert_dtype)
+    batch = prompts()
+    resident = [o.token_ids for o in LLM(str(path), progress=False, max_num_seqs=2).generate(batch, GREEDY)]
+    for slots, policy in ((4, "lru"), (5, "scored"), (8, "lru")):
+        llm = LLM(
+            str(path), progress=False, max_num_seqs=2, moe_strategy="offload", moe_cache_slots=slots,
+            moe_policy=policy, moe_collect_stats=True,
+        )  # fmt: skip
+        assert [o.token_ids for o in llm.generate(batch, GREEDY)] == resident, (slots, policy)
+        assert llm.moe_stats()["total"]["misses"] > 0
+
+
+def test_mixtral_matches_its_safetensors_checkpoint(tmp_path) -> None:
+    """transformers reads a llama-architecture GGUF as a dense Llama, so the oracle is the safetensors checkpoint of
+    the same weights (held to transformers by test_hf_parity), its experts quantized on load to the same blocks."""
+    path = make_model(tmp_path / "gguf", "mixtral", "tiny", dtype="float32", format="gguf", expert_dtype="q8_0")
+    folder = make_model(tmp_path / "hf", "mixtral", "tiny", dtype="float32")
+    batch = prompts()
+    ours = [o.token_ids for o in LLM(str(path), progress=False).generate(batch, GREEDY)]
+    ref = LLM(str(folder), progress=False, expert_dtype="q8_0")
+    assert ours == [o.token_ids for o in ref.generate(batch, GREEDY)]
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(tmp_path_factory) -> None:
+    path = gguf_file(tmp_path_factory, "qwen3_moe", "tiny", "q8_0")
+    llm, demo = LLM(str(path), progress=False), LLM(progress=False)
+    for text in ("ROMEO.\nWhat news?", "café 日本 🙂", "  spaced\tout  "):
+        assert llm.tokenizer.encode(text) == demo.tokenizer.encode(text)
+    messages = [{"role": "user", "content": "What news from the court?"}]
+    assert llm.tokenizer.apply_chat_template(messages) == demo.tokenizer.apply_chat_template(messages)
+
+
+def test_host_memory_stays_near_the_weights(tmp_path) -> None:
+    """Loading keeps no dequantized copy of the experts: the process grows by about the expert blocks plus the dense
+    weights (float32 here) and the small KV cache, not by the file twice or the experts in float."""
+    path = make_model(tmp_path, "qwen3_moe", "small", dtype="float32", format="gguf", expert_dtype="q8_0")
+    reader = gguf.GGUFReader(path)
+    experts = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
+    dense = sum(int(t.n_elements) * 4 for t in reader.tensors if "_exps." not in t.name)
+    del reader
+    code = f"""
+import gc, os
+def rss(): return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+from edgemoe import LLM
+LLM(progress=False, kv_cache_memory='4MiB')  # imports and allocator warm-up
+gc.collect()
+before = rss()
+llm = LLM({str(path)!r}, progress=False, kv_cache_memory='4MiB')
+gc.collect()
+print(rss() - before)
+"""
+    grown = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert grown <= 1.2 * (experts + dense) + (4 << 20), (grown, experts, dense)
+
+
+def test_bad_files_are_refused_in_one_line(tmp_path, tmp_path_factory) -> None:
+    good = gguf_file(tmp_path_factory, "qwen3_moe", "tiny", "q8_0")
+    short = tmp_path / "short.gguf"
+    short.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(EdgeMoEError, match="not a complete GGUF file"):
+        LLM(str(short), progress=False)
+    with pytest.raises(EdgeMoEError, match="does not exist"):
+        LLM(str(tmp_path / "missing.gguf"), progress=False)
+    other = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(other, "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(EdgeMoEError, match="architecture 'gpt2' is not supported"):
+        LLM(str(other), progress=False)
+    part = tmp_path / "model-00001-of-00002.gguf"
+    part.write_bytes(good.read_bytes())
+    with pytest.raises(EdgeMoEError, match="model-00002-of-00002.gguf is missing"):
+        LLM(str(part), progress=False)

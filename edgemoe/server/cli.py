@@ -64,7 +64,7 @@ def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
     model = engine_kwargs.get("model")
     path = Path(model).resolve() if model else None
     if path is not None and not (path.is_dir() or path.suffix == ".gguf" and path.is_file()):  # the engine checks more
-        raise EdgeMoEError(f"model path {model} is neither a model folder nor a .gguf file")
+        raise EdgeMoEError(f"model path {model} does not exist, or is neither a folder nor a .gguf file")
     model_id = DEMO_MODEL_ID if path is None else path.stem if path.suffix == ".gguf" else path.name
     sock = _bind(serve.host, serve.port)
 

@@ -1,19 +1,33 @@
-"""The `edgemoe` command: generate, make-model, serve, cache-sim. User errors print one line and exit 2."""
+"""The `edgemoe` command: generate, make-model, serve, cache-sim, bench. User errors print one line and exit 2;
+errors of the machine (a file that cannot be read or written, memory) one line and exit 1; no traceback either way."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from edgemoe.config import EngineConfig, ExpertCacheConfig, add_flags, flag_values
 from edgemoe.errors import EdgeMoEError
 from edgemoe.server.cli import add_serve_parser  # argparse only: the web stack is imported by cmd_serve
 
+GENERATE_DEFAULTS = {"max_num_seqs": 1}  # generate runs one sequence (and sizes the KV cache for it, cmd_generate)
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    add_flags(p.add_argument_group("engine"), EngineConfig)
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (it would print the whole usage block, ~20 lines, above the message); its
+    subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"edgemoe: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _engine_flags(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    add_flags(p.add_argument_group("engine"), EngineConfig, defaults)
     add_flags(p.add_argument_group("expert offload"), ExpertCacheConfig)
 
 
@@ -24,14 +38,17 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     from edgemoe import __version__
 
-    parser = argparse.ArgumentParser(prog="edgemoe", description="Run Mixture-of-Experts language models.")
+    parser = _Parser(prog="edgemoe", description="Run Mixture-of-Experts language models.")
     parser.add_argument("--version", action="version", version=f"edgemoe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser(
         "generate",
         help="generate text from a prompt, streamed to stdout",
-        description="Generate text from PROMPT (or standard input), streamed as it is produced.",
+        description="Generate text from PROMPT (or standard input, UTF-8), streamed as it is produced. The KV cache "
+        "holds this one sequence: the prompt's tokens plus --max-tokens (unless --kv-cache-memory or "
+        "--kv-cache-tokens says otherwise). Standard error gets what was reserved, then time to first token and "
+        "decode speed.",
     )
     gen.add_argument("prompt", nargs="?", help="the prompt (default: read standard input)")
     gen.add_argument("--chat", action="store_true", help="treat PROMPT as a user message; apply the chat template")
@@ -40,10 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: 0.95)")
     gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest (default: off)")
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top prob")
-    gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    gen.add_argument(
+        "--seed", type=int, help="seed of the sampling: the same seed gives the same text (default: a new one each run)"
+    )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
-    _engine_flags(gen)
+    _engine_flags(gen, GENERATE_DEFAULTS)
 
     mk = sub.add_parser(
         "make-model",
@@ -143,12 +162,8 @@ def _add_bench_parser(sub) -> None:
 def cmd_generate(a: argparse.Namespace) -> None:
     from edgemoe import LLM, SamplingParams
 
-    prompt = a.prompt
-    if prompt is None:
-        prompt = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
-    if not prompt:
-        raise EdgeMoEError("no prompt: give PROMPT or pipe text to standard input")
-    params = SamplingParams(
+    prompt = _read_prompt(a.prompt)
+    params = SamplingParams(  # checked here, before the weights load
         max_tokens=a.max_tokens,
         temperature=a.temperature,
         top_p=a.top_p,
@@ -158,18 +173,71 @@ def cmd_generate(a: argparse.Namespace) -> None:
         stop=a.stop,
         ignore_eos=a.ignore_eos,
     )
-    llm = LLM(**_engine_kwargs(a))
+    kwargs = _engine_kwargs(a)
     request = [{"role": "user", "content": prompt}] if a.chat else prompt
-    start, n, last = time.perf_counter(), 0, None
+    if kwargs["kv_cache_memory"] == "auto" and kwargs["kv_cache_tokens"] is None:
+        prompt_tokens = _count_tokens(kwargs["model"], request, a.chat)
+        if prompt_tokens is not None:  # else the engine says what is wrong with the model folder
+            kwargs["kv_cache_tokens"] = prompt_tokens + a.max_tokens
+    llm = LLM(**kwargs)
+    start = time.perf_counter()
+    first = now = start
+    last = None
     for out in llm.stream(request, params, chat=a.chat):
+        now = time.perf_counter()
+        if last is None:
+            first = now
         sys.stdout.write(out.delta)
         sys.stdout.flush()
-        n, last = len(out.token_ids), out
-    elapsed = time.perf_counter() - start
+        last = out
     sys.stdout.write("\n")
-    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, finish: {last.finish_reason}]", file=sys.stderr)
+    sys.stdout.flush()
+    n = len(last.token_ids)
+    decode = f"then {(n - 1) / (now - first):.1f} tok/s decode" if n > 1 and now > first else "no decode step"
+    print(
+        f"[{len(last.prompt_token_ids)} prompt tokens, first token after {first - start:.2f} s; {n} tokens, "
+        f"{decode}; finish: {last.finish_reason}]",
+        file=sys.stderr,
+    )
     if a.moe_collect_stats:
         _print_moe_stats(llm.moe_stats())
+
+
+def _read_prompt(arg: str | None) -> str:
+    """PROMPT, or standard input, as text; bytes that are not UTF-8 are a user error (not a traceback deep in the
+    tokenizer). Python hands over such an argument with surrogate escapes: they are turned back into the bytes."""
+    if arg is not None:
+        data, where = arg.encode("utf-8", "surrogateescape"), "PROMPT"
+    elif sys.stdin is None or sys.stdin.isatty():
+        data, where = b"", "standard input"
+    else:
+        data, where = getattr(sys.stdin, "buffer", sys.stdin).read(), "standard input"
+        if isinstance(data, str):  # a text stream put in place of stdin (an embedding program, a test)
+            data = data.encode("utf-8", "surrogateescape")
+    try:
+        prompt = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EdgeMoEError(f"{where} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+    if not prompt:
+        raise EdgeMoEError("no prompt: give PROMPT or pipe text to standard input")
+    return prompt
+
+
+def _count_tokens(model: str | None, request: str | list[dict], chat: bool) -> int | None:
+    """The prompt's tokens, to size the KV cache before the engine is built (None: no tokenizer to read here)."""
+    from edgemoe.engine.engine import demo_model_path
+    from edgemoe.tokenizer import Tokenizer
+
+    path = Path(model) if model else demo_model_path()
+    if path.suffix == ".gguf" and path.is_file():
+        from edgemoe.models.gguf import GGUFCheckpoint
+
+        tok = Tokenizer.from_gguf(GGUFCheckpoint(path))
+    elif (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        tok = Tokenizer(path)
+    else:
+        return None
+    return len(tok.encode_chat(request) if chat else tok.encode(request))
 
 
 def _print_moe_stats(stats: dict) -> None:
@@ -187,6 +255,8 @@ def _print_moe_stats(stats: dict) -> None:
 def cmd_make_model(a: argparse.Namespace) -> None:
     from edgemoe.tools.make_model import make_model
 
+    if a.layers is not None and a.layers < 1:
+        raise EdgeMoEError(f"--layers must be >= 1, got {a.layers}")
     out = make_model(
         a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype, format=a.format, expert_dtype=a.expert_dtype
     )
@@ -220,7 +290,10 @@ def cmd_cache_sim(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, which names its own --help
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        (sub.choices.get(args.command, parser) if sub else parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2
@@ -238,6 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `yes | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        return 141  # 128 + SIGPIPE, what the shell reports for a command killed by it
+    except OSError as exc:  # a file the command reads or writes: missing, unreadable, disk full
+        print(f"edgemoe: error: {exc}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("edgemoe: error: out of memory", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -42,6 +42,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
+    def __post_init__(self) -> None:
+        """What a config.json could get wrong that would otherwise fail deep in the model, mid-generation
+        (`read_config` names the file)."""
+        sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts")
+        for name in (*sizes, "top_k", "moe_intermediate_size", "max_position_embeddings"):
+            if not _count(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
     @property
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up and down projections)."""
@@ -149,9 +165,16 @@ class EngineConfig:
     max_model_len: int | None = option(None, "context limit in tokens (default: the model's)")
     max_num_seqs: int = option(8, "sequences decoded together")
     max_num_batched_tokens: int = option(512, "prompt tokens per prefill step (longer prompts are chunked)")
-    kv_cache_memory: str | int = option("auto", "KV cache size, e.g. 2GiB; auto sizes it from the device")
+    kv_cache_memory: str | int = option(
+        "auto",
+        "KV cache size, e.g. 2GiB; auto: room for max_num_seqs sequences of max_model_len tokens, within 80 percent "
+        "of the free GPU memory (1 GiB on the CPU)",
+    )
+    kv_cache_tokens: int | None = option(None, "KV cache size in tokens (rounded up to whole blocks), instead")
     block_size: int = option(16, "tokens per KV block")
-    seed: int = option(0, "seed of the seeds of requests that give none", cli=False)
+    seed: int | None = option(
+        None, "seed of the seeds of requests that give none (None: a fresh one per engine)", cli=False
+    )
     progress: bool = option(True, "progress bar while loading weights", cli=False)
     cuda_graphs: bool = option(True, "CUDA: decode by replaying one captured graph per batch size (off: eagerly)")
     graph_upload: str = option(
@@ -166,8 +189,22 @@ class EngineConfig:
     moe: ExpertCacheConfig = field(default_factory=ExpertCacheConfig)
 
     def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens"):
+            value = getattr(self, name)
+            if (value is not None or name not in ("max_model_len", "kv_cache_tokens")) and not _count(value):
+                raise EdgeMoEError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise EdgeMoEError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.kv_cache_memory != "auto":
+            parse_size(self.kv_cache_memory)
+            if self.kv_cache_tokens is not None:
+                raise EdgeMoEError("give one of kv_cache_memory and kv_cache_tokens")
         if self.graph_upload not in GRAPH_UPLOADS:
             raise EdgeMoEError(f"unknown graph_upload {self.graph_upload!r}: use {', '.join(GRAPH_UPLOADS)}")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def engine_config(**kwargs) -> EngineConfig:
@@ -209,11 +246,15 @@ def cli_fields(cls: type) -> list:
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, defaults: dict[str, Any] | None = None
+) -> None:
     """One flag per `option` field of `cls`: `--name` (a bool that defaults to True: `--no-name`), typed from the
-    field's annotation, its default and help from the field."""
+    field's annotation, its default and help from the field. `defaults`: a command's own defaults of some fields
+    (`edgemoe generate` runs one sequence), help included."""
     for f in cli_fields(cls):
         flag, help_text = f"--{f.name.replace('_', '-')}", f.metadata["help"]
+        default = (defaults or {}).get(f.name, f.default)
         if f.type == "bool":
             if f.default:
                 parser.add_argument(f"--no-{flag[2:]}", dest=f.name, action="store_false", help=help_text)
@@ -221,9 +262,9 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
                 parser.add_argument(flag, dest=f.name, action="store_true", help=help_text)
             continue
         kind = _TYPES[f.type.split(" | ")[0]]  # "str | int" sizes are read as text (parse_size)
-        shown = "" if f.default is None else f" (default: {f.default})"
+        shown = "" if default is None else f" (default: {default})"
         parser.add_argument(
-            flag, dest=f.name, type=kind, default=f.default, metavar=f.metadata["metavar"], help=help_text + shown
+            flag, dest=f.name, type=kind, default=default, metavar=f.metadata["metavar"], help=help_text + shown
         )
 
 

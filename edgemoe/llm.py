@@ -14,7 +14,12 @@ Prompt = str | list[int]
 
 class LLM:
     """Offline inference. `model=None` loads the bundled demo model; keyword arguments are `EngineConfig` fields
-    (device, dtype, max_num_seqs, kv_cache_memory, ...) and `ExpertCacheConfig` fields (moe_strategy, ...)."""
+    (device, dtype, max_num_seqs, kv_cache_memory, ...) and `ExpertCacheConfig` fields (moe_strategy, ...).
+
+    Defaults: up to 8 sequences at a time; a KV cache with room for 8 sequences of the model's context, within 80 %
+    of the free GPU memory or 1 GiB on the CPU (it says what it took on stderr; `kv_cache_tokens`, `kv_cache_memory`,
+    `max_model_len` or `max_num_seqs` make it smaller); requests without a seed sample differently per `LLM` unless
+    `seed=` is given."""
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "auto", **kwargs) -> None:
         self.engine = LLMEngine(engine_config(model=model, device=device, dtype=dtype, **kwargs))

@@ -23,7 +23,13 @@ class Tokenizer:
         except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
             raise EdgeMoEError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
         cfg_path = folder / "tokenizer_config.json"
-        self._setup(json.loads(cfg_path.read_text()) if cfg_path.is_file() else {})
+        try:
+            config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise EdgeMoEError(f"malformed {cfg_path}: {exc}") from None
+        if not isinstance(config, dict):
+            raise EdgeMoEError(f"malformed {cfg_path}: expected a JSON object")
+        self._setup(config)
 
     @classmethod
     def from_gguf(cls, ckpt) -> Tokenizer:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
@@ -47,16 +53,33 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         template = self.config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self._template = _compile(template) if template else None
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        self._template: jinja2.Template | None = None
+        self._template_error: str | None = None  # a template that does not compile fails chat requests, not the load
+        if template:
+            try:
+                self._template = _compile(template)
+            except (jinja2.TemplateError, TypeError) as exc:
+                self._template_error = f"the chat template does not compile: {_first_line(exc)}"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise EdgeMoEError(f"a prompt must be text or a list of token ids, got {type(text).__name__}")
+        try:
+            text.encode()  # a lone surrogate (bytes that were not UTF-8) fails deep in tokenizers as a TypeError
+        except UnicodeEncodeError as exc:
+            raise EdgeMoEError(
+                f"the text is not valid Unicode: a lone surrogate at character {exc.start} (input that is not UTF-8?)"
+            ) from None
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template_error:
+            raise EdgeMoEError(self._template_error)
         if self._template is None:
             raise EdgeMoEError("this model has no chat template (tokenizer_config.json: chat_template)")
         try:
@@ -66,11 +89,18 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
-        except jinja2.TemplateError as exc:
-            raise EdgeMoEError(f"chat template: {exc}") from None
+        except jinja2.TemplateError as exc:  # the template's own raise_exception, or a sandbox refusal
+            raise EdgeMoEError(f"chat template: {_first_line(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 - a template is code: {{ 1/0 }}, a bad call, a wrong type
+            raise EdgeMoEError(f"the chat template failed: {type(exc).__name__}: {_first_line(exc)}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _token_text(tok: str | dict | None) -> str | None:

@@ -1,8 +1,10 @@
-"""The CLI as a user meets it: streaming output, --version, and one-line errors with exit code 2."""
+"""The CLI as a user meets it: streaming output, --version, and one-line errors (exit 2; no traceback) for every bad
+input a new user meets first: flags, models, prompts, chat templates, a closed pipe."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -13,10 +15,15 @@ import pytest
 from edgemoe import SamplingParams, demo_model_path
 
 
-def edgemoe(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "edgemoe", *args], capture_output=True, text=True, input=stdin, timeout=300
+def edgemoe(*args: str | bytes, stdin: str | bytes | None = None) -> subprocess.CompletedProcess:
+    """`python -m edgemoe ARGS`; bytes arguments or stdin go through as bytes (text that is not UTF-8)."""
+    raw = isinstance(stdin, bytes) or any(isinstance(a, bytes) for a in args)
+    proc = subprocess.run(
+        [sys.executable, "-m", "edgemoe", *args], capture_output=True, text=not raw, input=stdin, timeout=300
     )
+    if raw:
+        proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
+    return proc
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
@@ -40,7 +47,11 @@ def test_generate_streams_the_greedy_text(demo_llm) -> None:
     proc = edgemoe("generate", "ROMEO.\n", "--temperature", "0", "--max-tokens", "30")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected + "\n"
-    assert "tok/s" in proc.stderr
+    # time to first token (prefill) apart from the decode rate, which no longer divides by the prefill too
+    assert re.search(r"prompt tokens, first token after \d+\.\d+ s; 30 tokens, then \d+\.\d tok/s decode", proc.stderr)
+    # the KV cache holds this one sequence: the prompt's tokens + max_tokens, in whole blocks of 16
+    prompt = len(demo_llm.tokenizer.encode("ROMEO.\n"))
+    assert f"KV cache: {-(-(prompt + 30) // 16) * 16} tokens" in proc.stderr, proc.stderr
     piped = edgemoe("generate", "--temperature", "0", "--max-tokens", "30", stdin="ROMEO.\n")
     assert piped.stdout == proc.stdout
 
@@ -49,6 +60,27 @@ def test_chat_and_seed() -> None:
     a = edgemoe("generate", "--chat", "Good morrow!", "--seed", "3", "--max-tokens", "20")
     b = edgemoe("generate", "--chat", "Good morrow!", "--seed", "3", "--max-tokens", "20")
     assert a.returncode == 0 and a.stdout == b.stdout and a.stdout.strip()
+    help_text = " ".join(edgemoe("generate", "--help").stdout.split())
+    assert "the same seed gives the same text (default: a new one each run)" in help_text
+
+
+def test_closed_pipe_ends_quietly() -> None:
+    """`edgemoe generate ... | head -n1`: the reader goes away; no traceback, the shell's SIGPIPE status."""
+    cmd = [sys.executable, "-m", "edgemoe", "generate", "ROMEO.", "--max-tokens", "500", "--ignore-eos"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 141
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and "Exception ignored" not in err and "error" not in err, err
+
+
+@pytest.mark.parametrize("how", ["stdin", "argument"])
+def test_prompt_not_utf8(how) -> None:
+    if how == "stdin":
+        assert_user_error(edgemoe("generate", stdin=b"caf\xe9"), "standard input is not valid UTF-8 (byte 0xe9")
+    else:
+        assert_user_error(edgemoe("generate", b"caf\xe9"), "PROMPT is not valid UTF-8 (byte 0xe9 at offset 3)")
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +88,17 @@ def broken_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("broken")
     demo = demo_model_path()
     out = {}
-    for name in ("malformed", "unsupported", "missing-tensor", "no-weights"):
+    names = ("malformed", "unsupported", "missing-tensor", "no-weights", "truncated", "bad-tokenizer-config", "top-k")
+    for name in names:
         shutil.copytree(demo, root / name)
         out[name] = root / name
     (out["malformed"] / "config.json").write_text("{not json")
+    with open(out["truncated"] / "model.safetensors", "r+b") as f:  # what an interrupted download leaves
+        f.truncate(1_000_000)
+    (out["bad-tokenizer-config"] / "tokenizer_config.json").write_text("{not json")
     cfg = json.loads((demo / "config.json").read_text())
     (out["unsupported"] / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    (out["top-k"] / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 99}))
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(demo / "model.safetensors"))
@@ -79,6 +116,9 @@ def broken_models(tmp_path_factory) -> dict[str, Path]:
         ("unsupported", "supported: mixtral, olmoe"),
         ("missing-tensor", "lacks 1 tensors, e.g. model.layers.3.mlp.experts.gate_up_proj"),
         ("no-weights", "no *.safetensors"),
+        ("truncated", "model.safetensors: Error while deserializing header"),
+        ("bad-tokenizer-config", "malformed"),
+        ("top-k", "top_k 99 is more than num_experts 32"),
     ],
 )
 def test_bad_models(broken_models, tmp_path, case, fragment) -> None:
@@ -97,10 +137,50 @@ def test_bad_models(broken_models, tmp_path, case, fragment) -> None:
         (["--top-p", "0"], "top_p"),
         (["--kv-cache-memory", "lots"], "cannot read size"),
         (["--graph-upload", "sometimes"], "unknown graph_upload 'sometimes'"),
+        (["--max-tokens", "abc"], "argument --max-tokens: invalid int value: 'abc' (see edgemoe generate --help)"),
+        (["--max-model-len", "0"], "max_model_len must be an integer >= 1, got 0"),
+        (["--max-model-len", "-5"], "max_model_len must be an integer >= 1, got -5"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
+        (["--kv-cache-tokens", "0"], "kv_cache_tokens must be an integer >= 1"),
+        (["--kv-cache-memory", "1MiB", "--kv-cache-tokens", "64"], "give one of kv_cache_memory and kv_cache_tokens"),
+        (["--kv-cache-memory", "10TB"], "cannot allocate a KV cache"),
+        (["--seed", str(2**64)], "seed must be an integer"),
+        (["--bogus"], "unrecognized arguments: --bogus (see edgemoe generate --help)"),
     ],
 )
 def test_bad_flags(args, fragment) -> None:
     assert_user_error(edgemoe("generate", "hi", *args), fragment)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["nope"], "invalid choice: 'nope'"),
+        (["serve", "--port", "x"], "argument --port: invalid int value: 'x' (see edgemoe serve --help)"),
+        (["make-model", "/tmp/x", "--layers", "x"], "invalid int value: 'x' (see edgemoe make-model --help)"),
+        (["make-model", "/tmp/x", "--layers", "-1"], "--layers must be >= 1"),
+        (["cache-sim", "t.npy"], "the following arguments are required: --slots (see edgemoe cache-sim --help)"),
+        (["cache-sim", __file__, "--slots", "4"], "is not a routing trace: not a .npy array"),
+        (["bench", "--steps", "x"], "(see edgemoe bench --help)"),
+    ],
+)
+def test_every_command_errs_in_one_line(args, fragment) -> None:
+    assert_user_error(edgemoe(*args), fragment)
+
+
+@pytest.mark.parametrize(
+    "template, fragment",
+    [
+        ("{{ 1/0 }}", "the chat template failed: ZeroDivisionError: division by zero"),
+        ("{{ messages | no_such_filter }}", "the chat template does not compile: No filter named 'no_such_filter'"),
+        ("{{ raise_exception('only one user turn') }}", "chat template: only one user turn"),
+    ],
+)
+def test_chat_template_failures(tmp_path, template, fragment) -> None:
+    shutil.copytree(demo_model_path(), tmp_path / "m")
+    cfg_path = tmp_path / "m" / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": template}))
+    assert_user_error(edgemoe("generate", "--chat", "hi", "--model", str(tmp_path / "m")), fragment)
 
 
 def test_empty_prompt() -> None:

@@ -1,10 +1,17 @@
-"""Incremental detokenisation never splits a character, and deltas add up to the plain decode."""
+"""Incremental detokenisation never splits a character, and deltas add up to the plain decode; what a tokenizer
+folder or a prompt can get wrong is an `EdgeMoEError`."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
-from edgemoe.tokenizer import IncrementalDetokenizer
+import pytest
+
+from edgemoe import demo_model_path
+from edgemoe.errors import EdgeMoEError
+from edgemoe.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SAMPLES = [
     "plain words and spaces",
@@ -42,3 +49,45 @@ def test_random_byte_tokens_are_never_split(demo_llm) -> None:
             out += detok.step(ids[i : i + n])
             i += n
         assert out == text
+
+
+def _with_config(tmp_path, **fields) -> Tokenizer:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_path() / name, tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, **fields}))
+    return Tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{{ 1/0 }}", "the chat template failed: ZeroDivisionError: division by zero"),
+        ("{{ messages[0].content.upper(1) }}", "the chat template failed: TypeError"),
+        ("{{ messages | no_such_filter }}", "the chat template does not compile: No filter named 'no_such_filter'"),
+        ("{% for %}", "the chat template does not compile"),
+        ("{{ raise_exception('roles must alternate') }}", "chat template: roles must alternate"),
+        ("{{ ''.__class__.__mro__ }}", "chat template: access to attribute '__class__'"),
+    ],
+)
+def test_chat_template_failures(tmp_path, template: str, message: str) -> None:
+    tok = _with_config(tmp_path, chat_template=template)  # a template that does not compile still loads
+    with pytest.raises(EdgeMoEError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.encode("hi")  # plain prompts need no template
+
+
+def test_malformed_tokenizer_config(tmp_path) -> None:
+    _with_config(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(EdgeMoEError, match="malformed .*tokenizer_config.json"):
+        Tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(EdgeMoEError, match="expected a JSON object"):
+        Tokenizer(tmp_path)
+
+
+def test_text_that_was_not_utf8(demo_llm) -> None:
+    """Bytes that are not UTF-8 arrive as lone surrogates (surrogateescape); tokenizers would raise a TypeError."""
+    with pytest.raises(EdgeMoEError, match="not valid Unicode: a lone surrogate at character 3"):
+        demo_llm.tokenizer.encode(b"caf\xe9".decode("utf-8", "surrogateescape"))

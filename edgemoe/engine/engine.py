@@ -9,16 +9,17 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from edgemoe.config import EngineConfig, ExpertCacheConfig, ModelConfig, parse_size
 from edgemoe.engine.cuda_graphs import default_batch_sizes
-from edgemoe.engine.kv_cache import KVCache, bytes_per_block
+from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.loader import load_gguf, load_model
+from edgemoe.models.loader import checkpoint_files, load_gguf, load_model
 from edgemoe.models.registry import read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.routing_trace import RoutingRecorder
@@ -49,6 +50,8 @@ def resolve_device(name: str) -> torch.device:
         raise EdgeMoEError(f"unknown device {name!r}: use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EdgeMoEError("device cuda requested but CUDA is not available (no GPU, or a CPU build of torch)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise EdgeMoEError(f"no device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type not in ("cpu", "cuda"):
         raise EdgeMoEError(f"unsupported device {name!r}: use cpu or cuda")
     return device
@@ -70,6 +73,22 @@ def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dt
     return dtype
 
 
+def _unreadable_checkpoint(folder: Path, exc: SafetensorError) -> str:
+    """One line for weights safetensors cannot read (a truncated or corrupt file: an interrupted download), naming
+    the file."""
+
+    def opens(path: Path) -> bool:
+        try:
+            safe_open(str(path), framework="pt")
+        except SafetensorError:
+            return False
+        return True
+
+    bad = next((f for f in checkpoint_files(folder) if not opens(f)), folder)
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"cannot read {bad}: {reason} (a truncated or corrupt file, e.g. an interrupted download?)"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -79,16 +98,21 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         self.tokenizer = Tokenizer(path) if gguf is None else Tokenizer.from_gguf(gguf)
         self.max_model_len = min(config.max_model_len or sys.maxsize, self.model_config.max_position_embeddings)
-        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or config.block_size < 1:
-            raise EdgeMoEError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
         moe = config.moe
         offload, args = moe.moe_strategy == "offload", (self.device, self.dtype, config.block_size, config.progress)
-        if gguf is None:
-            self.model = load_model(path, self.model_config, family, *args, offload, moe.expert_dtype)
-        elif moe.expert_dtype != "auto":
+        if gguf is not None and moe.expert_dtype != "auto":
             raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
-        else:
-            self.model = load_gguf(gguf, self.model_config, family, *args, offload)
+        try:
+            if gguf is None:
+                self.model = load_model(path, self.model_config, family, *args, offload, moe.expert_dtype)
+            else:
+                self.model = load_gguf(gguf, self.model_config, family, *args, offload)
+        except SafetensorError as exc:
+            raise EdgeMoEError(_unreadable_checkpoint(path, exc)) from None
+        except torch.OutOfMemoryError:
+            raise EdgeMoEError(
+                f"the weights do not fit the memory of {self.device}{'' if offload else ': try moe_strategy offload'}"
+            ) from None
         self.expert_cache = self._place(moe)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
@@ -105,7 +129,11 @@ class LLMEngine:
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self._seed_gen = torch.Generator().manual_seed(config.seed)
+        self._seed_gen = torch.Generator()  # seeds the requests that give none: a fresh seed unless one is set
+        if config.seed is None:
+            self._seed_gen.seed()
+        else:
+            self._seed_gen.manual_seed(config.seed)
         self._seqs: dict[str, Sequence] = {}
 
     def _place(self, moe: ExpertCacheConfig) -> ExpertCache | None:
@@ -139,19 +167,24 @@ class LLMEngine:
         kv_room = None if budget is None else budget - weights - reserve
         if offload and kv_room is not None:
             kv_room //= 4  # KV "auto" under a budget takes at most a quarter: the rest caches experts
-        self.kv = KVCache(
-            cfg,
-            self._num_kv_blocks(kv_room),
-            self.config.block_size,
-            self.dtype,
-            self.device,
-        )
+        blocks, why = kv_blocks(self.config, per_block, self.max_model_len, self.device, kv_room)
+        try:
+            self.kv = KVCache(cfg, blocks, self.config.block_size, self.dtype, self.device)
+        except RuntimeError:  # torch's out-of-memory errors (CUDA's is a subclass)
+            raise EdgeMoEError(
+                f"cannot allocate a KV cache of {blocks * per_block / MiB:.1f} MiB on {self.device} ({why}): "
+                "lower kv_cache_memory, kv_cache_tokens, max_model_len or max_num_seqs"
+            ) from None
         kv_bytes = 2 * self.kv.k.numel() * self.kv.k.element_size()
         if budget is not None and weights + kv_bytes + reserve > budget:
             raise EdgeMoEError(
-                f"vram_budget {moe.vram_budget} is too small for kv_cache_memory {self.config.kv_cache_memory}: the "
+                f"vram_budget {moe.vram_budget} is too small for the KV cache ({why}): the "
                 f"minimum is {(weights + kv_bytes + reserve) / MiB:.1f} MiB"
             )
+        print(
+            f"edgemoe: KV cache: {blocks * self.config.block_size} tokens, {kv_bytes / MiB:.1f} MiB ({why})",
+            file=sys.stderr,
+        )
         if offload and cache is None:
             slots = cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, budget - weights - kv_bytes)
             note = f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, KV {kv_bytes / MiB:.1f} MiB"
@@ -183,26 +216,6 @@ class LLMEngine:
             raise EdgeMoEError("expert-cache statistics are off: use moe_strategy offload with moe_collect_stats")
         return self.expert_cache.stats_dict([i for i, layer in enumerate(self.model.model.layers) if layer.is_moe])
 
-    def _num_kv_blocks(self, room: int | None = None) -> int:
-        """`room`: device bytes the KV cache may take (a VRAM budget's share), else the device decides."""
-        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype)
-        need = self.config.max_num_seqs * (-(-self.max_model_len // self.config.block_size))
-        if self.config.kv_cache_memory == "auto":
-            if room is not None:
-                budget = room
-            elif self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.8)
-            else:
-                budget = 1 << 30
-            return max(1, min(need, budget // per_block))
-        blocks = parse_size(self.config.kv_cache_memory) // per_block
-        if blocks < 1:
-            raise EdgeMoEError(
-                f"kv_cache_memory {self.config.kv_cache_memory} holds no KV block; the minimum is {per_block} bytes"
-            )
-        return blocks
-
     # ------------------------------------------------------------------ requests
 
     def add_request(
@@ -225,7 +238,7 @@ class LLMEngine:
         if self.scheduler.blocks_for(longest) > self.kv.num_blocks:
             raise EdgeMoEError(
                 f"a sequence of {longest} tokens does not fit the KV cache "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens); raise kv_cache_memory"
+                f"({self.kv.num_blocks * self.kv.block_size} tokens); raise kv_cache_memory or kv_cache_tokens"
             )
         generator = None
         if not params.greedy:

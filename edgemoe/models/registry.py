@@ -30,9 +30,12 @@ def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
     gen = folder / "generation_config.json"
     if gen.is_file():
         try:
-            hf = {**hf, **{k: v for k, v in json.loads(gen.read_text()).items() if k.endswith("token_id")}}
-        except json.JSONDecodeError as exc:
+            extra = json.loads(gen.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise EdgeMoEError(f"malformed {gen}: {exc}") from None
+        if not isinstance(extra, dict):
+            raise EdgeMoEError(f"malformed {gen}: expected a JSON object")
+        hf = {**hf, **{k: v for k, v in extra.items() if k.endswith("token_id")}}
     family = FAMILIES.get(hf.get("model_type"))
     if family is None:
         raise EdgeMoEError(
@@ -40,8 +43,10 @@ def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
         )
     try:
         return family.normalise(hf), family
-    except (KeyError, TypeError, ValueError) as exc:
-        raise EdgeMoEError(f"malformed {path}: bad or missing field {exc}") from None
+    except KeyError as exc:
+        raise EdgeMoEError(f"malformed {path}: missing field {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise EdgeMoEError(f"malformed {path}: {exc}") from None
 
 
 def read_checkpoint(path: Path) -> tuple[ModelConfig, ModuleType, GGUFCheckpoint | None]:

@@ -60,7 +60,7 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
     state = _State(engine_loop, config, {config.model_id, *config.model_aliases})
     app = FastAPI(title="edgemoe", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, metrics)
-    app.add_middleware(_ApiKeyGuard, api_key=config.api_key)
+    app.add_middleware(_ApiKeyGuard, api_key=config.api_key, metrics=metrics)
 
     @app.get("/health")
     async def health() -> Response:
@@ -118,7 +118,8 @@ async def _complete(request: Request, chat: bool, state: _State) -> Response:
             503, "the model is still loading", code="unavailable", type="server_error", headers={"Retry-After": "1"}
         )
     prompt_ids = await run_in_threadpool(_tokenize, engine, req)  # a long prompt must not stall the event loop
-    handle = RequestHandle(prompt_ids, _sampling_params(req, len(prompt_ids), engine.max_model_len))
+    kv_tokens = engine.kv.num_blocks * engine.kv.block_size  # the longest sequence the KV cache holds
+    handle = RequestHandle(prompt_ids, _sampling_params(req, len(prompt_ids), engine.max_model_len, kv_tokens))
     engine_loop.submit(handle)
     try:
         await handle.accepted  # the engine's own checks (KV room) fail here, before any byte is sent
@@ -158,13 +159,11 @@ def _tokenize(engine: LLMEngine, req: ChatCompletionRequest | CompletionRequest)
     prompt does not stall the event loop, and so that the engine thread only sees valid ids."""
     tok = engine.tokenizer
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-    try:
+    try:  # EdgeMoEError: a lone surrogate (valid JSON, invalid Unicode), a chat template that fails on these messages
         if isinstance(req, ChatCompletionRequest):
             text = tok.apply_chat_template([m.for_template() for m in req.messages])
-            text.encode()  # a lone surrogate (valid JSON, invalid Unicode) would fail deep in the tokenizer
             ids = tok.encode(text, add_special_tokens=False)
         elif isinstance(req.prompt, str):
-            req.prompt.encode()
             ids = tok.encode(req.prompt)
         else:
             ids = req.prompt
@@ -173,32 +172,31 @@ def _tokenize(engine: LLMEngine, req: ChatCompletionRequest | CompletionRequest)
                 raise RequestError(400, f"token ids must be below the vocabulary size {vocab}", param, "invalid_value")
     except EdgeMoEError as exc:
         raise RequestError(400, str(exc), param, "invalid_value") from None
-    except UnicodeEncodeError:
-        raise RequestError(400, "the text is not valid Unicode (lone surrogate)", param, "invalid_value") from None
     if not ids:
         raise RequestError(400, "the prompt is empty", param, "invalid_value")
     return ids
 
 
 def _sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, prompt_len: int, max_len: int
+    req: ChatCompletionRequest | CompletionRequest, prompt_len: int, max_len: int, kv_tokens: int
 ) -> list[SamplingParams]:
-    """One SamplingParams per choice. Without max_tokens a request gets DEFAULT_MAX_TOKENS, or what the
-    context has left if that is less; an explicit max_tokens that does not fit is an error, not truncated."""
+    """One SamplingParams per choice. Without max_tokens a request gets DEFAULT_MAX_TOKENS, or what the context
+    (and the KV cache) has left if that is less; an explicit max_tokens that does not fit is an error, not
+    truncated. `kv_tokens`: the longest sequence the KV cache holds."""
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-    if prompt_len >= max_len:
+    limit, what = (max_len, "the context limit") if max_len <= kv_tokens else (kv_tokens, "what the KV cache holds")
+    if prompt_len >= limit:
         raise RequestError(
-            400, f"the prompt has {prompt_len} tokens; the context limit is {max_len}", param, "context_length_exceeded"
+            400, f"the prompt has {prompt_len} tokens; {what} is {limit}", param, "context_length_exceeded"
         )
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, max_len - prompt_len)
-    elif prompt_len + max_tokens > max_len:
+        max_tokens = min(DEFAULT_MAX_TOKENS, limit - prompt_len)
+    elif prompt_len + max_tokens > limit:
         name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         raise RequestError(
             400,
-            f"the prompt ({prompt_len} tokens) plus {name} ({max_tokens}) exceeds the context "
-            f"limit of {max_len} tokens",
+            f"the prompt ({prompt_len} tokens) plus {name} ({max_tokens}) exceeds {what}, {limit} tokens",
             name,
             "context_length_exceeded",
         )
@@ -280,9 +278,10 @@ class _ApiKeyGuard:
     """With an API key set, every route but /health needs `Authorization: Bearer KEY` (checked before the body
     is read, and before routing, so unknown paths do not reveal themselves either)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.key is None or scope["type"] != "http" or scope["path"] == "/health":
@@ -293,6 +292,7 @@ class _ApiKeyGuard:
             return await self.app(scope, receive, send)
         body = error_body("missing or wrong API key: send the header Authorization: Bearer KEY", code="invalid_api_key")
         response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        self.metrics.errors.labels("401").inc()
         await response(scope, receive, send)
 
 

@@ -29,16 +29,12 @@ def add_serve_parser(sub: argparse._SubParsersAction, engine_flags: Callable[[ar
         help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
         "/v1/completions, /v1/models, /health, /metrics), with continuous batching. A request without max_tokens "
-        "gets up to 256 tokens (fewer if the context has less room left).",
+        "gets up to 256 tokens (fewer if the context or the KV cache has less room left). The KV cache holds "
+        "--max-num-seqs sequences of --max-model-len tokens, within 80 percent of the free GPU memory (1 GiB on the "
+        "CPU) unless --kv-cache-memory or --kv-cache-tokens sizes it; the server says what it reserved at start-up.",
     )
     add_flags(p.add_argument_group("server"), ServeConfig)
     engine_flags(p)
-    p.error = _one_line_error  # argparse would print the whole usage block (20 lines) above the message
-
-
-def _one_line_error(message: str) -> None:
-    print(f"edgemoe serve: error: {message} (see edgemoe serve --help)", file=sys.stderr)
-    sys.exit(2)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -68,7 +64,7 @@ def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
     model = engine_kwargs.get("model")
     path = Path(model).resolve() if model else None
     if path is not None and not (path.is_dir() or path.suffix == ".gguf" and path.is_file()):  # the engine checks more
-        raise EdgeMoEError(f"model path {model} is neither a model folder nor a .gguf file")
+        raise EdgeMoEError(f"model path {model} does not exist, or is neither a folder nor a .gguf file")
     model_id = DEMO_MODEL_ID if path is None else path.stem if path.suffix == ".gguf" else path.name
     sock = _bind(serve.host, serve.port)
 

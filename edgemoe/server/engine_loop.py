@@ -178,10 +178,10 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self.engine = self._make_engine()
-        except EdgeMoEError as exc:
+        except (EdgeMoEError, OSError) as exc:  # OSError: a file of the model that cannot be read
             self.error = str(exc)
             return
-        except Exception as exc:  # noqa: BLE001 - any load failure must reach the CLI as one line
+        except Exception as exc:  # noqa: BLE001 - any load failure must reach the CLI as one line (a bug: a traceback)
             log.exception("loading the model failed")
             self.error = f"cannot load the model: {type(exc).__name__}: {exc}"
             return

@@ -191,10 +191,27 @@ def parse_request(model: type[_Request], body: Any) -> _Request:
         cause = err.get("ctx", {}).get("error")
         if isinstance(cause, _FieldError):
             raise RequestError(400, cause.message, cause.param, "invalid_value") from None
-        param = ".".join(str(p) for p in err["loc"]) or None
+        loc = list(err["loc"])
+        tag = next((i for i, p in enumerate(loc) if isinstance(p, str) and p not in _FIELD_NAMES), None)
+        if tag is not None:  # a union member's tag ("str", "list[int]"): pydantic's path, not the client's
+            loc = loc[:tag]
+        param = ".".join(str(p) for p in loc) or None
         message = err["msg"].removeprefix("Value error, ")
+        if tag is not None and loc[-1] in _EXPECTED:
+            message = f"must be {_EXPECTED[loc[-1]]}"
+        elif err["type"] == "model_type":  # "a valid dictionary or instance of ChatMessage": our class's name
+            message = f"must be a JSON object{_EXAMPLE.get(loc[0], '') if len(loc) > 1 else ''}"
         code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
         raise RequestError(400, f"{param}: {message}" if param else message, param, code) from None
+
+
+_MODELS = (ChatCompletionRequest, CompletionRequest, ChatMessage, StreamOptions)
+_FIELD_NAMES = {name for m in _MODELS for name in m.model_fields}
+_EXPECTED = {  # what a field of several types takes
+    "stop": "a string or a list of strings",
+    "prompt": "a string or a list of token ids (integers >= 0)",
+}
+_EXAMPLE = {"messages": ' like {"role": "user", "content": "Hello"}'}
 
 
 # ---------------------------------------------------------------------------------------------- responses

@@ -30,7 +30,9 @@ def load_trace(path: str | Path) -> np.ndarray:
         raise EdgeMoEError(f"routing trace {path} does not exist")
     try:
         trace = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as exc:
+    except ValueError:  # numpy's message for a file that is not .npy talks of pickles and trust
+        raise EdgeMoEError(f"{path} is not a routing trace: not a .npy array (`--record-routing` writes one)") from None
+    except OSError as exc:
         raise EdgeMoEError(f"cannot read routing trace {path}: {exc}") from None
     if trace.ndim != 3 or not np.issubdtype(trace.dtype, np.integer) or (trace.size and trace.min() < 0):
         raise EdgeMoEError(f"{path} is not a routing trace: expected non-negative integers [steps, layers, top_k]")

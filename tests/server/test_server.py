@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,6 +205,13 @@ BAD = [  # (id, path, kwargs for httpx, status, param or "any")
     ("n-over-capacity", COMP_URL, dict(json={"prompt": "hi", "n": MAX_RUNNING + MAX_QUEUE + 1}), 400, "n"),
     ("stop-empty", COMP_URL, dict(json={"prompt": "hi", "stop": ""}), 400, "stop"),
     ("stop-list-empty-string", CHAT_URL, dict(json={"messages": MSG, "stop": ["x", ""]}), 400, "stop"),
+    ("stop-int", COMP_URL, dict(json={"prompt": "hi", "stop": 5}), 400, "stop"),
+    ("stop-list-int", COMP_URL, dict(json={"prompt": "hi", "stop": ["a", 3]}), 400, "stop"),
+    ("prompt-null", COMP_URL, dict(json={"prompt": None}), 400, "prompt"),
+    ("prompt-int", COMP_URL, dict(json={"prompt": 5}), 400, "prompt"),
+    ("message-string", CHAT_URL, dict(json={"messages": ["hi"]}), 400, "messages.0"),
+    ("stream-options-string", CHAT_URL, dict(json={"messages": MSG, "stream": True, "stream_options": "x"}), 400,
+     "stream_options"),
     ("prompt-empty", COMP_URL, dict(json={"prompt": ""}), 400, "prompt"),
     ("ids-empty", COMP_URL, dict(json={"prompt": []}), 400, "prompt"),
     ("ids-negative", COMP_URL, dict(json={"prompt": [1, -1]}), 400, "prompt"),
@@ -232,6 +240,19 @@ def test_bad_request(http, path, kwargs, status, param):
     else:
         r = http.post(path, **kwargs)
     assert_error(r, status, param)
+
+
+def test_error_messages_name_no_internals(http):
+    """What the client sent, in its own words: no pydantic union tags (`stop.str`), no class names."""
+    bodies = [(COMP_URL, {"prompt": "hi", "stop": 5}), (COMP_URL, {"prompt": 5}), (CHAT_URL, {"messages": ["hi"]}),
+              (CHAT_URL, {"messages": MSG, "stream_options": 1, "stream": True})]  # fmt: skip
+    for path, body in bodies:
+        message = assert_error(http.post(path, json=body), 400)["message"]
+        for internal in (".str", "list[", "instance of", "ChatMessage", "StreamOptions", "dictionary"):
+            assert internal not in message, message
+    assert (
+        "must be a string or a list of strings" in assert_error(http.post(COMP_URL, json=bodies[0][1]), 400)["message"]
+    )
 
 
 def test_unknown_route_and_method(http):
@@ -351,16 +372,22 @@ def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
             assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+            errors = metrics(httpx.Client(base_url=server.url, headers={"Authorization": "Bearer s3cret"}))
+            assert errors['edgemoe_request_errors_total{status="401"}'] == 3 * 2 + 1 + 1  # every 401 counted
             authed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0, timeout=30)
             assert authed.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3).choices
             text = http.get("/metrics", headers={"Authorization": "Bearer s3cret"}).text
             hit_rate = float(re.search(r"^edgemoe_expert_cache_hit_rate (\S+)$", text, re.M)[1])
             assert 0 < hit_rate < 1
 
-            # fits the context (2048) but not the KV cache: the engine refuses it, still before any SSE byte
+            # fits the context (2048) but not the KV cache: refused before any SSE byte, naming max_tokens
             for stream in (False, True):
-                with pytest.raises(openai.BadRequestError, match="KV cache"):
+                with pytest.raises(openai.BadRequestError, match="KV cache") as exc:
                     authed.completions.create(model=MODEL, prompt="hi", max_tokens=1000, stream=stream)
+                assert exc.value.param == "max_tokens"
+            with pytest.raises(openai.BadRequestError, match="KV cache") as exc:  # the prompt alone does not fit
+                authed.completions.create(model=MODEL, prompt=list(range(1, 900)), max_tokens=1)
+            assert exc.value.param == "prompt"
 
             # SIGTERM: new requests get 503, requests in flight finish; a second SIGTERM ends those left with an
             # error event; the process exits 0
@@ -398,8 +425,21 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_cli_errors_are_one_line(tmp_path, server):
+    truncated = tmp_path / "truncated"  # what an interrupted download leaves: fails in the engine thread
+    shutil.copytree(demo_model_path(), truncated)
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(1_000_000)
     cases = [
         (("--model", str(tmp_path / "missing")), "does not exist"),
+        (("--port", "0", "--model", str(truncated)), "model.safetensors: Error while deserializing header"),
+        (
+            (
+                "--max-model-len",
+                "0",
+            ),
+            "max_model_len must be an integer >= 1",
+        ),
+        (("--port", "x"), "invalid int value: 'x' (see edgemoe serve --help)"),
         (("--port", "70000"), "--port"),
         (("--port", str(server.port)), "cannot listen"),  # taken by the session server
         (("--port", "0", "--dtype", "float16"), "float16"),  # fails in the engine thread, while loading
@@ -409,3 +449,29 @@ def test_cli_errors_are_one_line(tmp_path, server):
         assert r.returncode == 2, r
         lines = [line for line in r.stderr.splitlines() if not line.startswith("edgemoe: loading")]
         assert len(lines) == 1 and lines[0].startswith("edgemoe: error:") and words in lines[0], r.stderr
+
+
+def test_chat_template_failures_are_400s(tmp_path):
+    """A template that fails on the messages (`{{ 1/0 }}`) or does not compile (an unknown filter): the server
+    starts, chat requests get a 400 naming `messages`, and completions, which need no template, still work."""
+    cases = [("{{ 1/0 }}", "ZeroDivisionError"), ("{{ messages | no_such_filter }}", "does not compile")]
+    for i, (template, words) in enumerate(cases):
+        folder = tmp_path / f"m{i}"
+        shutil.copytree(demo_model_path(), folder)
+        cfg_path = folder / "tokenizer_config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": template}))
+        server = ServerProcess(tmp_path, "--model", str(folder))
+        try:
+            server.wait_ready()
+            with httpx.Client(base_url=server.url, timeout=30) as http:
+                for stream in (False, True):
+                    body = {"messages": MSG, "max_tokens": 3, "stream": stream}
+                    with http.stream("POST", CHAT_URL, json=body) as r:
+                        r.read()
+                    assert words in assert_error(r, 400, "messages")["message"]
+                r = http.post(COMP_URL, json={"prompt": "ROMEO:", "max_tokens": 3})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+                assert metrics(http).get('edgemoe_request_errors_total{status="400"}') == 2
+        finally:
+            server.stop()
+        assert "Traceback" not in server.err.read_text()

@@ -36,9 +36,10 @@ def checkpoint_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise EdgeMoEError(f"malformed {index}: {exc}") from None
+            names = sorted({str(n) for n in json.loads(index.read_text())["weight_map"].values()})
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            shape = '{"weight_map": {tensor: shard file}}'
+            raise EdgeMoEError(f"malformed {index}: expected {shape} ({exc})") from None
         files = [folder / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:

@@ -55,3 +55,12 @@ def test_shape_mismatch_and_missing_shard(tmp_path) -> None:
     next(sharded.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(EdgeMoEError, match="shards that are missing"):
         LLM(str(sharded), progress=False)
+
+
+@pytest.mark.parametrize("text", ['["a list"]', '{"weight_map": ["not", "a", "map"]}', "\udcff"])
+def test_malformed_shard_index_is_one_line(tmp_path, text: str) -> None:
+    from edgemoe.models.loader import checkpoint_files
+
+    (tmp_path / "model.safetensors.index.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(EdgeMoEError, match="malformed .*model.safetensors.index.json"):
+        checkpoint_files(tmp_path)

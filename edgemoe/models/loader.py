@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -212,28 +213,31 @@ _FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: experts stored so are loaded as den
 
 
 def expert_layouts(ckpt: GGUFCheckpoint, cfg: ModelConfig, dtype: torch.dtype) -> dict[int, QuantExpertLayout]:
-    """Per MoE layer, the layout of its experts as the GGUF file stores them (empty: float experts, made dense).
-    gate and up share one format, down may differ, and so may layers: every layout then shares the longest row."""
-    formats = {}
+    """Per MoE layer, the layout of its experts as the GGUF file stores them. gate and up share one format, down may
+    differ, and so may layers: every layout then shares the longest row. Empty where the experts cannot stay as
+    stored (floats, or a format the expert kernels do not read, or gate and up apart): they are then made dense."""
+    formats, other = {}, set()
     for i, moe in enumerate(cfg.moe_layers):
         if not moe:
             continue
         kinds = [ckpt.expert_tensor(i, part).tensor_type for part in EXPERT_PARTS]
-        if all(int(k) in _FLOAT_TYPES for k in kinds):
-            continue
         try:
             gate, up, down = (quant_type(int(k)) for k in kinds)
         except ValueError:
-            names = "/".join(getattr(k, "name", str(k)) for k in kinds)
-            raise EdgeMoEError(
-                f"{ckpt.path.name}: layer {i}'s experts are stored as {names}; expert formats supported: "
-                f"{', '.join(QUANT_TYPES)}, F32, F16, BF16"
-            ) from None
+            other.update(getattr(k, "name", str(k)) for k in kinds if int(k) not in _FLOAT_TYPES)
+            continue
         if gate != up:
-            raise EdgeMoEError(f"{ckpt.path.name}: layer {i} stores gate as {gate.name} but up as {up.name}")
+            other.add(f"gate {gate.name} with up {up.name}")
+            continue
         formats[i] = (gate, down)
-    if formats and len(formats) != sum(cfg.moe_layers):
-        raise EdgeMoEError(f"{ckpt.path.name}: some layers' experts are quantized and some are not")
+    if other or len(formats) != sum(cfg.moe_layers):
+        if other:
+            print(
+                f"edgemoe: {ckpt.path.name}: experts stored as {', '.join(sorted(other))}, which the expert kernels do "
+                f"not read (they read {', '.join(QUANT_TYPES)}): dequantized to {str(dtype).removeprefix('torch.')}",
+                file=sys.stderr,
+            )
+        return {}
     H, inter = cfg.hidden_size, cfg.moe_intermediate_size
     own = {i: QuantExpertLayout(H, inter, *f, dtype) for i, f in formats.items()}
     row = max((layout.row for layout in own.values()), default=0)

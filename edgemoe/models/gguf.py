@@ -18,7 +18,7 @@ import torch
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.quant import dequantize, quant_type
 
-ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
+ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe"}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # llama.cpp's per-layer names -> Hugging Face's (the suffix .weight / .bias follows)
 _LAYER = {
@@ -75,7 +75,7 @@ class GGUFCheckpoint:
         if self.arch not in ARCHITECTURES or (self.arch == "llama" and not self.field(f"{self.arch}.expert_count", 0)):
             raise EdgeMoEError(
                 f"{path.name}: architecture {self.arch!r} is not supported; supported: qwen3moe, qwen2moe, "
-                "llama with experts (Mixtral)"
+                "llama with experts (Mixtral), olmoe"
             )
 
     def field(self, key: str, default: Any = ...) -> Any:
@@ -109,6 +109,12 @@ class GGUFCheckpoint:
         dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in t]
         if a == "llama":  # Mixtral: every layer sparse; its feed_forward_length is the experts'
             return hf | dict(num_local_experts=experts, intermediate_size=int(self.field(f"{a}.feed_forward_length")))
+        if a == "olmoe":  # every layer sparse, the experts' width as feed_forward_length, q/k clamped where set
+            clip = self.field(f"{a}.attention.clamp_kqv", None)
+            return hf | dict(
+                num_experts=experts, intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+                attention_bias="blk.0.attn_q.bias" in t, clip_qkv=None if clip is None else float(clip),
+            )  # fmt: skip
         hf |= dict(
             num_experts=experts, mlp_only_layers=dense, decoder_sparse_step=1,
             intermediate_size=int(self.field(f"{a}.feed_forward_length", 0)),

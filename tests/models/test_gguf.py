@@ -1,7 +1,7 @@
 """GGUF checkpoints (`--model FILE.gguf`), written by `edgemoe make-model --format gguf`: greedy output token-identical
 to transformers loading the same file (`gguf_file=`, float32, CPU) for qwen3moe and qwen2moe with experts in every
-block format (mixed between gate/up and down and between layers too); Mixtral, which transformers reads only as a dense
-Llama, against the safetensors checkpoint of the same weights; offloaded equals resident; experts kept as stored;
+block format (mixed between gate/up and down and between layers too); Mixtral and OLMoE, which transformers cannot
+read as MoE GGUFs, against the safetensors checkpoint of the same weights; offloaded equals resident; experts kept as stored;
 host memory bounded; bad files refused in one line."""
 
 from __future__ import annotations
@@ -98,11 +98,13 @@ def test_offloaded_equals_resident(tmp_path_factory, expert_dtype: str) -> None:
         assert llm.moe_stats()["total"]["misses"] > 0
 
 
-def test_mixtral_matches_its_safetensors_checkpoint(tmp_path) -> None:
-    """transformers reads a llama-architecture GGUF as a dense Llama, so the oracle is the safetensors checkpoint of
-    the same weights (held to transformers by test_hf_parity), its experts quantized on load to the same blocks."""
-    path = make_model(tmp_path / "gguf", "mixtral", "tiny", dtype="float32", format="gguf", expert_dtype="q8_0")
-    folder = make_model(tmp_path / "hf", "mixtral", "tiny", dtype="float32")
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_matches_its_safetensors_checkpoint(tmp_path, family: str) -> None:
+    """transformers reads a llama-architecture GGUF as a dense Llama and no OLMoE GGUF at all, so the oracle is the
+    safetensors checkpoint of the same weights (held to transformers by test_hf_parity), its experts quantized on
+    load to the same blocks."""
+    path = make_model(tmp_path / "gguf", family, "tiny", dtype="float32", format="gguf", expert_dtype="q8_0")
+    folder = make_model(tmp_path / "hf", family, "tiny", dtype="float32")
     batch = prompts()
     ours = [o.token_ids for o in LLM(str(path), progress=False).generate(batch, GREEDY)]
     ref = LLM(str(folder), progress=False, expert_dtype="q8_0")

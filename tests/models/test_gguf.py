@@ -1,8 +1,8 @@
 """GGUF checkpoints (`--model FILE.gguf`), written by `edgemoe make-model --format gguf`: greedy output token-identical
 to transformers loading the same file (`gguf_file=`, float32, CPU) for qwen3moe and qwen2moe with experts in every
 block format (mixed between gate/up and down and between layers too); Mixtral and OLMoE, which transformers cannot
-read as MoE GGUFs, against the safetensors checkpoint of the same weights; offloaded equals resident; experts kept as stored;
-host memory bounded; bad files refused in one line."""
+read as MoE GGUFs, against the safetensors checkpoint of the same weights; offloaded equals resident; experts kept
+as stored; host memory bounded; bad files refused in one line."""
 
 from __future__ import annotations
 

@@ -172,6 +172,10 @@ class EngineConfig:
     )
     kv_cache_tokens: int | None = option(None, "KV cache size in tokens (rounded up to whole blocks), instead")
     block_size: int = option(16, "tokens per KV block")
+    prefix_cache: bool = option(
+        True,
+        "reuse the KV cache of the longest cached whole-block prefix of a prompt (agent loops, shared system prompts)",
+    )
     seed: int | None = option(
         None, "seed of the seeds of requests that give none (None: a fresh one per engine)", cli=False
     )

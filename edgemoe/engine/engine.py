@@ -169,7 +169,7 @@ class LLMEngine:
             kv_room //= 4  # KV "auto" under a budget takes at most a quarter: the rest caches experts
         blocks, why = kv_blocks(self.config, per_block, self.max_model_len, self.device, kv_room)
         try:
-            self.kv = KVCache(cfg, blocks, self.config.block_size, self.dtype, self.device)
+            self.kv = KVCache(cfg, blocks, self.config.block_size, self.dtype, self.device, self.config.prefix_cache)
         except RuntimeError:  # torch's out-of-memory errors (CUDA's is a subclass)
             raise EdgeMoEError(
                 f"cannot allocate a KV cache of {blocks * per_block / MiB:.1f} MiB on {self.device} ({why}): "
@@ -271,6 +271,7 @@ class LLMEngine:
         outputs = []
         for seq, n, token in zip(batch.seqs, batch.num_new, tokens):
             seq.num_computed += n
+            self.scheduler.commit(seq)
             if token is None:
                 continue
             self._append(seq, token)

@@ -3,9 +3,16 @@
 A sequence holds only the blocks its tokens need, so a long context limit costs nothing up front.
 Layout per layer: `[slots, kv_heads, head_dim]` with slot = block * block_size + offset. One extra
 block at the end absorbs writes from padded (dummy) tokens.
+
+Prefix cache: a full block whose K/V are computed is known by a hash of its tokens and of every block before it
+(`commit`), and a new sequence reuses the longest run of known blocks that starts its prompt (`match`), shared with
+reference counts. A block nobody holds keeps its contents and stays findable until the pool needs it: plain free
+blocks go first, then the least recently released known ones.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -54,14 +61,26 @@ def kv_blocks(
 
 class KVCache:
     def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        prefix_cache: bool = False,
     ) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.prefix_cache = num_blocks, block_size, prefix_cache
         shape = (cfg.num_layers, (num_blocks + 1) * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pad_block = num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives low ids first
+        self.refs = [0] * num_blocks  # sequences holding each block
+        self.key: list[tuple | None] = [None] * num_blocks  # a committed block's (hash, tokens)
+        self.known: dict[int, int] = {}  # hash -> block
+        self.released: OrderedDict[int, None] = OrderedDict()  # known blocks nobody holds, least recent first
+        self.queried_tokens = self.hit_tokens = 0  # prompt tokens looked up, and found, in the prefix cache
+        self.evicted = 0  # known blocks given up to make room
 
     def bind(self, attention_layers: list) -> None:
         for i, attn in enumerate(attention_layers):
@@ -69,13 +88,68 @@ class KVCache:
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.released)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
+        if n > self.num_free:
             raise RuntimeError("KV cache exhausted (the scheduler should have checked)")
-        return [self.free.pop() for _ in range(n)]
+        out = []
+        for _ in range(n):
+            if self.free:
+                block = self.free.pop()
+            else:  # the least recently released known block gives up its contents
+                block, _ = self.released.popitem(last=False)
+                del self.known[self.key[block][0]]
+                self.key[block] = None
+                self.evicted += 1
+            self.refs[block] = 1
+            out.append(block)
+        return out
 
     def release(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if self.key[block] is None:
+                    self.free.append(block)
+                else:
+                    self.released[block] = None
         blocks.clear()
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """The known blocks that hold the longest whole-block prefix of `tokens` but its last token (a step must
+        compute at least one), now held once more by the caller. Empty without the prefix cache."""
+        if not self.prefix_cache:
+            return []
+        bs, parent, blocks = self.block_size, None, []
+        for start in range(0, len(tokens) - 1 - bs + 1, bs):
+            chunk = tuple(tokens[start : start + bs])
+            block = self.known.get(hash((parent, chunk)))
+            if block is None or self.key[block][1] != chunk or self.key[block][2] != parent:
+                break
+            parent = self.key[block][0]
+            blocks.append(block)
+        for block in blocks:
+            self.refs[block] += 1
+            self.released.pop(block, None)
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += len(blocks) * bs
+        return blocks
+
+    def commit(
+        self, tokens: list[int], table: list[int], computed: int, hashed: int, parent: int | None
+    ) -> tuple[int, int | None]:
+        """Make the full blocks of `table` whose `computed` tokens' K/V are written findable by their prefix; the
+        first `hashed` blocks were (`parent`: the last one's hash). -> (blocks hashed, the last one's hash). A block
+        whose prefix another block already holds stays unknown, and the chain goes on through the hash."""
+        if not self.prefix_cache:
+            return hashed, parent
+        bs = self.block_size
+        for i in range(hashed, computed // bs):
+            block, chunk = table[i], tuple(tokens[i * bs : (i + 1) * bs])
+            h = hash((parent, chunk))
+            if self.key[block] is None and h not in self.known:
+                self.key[block] = (h, chunk, parent)
+                self.known[h] = block
+            parent = h
+        return max(hashed, computed // bs), parent

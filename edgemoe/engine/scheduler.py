@@ -51,8 +51,11 @@ class Scheduler:
         for seq in candidates + admitted:
             if budget == 0:
                 break
+            if seq.status is Status.WAITING and not seq.block_table:
+                self._reuse_prefix(seq)
             room = len(seq.block_table) * self.kv.block_size - seq.num_computed + self.kv.num_free * self.kv.block_size
             if seq.status is Status.WAITING and room <= seq.num_uncomputed and self.running:
+                self._forget_prefix(seq)
                 break  # start a request only once its whole prompt (and one token) fits beside the others
             n = min(seq.num_uncomputed, budget, room)
             if n <= 0:
@@ -82,6 +85,26 @@ class Scheduler:
                 seqs.append(seq)
         return Batch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
 
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start `seq` after the longest prefix of its tokens the prefix cache holds (whole blocks)."""
+        blocks = self.kv.match(seq.token_ids)
+        if blocks:
+            seq.block_table = blocks
+            seq.num_computed = seq.num_cached = len(blocks) * self.kv.block_size
+            seq.num_hashed, seq.prefix_hash = len(blocks), self.kv.key[blocks[-1]][0]
+
+    def _forget_prefix(self, seq: Sequence) -> None:
+        """Undo `_reuse_prefix` for a sequence that is not admitted after all."""
+        self.kv.release(seq.block_table)
+        seq.num_computed = seq.num_cached = seq.num_hashed = 0
+        seq.prefix_hash = None
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step: the sequence's newly full, computed blocks become findable by later requests."""
+        seq.num_hashed, seq.prefix_hash = self.kv.commit(
+            seq.token_ids, seq.block_table, seq.num_computed, seq.num_hashed, seq.prefix_hash
+        )
+
     def _grow(self, seq: Sequence, tokens: int) -> None:
         need = self.blocks_for(tokens) - len(seq.block_table)
         if need > 0:
@@ -91,7 +114,8 @@ class Scheduler:
         """Free a sequence's KV and queue it first; it will recompute prompt + output so far."""
         self.running.remove(seq)
         self.kv.release(seq.block_table)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_cached = seq.num_hashed = 0
+        seq.prefix_hash = None
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -28,6 +28,7 @@ class RequestOutput:
     text: str  # generated text only
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     delta: str = ""  # text new since the previous step (streaming)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -53,6 +54,8 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
+        self.num_cached = 0  # prompt tokens whose K/V came from the prefix cache
+        self.num_hashed, self.prefix_hash = 0, None  # blocks the prefix cache knows, the last one's hash
         self.text = ""
         self.emitted = 0  # characters of text already handed out
         self.finish_reason: str | None = None
@@ -77,4 +80,5 @@ class Sequence:
             self.text,
             self.finish_reason,
             delta,
+            self.num_cached,
         )

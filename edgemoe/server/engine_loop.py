@@ -66,8 +66,14 @@ class RequestHandle:
                     self.finals[index] = out
                 yield index, out
 
-    def usage(self) -> tuple[int, int]:
-        return len(self.prompt_ids), sum(len(f.token_ids) for f in self.finals if f is not None)
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt tokens, completion tokens, prompt tokens whose K/V came from the prefix cache)."""
+        done = [f for f in self.finals if f is not None]
+        return (
+            len(self.prompt_ids),
+            sum(len(f.token_ids) for f in done),
+            max((f.cached_tokens for f in done), default=0),
+        )
 
     # engine thread -> event loop
 
@@ -309,6 +315,7 @@ class EngineLoop:
         self.metrics.waiting.set(max(0, self._live - running))
         kv = self.engine.kv
         self.metrics.kv_usage.set(1 - kv.num_free / kv.num_blocks)
+        self.metrics.prefix_cache(kv.queried_tokens, kv.hit_tokens)
         now = time.monotonic()
         # the counters live on the device: read them at most once a second while busy, and once more when idle
         if self._moe_stats_read is not None and (now - self._moe_stats_read >= 1 or not running):

@@ -23,6 +23,10 @@ class Metrics:
         self.running = Gauge("edgemoe_num_requests_running", "Sequences being decoded", registry=r)
         self.waiting = Gauge("edgemoe_num_requests_waiting", "Sequences admitted but not yet running", registry=r)
         self.kv_usage = Gauge("edgemoe_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", registry=r)
+        self.prefix_queried = Counter("edgemoe_prefix_cache_queried_tokens", "Prompt tokens looked up", registry=r)
+        self.prefix_hits = Counter("edgemoe_prefix_cache_hit_tokens", "Prompt tokens found in the cache", registry=r)
+        self.prefix_hit_rate = Gauge("edgemoe_prefix_cache_hit_rate", "Hit tokens / queried tokens", registry=r)
+        self._prefix_seen = (0, 0)  # the engine's totals at the last update
         self.prompt_tokens = Counter("edgemoe_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("edgemoe_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter(
@@ -50,6 +54,14 @@ class Metrics:
         )
         self._hit_rate: Gauge | None = None
         self.ready = Gauge("edgemoe_ready", "1 once the model is loaded and the server accepts requests", registry=r)
+
+    def prefix_cache(self, queried: int, hits: int) -> None:
+        """The engine's running totals of prefix-cache look-ups, as counters and their ratio."""
+        seen_queried, seen_hits = self._prefix_seen
+        self.prefix_queried.inc(queried - seen_queried)
+        self.prefix_hits.inc(hits - seen_hits)
+        self._prefix_seen = (queried, hits)
+        self.prefix_hit_rate.set(hits / queried if queried else 0.0)
 
     def expert_cache_hit_rate(self) -> Gauge:
         """Created on first use: only a server whose engine counts expert-cache hits (offload with

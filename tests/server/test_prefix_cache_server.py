@@ -1,0 +1,33 @@
+"""The prefix cache through the real HTTP path: a request that repeats an earlier prompt's prefix reports the reused
+tokens in `usage.prompt_tokens_details.cached_tokens` (as OpenAI's API does), gets the same greedy text, and
+/metrics counts the looked-up and found tokens."""
+
+from __future__ import annotations
+
+import re
+
+PROMPT = "ROMEO.\nWhat news from the court, my lord? Speak, and tell me all that passed between the houses today."
+
+
+def counters(http) -> dict[str, float]:
+    text = http.get("/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(edgemoe_prefix_cache_\w+) (\S+)$", text, re.M)}
+
+
+def test_cached_tokens_in_usage_and_metrics(http, client) -> None:
+    before = counters(http)
+    first = client.completions.create(model="edgemoe-demo", prompt=PROMPT, max_tokens=8, temperature=0)
+    again = client.completions.create(model="edgemoe-demo", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    prompt_tokens = again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16 > 0
+    after = counters(http)
+    assert after["edgemoe_prefix_cache_queried_tokens_total"] - before["edgemoe_prefix_cache_queried_tokens_total"] >= (
+        2 * prompt_tokens
+    )
+    assert after["edgemoe_prefix_cache_hit_tokens_total"] - before["edgemoe_prefix_cache_hit_tokens_total"] >= 16
+    assert 0 < after["edgemoe_prefix_cache_hit_rate"] <= 1
+    chat = client.chat.completions.create(
+        model="edgemoe-demo", messages=[{"role": "user", "content": PROMPT}], max_tokens=4, temperature=0
+    )
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 0

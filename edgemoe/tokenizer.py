@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -63,7 +64,13 @@ class Tokenizer:
             except (jinja2.TemplateError, TypeError) as exc:
                 self._template_error = f"the chat template does not compile: {_first_line(exc)}"
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """`limit`: refuse, before tokenizing, a text whose length alone proves it holds more tokens than that."""
+        if limit is not None and len(text) > limit * self.max_token_chars:
+            raise EdgeMoEError(
+                f"the prompt has {len(text)} characters, at least {len(text) // self.max_token_chars} tokens; the "
+                f"context limit is {limit}"
+            )
         if not isinstance(text, str):
             raise EdgeMoEError(f"a prompt must be text or a list of token ids, got {type(text).__name__}")
         try:
@@ -73,6 +80,12 @@ class Tokenizer:
                 f"the text is not valid Unicode: a lone surrogate at character {exc.start} (input that is not UTF-8?)"
             ) from None
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token covers: no text of n characters has fewer than n / this tokens (a
+        vocabulary entry's length bounds the bytes it matches, and a character is at least one byte)."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

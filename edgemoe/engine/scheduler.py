@@ -27,6 +27,7 @@ class Scheduler:
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._prefilled_last = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -38,7 +39,14 @@ class Scheduler:
         return -(-tokens // self.kv.block_size)
 
     def schedule(self) -> Batch | None:
-        return self._prefill() or self._decode()
+        """A prefill chunk first, except right after one while sequences wait for their next token: then they decode
+        first, so a long prompt (many chunks) adds at most one chunk's time to each running sequence's token gap."""
+        if self._prefilled_last:
+            batch = self._decode() or self._prefill()
+        else:
+            batch = self._prefill() or self._decode()
+        self._prefilled_last = batch is not None and batch.is_prefill
+        return batch
 
     def _prefill(self) -> Batch | None:
         budget, seqs, num_new = self.token_budget, [], []

@@ -162,9 +162,9 @@ def _tokenize(engine: LLMEngine, req: ChatCompletionRequest | CompletionRequest)
     try:  # EdgeMoEError: a lone surrogate (valid JSON, invalid Unicode), a chat template that fails on these messages
         if isinstance(req, ChatCompletionRequest):
             text = tok.apply_chat_template([m.for_template() for m in req.messages])
-            ids = tok.encode(text, add_special_tokens=False)
+            ids = tok.encode(text, add_special_tokens=False, limit=engine.max_model_len)
         elif isinstance(req.prompt, str):
-            ids = tok.encode(req.prompt)
+            ids = tok.encode(req.prompt, limit=engine.max_model_len)
         else:
             ids = req.prompt
             vocab = engine.model_config.vocab_size

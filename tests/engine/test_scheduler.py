@@ -130,3 +130,31 @@ def test_long_prompt_starts_while_others_decode() -> None:
     while engine.has_unfinished():
         engine.step()
     assert len(long.output_ids) == 4 and len(first.output_ids) == 60
+
+
+def test_a_long_prefill_interleaves_with_running_decodes() -> None:
+    """A prompt of many chunks admitted while a sequence decodes: the decoding sequence gets a token after every
+    chunk, not after the whole prompt, and its greedy tokens are the same as alone."""
+    from edgemoe import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = LLM(progress=False).generate(["ROMEO."], greedy)[0].token_ids
+    engine = LLM(progress=False, max_num_batched_tokens=32).engine
+    engine.add_request("ROMEO.", greedy, request_id="short")
+    engine.step()  # its prefill
+    engine.add_request(list(range(5, 5 + 200)), SamplingParams(max_tokens=2, temperature=0), request_id="long")
+    kinds, short = [], []
+    while engine.has_unfinished():
+        outputs = engine.step()
+        kinds.append([o.request_id for o in outputs])
+        short += [o for o in outputs if o.request_id == "short"]
+    prefill_steps = -(-200 // 32)
+    gaps, gap = [], 0
+    for step in kinds:
+        if "short" in step:
+            gaps.append(gap)
+            gap = 0
+        else:
+            gap += 1
+    assert max(gaps) <= 1, gaps  # at most one prefill chunk between two of its tokens
+    assert len(kinds) >= prefill_steps and short[-1].token_ids == alone

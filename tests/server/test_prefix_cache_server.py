@@ -31,3 +31,14 @@ def test_cached_tokens_in_usage_and_metrics(http, client) -> None:
         model="edgemoe-demo", messages=[{"role": "user", "content": PROMPT}], max_tokens=4, temperature=0
     )
     assert chat.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_a_prompt_whose_length_proves_it_too_long_is_refused_untokenized(http) -> None:
+    """90,000 characters hold at least 90,000 / (the longest vocabulary entry, 29) tokens: more than the demo model's
+    2,048, so refused at once, before tokenizing."""
+    import time
+
+    start = time.monotonic()
+    r = http.post("/v1/completions", json={"prompt": "a" * 90_000, "max_tokens": 1})  # the body limit: 100 kB
+    assert r.status_code == 400 and "context limit" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt" and time.monotonic() - start < 2

@@ -46,6 +46,8 @@ def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
         )
     try:
         return family.normalise(hf), family
+    except EdgeMoEError as exc:  # the family refuses what it does not support: not malformed
+        raise EdgeMoEError(f"{path}: {exc}") from None
     except KeyError as exc:
         raise EdgeMoEError(f"malformed {path}: missing field {exc}") from None
     except (TypeError, ValueError) as exc:

@@ -54,6 +54,8 @@ class OffloadedExperts(nn.Module):
             got = self.load(ids)
             if get_context().is_prefill:  # bitwise as resident
                 return self.layout.gathered(x, got.slots, weights, self.w13, self.w2)
+            if not self.layout.decode_waits:  # a plain-torch decode (a non-SiLU family on CUDA) reads every slot at
+                self.cache.await_copy(got)  # once: in a captured step, after the copy service's copy
             return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=self.cache.arrivals(got))
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)

@@ -37,13 +37,14 @@ class ExpertLayout:
         self.act_name, self.act = act, ACTIVATIONS[act]
         # (x, ids, weights, w13, w2, arrivals=) -> [T, H]
         self.decode: Callable = decode_reference if act == "silu" else partial(decode_reference, act=self.act)
+        self.decode_waits = False  # whether `decode` waits for each copied expert itself (the kernels do)
 
     def use_kernels(self, device: torch.device) -> None:
         if self.act_name != "silu":  # the kernel computes SiLU
             return
         from edgemoe.kernels.moe_gemv import fused_experts
 
-        self.decode = fused_experts
+        self.decode, self.decode_waits = fused_experts, True
 
     @property
     def row_bytes(self) -> int:
@@ -113,7 +114,7 @@ class QuantExpertLayout(ExpertLayout):
         self.row = row or self.used
         self.copy_split = copy_split or self.split
         assert self.row >= self.used and 0 < self.copy_split < self.row
-        self.decode = self._decode_reference
+        self.decode, self.decode_waits = self._decode_reference, False
 
     def use_kernels(self, device: torch.device) -> None:
         if self.act_name != "silu":  # the kernels compute SiLU
@@ -125,7 +126,7 @@ class QuantExpertLayout(ExpertLayout):
         def decode(x, ids, weights, w13, w2, arrivals=None):  # noqa: ANN001, ANN202 - decode's signature
             return quant_fused_experts(x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals)
 
-        self.decode = decode
+        self.decode, self.decode_waits = decode, True
 
     def views(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate_up [N, 2I, gu_bytes] and down [N, H, down_bytes] uint8 views of `joined` [N, row]."""

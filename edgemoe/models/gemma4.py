@@ -238,7 +238,12 @@ class Gemma4Model(DecoderModel):
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _KV = re.compile(r"^self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
-_MOE = re.compile(r"^(router\.|experts\.|pre_feedforward_layernorm|post_feedforward_layernorm_|mlp\.)")
+# A MoE layer's names -> its Gemma4MoE's (the prefix they start with -> ours)
+_MOE = (
+    ("router.proj.", "gate."), ("router.scale", "router_scale"), ("router.per_expert_scale", "per_expert_scale"),
+    ("mlp.", "shared_expert."), ("experts.", "experts."), ("pre_feedforward_layernorm", "pre_feedforward_layernorm"),
+    ("post_feedforward_layernorm_", "post_feedforward_layernorm_"),
+)  # fmt: skip
 
 
 class Gemma4ForCausalLM(MoEForCausalLM):
@@ -253,16 +258,17 @@ class Gemma4ForCausalLM(MoEForCausalLM):
         return logits.float()
 
     def checkpoint_name(self, name: str) -> str | None:
-        """Vision and audio towers, and KV-shared layers' k/v weights (some checkpoints keep them), are not used; in
-        MoE layers the router, the experts, the dense MLP and the norms of its branches are the `Gemma4MoE`'s."""
+        """Vision and audio towers are not used, nor KV-shared layers' k/v weights (transformers ignores them where a
+        checkpoint has them); in MoE layers the router, the experts, the dense MLP and its branches' norms belong to
+        the `Gemma4MoE`."""
         m = _LAYER.match(name)
         if name.startswith(_TOWERS) or m and self.config.kv_layers()[int(m[1])][0] != int(m[1]) and _KV.match(m[2]):
             return None
-        if not m or not self.config.moe_layers[int(m[1])] or not _MOE.match(m[2]):
-            return name
-        rest = m[2].replace("router.proj.", "gate.").replace("router.scale", "router_scale")
-        rest = rest.replace("router.per_expert_scale", "per_expert_scale").replace("mlp.", "shared_expert.", 1)
-        return f"model.layers.{m[1]}.mlp.{rest}"
+        if m and self.config.moe_layers[int(m[1])]:
+            for theirs, ours in _MOE:
+                if m[2].startswith(theirs):
+                    return f"model.layers.{m[1]}.mlp.{ours}{m[2][len(theirs) :]}"
+        return name
 
 
 LAYER = Gemma4DecoderLayer

@@ -71,7 +71,8 @@ def gemma_model(**overrides):
 
 
 def save(model, folder: Path, layout: str) -> Path:
-    """fused: transformers' save_pretrained (experts as `gate_up_proj`); per-expert: the experts split."""
+    """fused: transformers' save_pretrained (experts as `gate_up_proj`); per-expert: the experts split, and KV-shared
+    layers keeping k/v weights of their own (unused, as transformers ignores them)."""
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     if layout == "per-expert":
@@ -85,6 +86,9 @@ def save(model, folder: Path, layout: str) -> Path:
             for e in range(gate_up.shape[0]):
                 for part, w in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", down[e])):
                     state[f"{prefix}{e}.{part}.weight"] = w.clone()
+        for i in range(model.config.num_hidden_layers - model.config.num_kv_shared_layers, len(model.model.layers)):
+            state[f"model.layers.{i}.self_attn.k_proj.weight"] = torch.zeros(32, 64)
+            state[f"model.layers.{i}.self_attn.k_norm.weight"] = torch.zeros(16)
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo_model_path() / name, folder / name)

@@ -41,22 +41,43 @@ class ModelConfig:
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    hidden_act: str = "silu"  # the MLPs' and experts' gate activation, a key of `edgemoe.layers.mlp.ACTIVATIONS`
+    # Per layer (kv_heads, head_dim) where layers differ (Gemma-4's global layers); empty: all (num_kv_heads, head_dim)
+    kv_shapes: tuple[tuple[int, int], ...] = ()
+    # Per layer, the layer whose KV cache it reads (a KV-shared layer reads an earlier one's, writing none); empty:
+    # each its own
+    kv_sources: tuple[int, ...] = ()
+    # A family's own settings that only its file reads (a frozen dataclass there, e.g. `gemma4.Gemma4Settings`)
+    family_config: Any = None
 
     def __post_init__(self) -> None:
         """What a config.json could get wrong that would otherwise fail deep in the model, mid-generation
         (`read_config` names the file)."""
-        sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts")
-        for name in (*sizes, "top_k", "moe_intermediate_size", "max_position_embeddings"):
+        sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+        moe = ("num_experts", "top_k", "moe_intermediate_size") if any(self.moe_layers) else ()  # dense: may be 0
+        for name in (*sizes, *moe, "max_position_embeddings"):
             if not _count(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        for _, kv_heads, _ in self.kv_layers():
+            if self.num_heads % kv_heads:
+                raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {kv_heads}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+    def kv_layers(self) -> list[tuple[int, int, int]]:
+        """Per layer: (the layer whose KV cache it reads, kv_heads, head_dim); a layer reading another's has that
+        layer's shape, and a layer that is read from reads its own."""
+        shapes = self.kv_shapes or ((self.num_kv_heads, self.head_dim),) * self.num_layers
+        sources = self.kv_sources or tuple(range(self.num_layers))
+        if len(shapes) != self.num_layers or len(sources) != self.num_layers:
+            raise ValueError(f"kv_shapes and kv_sources need one entry per layer ({self.num_layers})")
+        if any(not 0 <= s <= i or sources[s] != s for i, s in enumerate(sources)):
+            raise ValueError(f"kv_sources {sources}: a layer reads its own KV cache or an earlier layer's own")
+        return [(s, *shapes[s]) for s in sources]
 
     @property
     def expert_params(self) -> int:

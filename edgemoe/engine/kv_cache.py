@@ -2,7 +2,8 @@
 
 A sequence holds only the blocks its tokens need, so a long context limit costs nothing up front.
 Layout per layer: `[slots, kv_heads, head_dim]` with slot = block * block_size + offset. One extra
-block at the end absorbs writes from padded (dummy) tokens.
+block at the end absorbs writes from padded (dummy) tokens. Layers may differ in shape, and a KV-shared layer
+(`ModelConfig.kv_layers`) has no cache of its own: it is bound to the one it reads.
 
 Prefix cache: a full block whose K/V are computed is known by a hash of its tokens and of every block before it
 (`commit`), and a new sequence reuses the longest run of known blocks that starts its prompt (`match`), shared with
@@ -23,7 +24,7 @@ GPU_SHARE, CPU_BYTES = 0.8, 1 << 30  # what an automatic KV cache may take at mo
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return 2 * block_size * sum(h * d for i, (s, h, d) in enumerate(cfg.kv_layers()) if s == i) * dtype.itemsize
 
 
 def kv_blocks(
@@ -70,9 +71,17 @@ class KVCache:
         prefix_cache: bool = False,
     ) -> None:
         self.num_blocks, self.block_size, self.prefix_cache = num_blocks, block_size, prefix_cache
-        shape = (cfg.num_layers, (num_blocks + 1) * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        rows, layers = (num_blocks + 1) * block_size, cfg.kv_layers()
+        total = sum(rows * h * d for i, (s, h, d) in enumerate(layers) if s == i)
+        self.k = torch.zeros(total, dtype=dtype, device=device)  # every layer's own cache, one after another
+        self.v = torch.zeros(total, dtype=dtype, device=device)
+        views, start = {}, 0
+        for i, (s, h, d) in enumerate(layers):
+            if s == i:
+                n = rows * h * d
+                views[i] = (self.k[start : start + n].view(rows, h, d), self.v[start : start + n].view(rows, h, d))
+                start += n
+        self.layers = [views[s] for s, _, _ in layers]  # per layer: (k, v) [slots, kv_heads, head_dim]
         self.pad_block = num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives low ids first
         self.refs = [0] * num_blocks  # sequences holding each block
@@ -83,8 +92,8 @@ class KVCache:
         self.evicted = 0  # known blocks given up to make room
 
     def bind(self, attention_layers: list) -> None:
-        for i, attn in enumerate(attention_layers):
-            attn.k_cache, attn.v_cache = self.k[i], self.v[i]
+        for attn, (k, v) in zip(attention_layers, self.layers):
+            attn.k_cache, attn.v_cache = k, v
 
     @property
     def num_free(self) -> int:

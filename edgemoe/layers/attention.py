@@ -70,11 +70,16 @@ class PagedAttention(nn.Module):
             )
         return self._decode_torch(q, ctx)
 
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Which keys a query sees, by position (broadcast): causal here; a subclass narrows it (a sliding window).
+        The Triton decode kernel assumes this one."""
+        return k_pos <= q_pos
+
     def _decode_torch(self, q: torch.Tensor, ctx) -> torch.Tensor:
         # reads and copies the whole padded width: the reference of the kernel
         k, v = self._gather(ctx.block_tables)
         keys = torch.arange(k.shape[2], device=q.device)
-        mask = (keys[None, :] < ctx.context_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, keys]
+        mask = self.visible((ctx.context_lens - 1)[:, None], keys[None, :])[:, None, None, :]  # [seqs, 1, 1, keys]
         out = F.scaled_dot_product_attention(
             q[:, :, None, :], k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
         )
@@ -87,7 +92,7 @@ class PagedAttention(nn.Module):
             k, v = self._gather(ctx.block_tables[i : i + 1, :n_blocks])
             k, v = k[:, :, :n_ctx], v[:, :, :n_ctx]
             q_pos = torch.arange(n_ctx - n_new, n_ctx, device=q.device)
-            mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos[:, None]  # [new, keys]
+            mask = self.visible(q_pos[:, None], torch.arange(n_ctx, device=q.device)[None, :])  # [new, keys]
             qi = q[start : start + n_new].transpose(0, 1)[None]  # [1, heads, new, head_dim]
             o = F.scaled_dot_product_attention(
                 qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads

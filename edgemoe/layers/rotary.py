@@ -12,10 +12,13 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
 
+    def inv_freq(self) -> torch.Tensor:
+        """[head_dim / 2] rotation frequencies; a subclass changes them (Gemma-4's proportional RoPE)."""
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+
     def build(self, device: torch.device | str) -> None:
         """(Re)compute the table; called after weights are materialised on their device."""
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), self.inv_freq())
         emb = torch.cat((freqs, freqs), dim=-1)  # [positions, head_dim]
         self.cos_sin = torch.stack((emb.cos(), emb.sin())).to(device)  # [2, positions, head_dim]
 

@@ -68,15 +68,24 @@ def moe_or_mlp(cfg: ModelConfig, layer: DecoderLayer, shared: int = 0) -> Sparse
 
 
 class DecoderModel(nn.Module):
+    """Embedding, layers, final norm. A family whose embedding or layer loop differs (Gemma-4: a scaled embedding,
+    per-layer embeddings handed to each layer, RoPE per layer type) subclasses it and names the subclass in its
+    `MoEForCausalLM` subclass's `model_class`."""
+
     def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer], block_size: int) -> None:
         super().__init__()
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = self.make_rotary(cfg)
         # _weight skips Embedding's random init, which on the meta device pulls in torch._dynamo (~1 s)
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
         self.layers = nn.ModuleList(layer_class(cfg, i, self.rotary, block_size) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @staticmethod
+    def make_rotary(cfg: ModelConfig) -> nn.Module:
+        """The RoPE module every layer is given (built by the loader with `build(device)`)."""
+        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [tokens, hidden]
@@ -87,12 +96,15 @@ class DecoderModel(nn.Module):
 
 
 class MoEForCausalLM(nn.Module):
-    """Token ids + positions of a flattened batch -> final hidden states; `logits` on chosen rows."""
+    """Token ids + positions of a flattened batch -> final hidden states; `logits` on chosen rows. A family subclasses
+    it (its file's `MODEL`) to change the decoder (`model_class`), the logits or `checkpoint_name`."""
+
+    model_class: type[DecoderModel] = DecoderModel
 
     def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer], block_size: int = 16) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, layer_class, block_size)
+        self.model = self.model_class(cfg, layer_class, block_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
@@ -104,3 +116,8 @@ class MoEForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's parameter name here, after the family's `rename`, where it depends on the config
+        (this model's); None: a tensor the model does not use. Default: the name itself."""
+        return name

@@ -33,6 +33,11 @@ _QKV = re.compile(r"^(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$")  # row bloc
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
+def build_model(cfg: ModelConfig, family: ModuleType, block_size: int) -> MoEForCausalLM:
+    """The family's model (its `MODEL` class where it has one, else `MoEForCausalLM`) over its `LAYER`s."""
+    return getattr(family, "MODEL", MoEForCausalLM)(cfg, family.LAYER, block_size)
+
+
 def checkpoint_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -69,7 +74,7 @@ def load_model(
     routed experts are quantized to once, as the `gguf` package quantizes them (random weights: any format of
     `edgemoe.layers.quant`); auto keeps `dtype`."""
     with torch.device("meta"):
-        model = MoEForCausalLM(cfg, family.LAYER, block_size).to(dtype)
+        model = build_model(cfg, family, block_size).to(dtype)
     layouts = {}
     if expert_dtype != "auto":
         q, (H, inter) = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size)
@@ -78,7 +83,8 @@ def load_model(
                 f"expert_dtype {expert_dtype} stores rows in blocks of {q.block_weights} weights; this model's experts "
                 f"have rows of {H} and {inter}"
             )
-        layouts = {i: QuantExpertLayout(H, inter, q, q, dtype) for i, moe in enumerate(cfg.moe_layers) if moe}
+        act = cfg.hidden_act
+        layouts = {i: QuantExpertLayout(H, inter, q, q, dtype, act=act) for i, moe in enumerate(cfg.moe_layers) if moe}
     host = _place_experts(model, layouts, dtype, device, progress, offload)
     model.to_empty(device=device)
     model.tie_weights()
@@ -155,7 +161,10 @@ def load_weights(
     keys = [(h, k) for h in handles for k in h.keys()]
     with torch.no_grad():
         for handle, key in tqdm(keys, desc="loading weights", unit="tensor", disable=not progress or None, leave=False):
-            name, target = _target(family.rename(key), params, model)
+            name = model.checkpoint_name(family.rename(key))
+            if name is None:
+                continue
+            name, target = _target(name, params, model)
             if target is None:
                 continue
             shape = handle.get_slice(key).get_shape()
@@ -192,10 +201,11 @@ def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausa
     m = _QKV.match(name)
     if m:
         pname = f"{m.group(1)}.qkv_proj.{m.group(3)}"
-        sizes = model.model.layers[0].self_attn.qkv_sizes
+        qkv = _param(params, pname, name)
+        sizes = model.get_submodule(m.group(1)).qkv_sizes  # the layer's own: layers may differ (Gemma-4's)
         part = "qkv".index(m.group(2))
         start = sum(sizes[:part])
-        return pname, _param(params, pname, name)[start : start + sizes[part]]
+        return pname, qkv[start : start + sizes[part]]
     if _IGNORED.search(name) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
         return name, None
     if name not in params and ".shared_expert" in name and not model.config.shared_expert_intermediate_size:
@@ -239,10 +249,13 @@ def expert_layouts(ckpt: GGUFCheckpoint, cfg: ModelConfig, dtype: torch.dtype) -
             )
         return {}
     H, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    own = {i: QuantExpertLayout(H, inter, *f, dtype) for i, f in formats.items()}
+    own = {i: QuantExpertLayout(H, inter, *f, dtype, act=cfg.hidden_act) for i, f in formats.items()}
     row = max((layout.row for layout in own.values()), default=0)
     split = next((layout.split for layout in own.values()), 0)
-    return {i: QuantExpertLayout(H, inter, *f, dtype, row=row, copy_split=split) for i, f in formats.items()}
+    return {
+        i: QuantExpertLayout(H, inter, *f, dtype, row=row, copy_split=split, act=cfg.hidden_act)
+        for i, f in formats.items()
+    }
 
 
 def load_gguf(
@@ -258,7 +271,7 @@ def load_gguf(
     """`load_model` for a GGUF checkpoint: dense weights dequantized to `dtype`; routed experts kept as stored (their
     raw blocks copied from the memory-mapped file into host banks or device storage) unless stored as floats."""
     with torch.device("meta"):
-        model = MoEForCausalLM(cfg, family.LAYER, block_size).to(dtype)
+        model = build_model(cfg, family, block_size).to(dtype)
     layouts = expert_layouts(ckpt, cfg, dtype)
     host = _place_experts(model, layouts, dtype, device, progress, offload)
     model.to_empty(device=device)

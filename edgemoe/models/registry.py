@@ -1,7 +1,8 @@
 """Model families by Hugging Face `model_type` (a plain table), and reading a checkpoint's `config.json`.
 
 A family is a module with `MODEL_TYPE`, `normalise(hf) -> ModelConfig`, `rename(checkpoint name) -> our name` and
-`LAYER`, its `DecoderLayer` class."""
+`LAYER`, its `DecoderLayer` class; optionally `MODEL_TYPES` (every `model_type` it reads) and `MODEL`, its
+`MoEForCausalLM` subclass (another embedding, layer loop or logits, config-dependent checkpoint names)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from types import ModuleType
 
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from edgemoe.models import gemma4, mixtral, olmoe, qwen2_moe, qwen3_moe
 from edgemoe.models.gguf import GGUFCheckpoint
 
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (qwen2_moe, qwen3_moe, mixtral, olmoe)}
+FAMILIES: dict[str, ModuleType] = {
+    t: m for m in (qwen2_moe, qwen3_moe, mixtral, olmoe, gemma4) for t in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))
+}
 
 
 def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
@@ -43,6 +46,8 @@ def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
         )
     try:
         return family.normalise(hf), family
+    except EdgeMoEError as exc:  # the family refuses what it does not support: not malformed
+        raise EdgeMoEError(f"{path}: {exc}") from None
     except KeyError as exc:
         raise EdgeMoEError(f"malformed {path}: missing field {exc}") from None
     except (TypeError, ValueError) as exc:

@@ -22,12 +22,21 @@ class SparseMoE(nn.Module):
     `index`: this block's place among the model's MoE layers (the routing seam's row, the expert cache's layer)."""
 
     def __init__(
-        self, hidden: int, num_experts: int, top_k: int, inter: int, norm_topk_prob: bool, index: int, shared: int = 0
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        inter: int,
+        norm_topk_prob: bool,
+        index: int,
+        shared: int = 0,
+        act: str = "silu",
     ) -> None:
+        """`act`: the routed experts' gate activation (`edgemoe.layers.mlp.ACTIVATIONS`)."""
         super().__init__()
         self.top_k, self.norm_topk_prob, self.index = top_k, norm_topk_prob, index
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden, inter)
+        self.experts = Experts(num_experts, hidden, inter, act)
         self.shared_expert = self.shared_expert_gate = None
         if shared:
             self.shared_expert = GatedMLP(hidden, shared)

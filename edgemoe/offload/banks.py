@@ -51,7 +51,7 @@ def offload_experts(
     targets, index = {}, 0
     layers = [(i, layer) for i, layer in enumerate(model.model.layers) if layer.is_moe]
     desc = "allocating pinned expert banks" if pin else "allocating expert banks"
-    dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+    dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cfg.hidden_act)
     for i, layer in tqdm(layers, desc=desc, unit="layer", disable=not progress or None, leave=False):
         layout = (layouts or {}).get(i, dense)
         bank = allocate_bank((cfg.num_experts, layout.row), layout.dtype, pin)

@@ -54,6 +54,8 @@ class OffloadedExperts(nn.Module):
             got = self.load(ids)
             if get_context().is_prefill:  # bitwise as resident
                 return self.layout.gathered(x, got.slots, weights, self.w13, self.w2)
+            if not self.layout.decode_waits:  # a plain-torch decode (a non-SiLU family on CUDA) reads every slot at
+                self.cache.await_copy(got)  # once: in a captured step, after the copy service's copy
             return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=self.cache.arrivals(got))
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
@@ -88,7 +90,7 @@ class OffloadedExperts(nn.Module):
             slot = slot_of[flat]  # [pairs]
             w13, w2 = self.layout.dense_gate_up(self.w13[slot]), self.layout.dense_down(self.w2[slot])
             gate, up = torch.bmm(w13, xs)[:, :, 0].chunk(2, dim=-1)
-            h = (F.silu(gate) * up)[:, :, None]
+            h = (self.layout.act(gate) * up)[:, :, None]
             out = torch.where(in_wave[flat][:, None], torch.bmm(w2, h)[:, :, 0], out)
         return (out.view(tokens, top_k, -1) * weights[:, :, None]).sum(dim=1)
 
@@ -106,7 +108,7 @@ class OffloadedExperts(nn.Module):
                 tok = token_of_pair[starts[expert] : starts[expert] + counts[expert]]
                 w13, w2 = self.layout.dense_gate_up(self.w13[slot]), self.layout.dense_down(self.w2[slot])
                 gate, up = F.linear(x[tok], w13).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, w2) * weights.flatten()[pairs, None]
+                y = F.linear(self.layout.act(gate) * up, w2) * weights.flatten()[pairs, None]
                 out.index_add_(0, tok, y)
         return out
 
@@ -186,7 +188,8 @@ def attach_expert_cache(
     of `model`'s offloaded MoE layers."""
     cfg = model.config
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
-    layout = layers[0].layout if layers else ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+    dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cfg.hidden_act)
+    layout = layers[0].layout if layers else dense
     cache = ExpertCache(len(layers), cfg.num_experts, slots, policy, device, layout.row_bytes, collect_stats)
     joined = layout.empty(slots + 1, device)
     cache.attach_pool(*layout.copy_views(joined), joined)

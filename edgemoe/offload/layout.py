@@ -10,15 +10,19 @@ of memory, so a miss is one copy (`copy_service.c`). A layout gives
 `ExpertLayout` keeps experts in the model's dtype; `QuantExpertLayout` keeps GGUF blocks (`edgemoe.layers.quant`) as
 stored, one format for gate_up and one for down. The layers of one model may use different formats (Q4_K_M files
 do): they then share one storage row, the longest of them (`row`), so that one slot pool serves every layer.
+A layout also names the gate's activation (`act`, SiLU unless the family says otherwise): the kernels compute SiLU
+only, so other activations keep the plain-torch decode.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from edgemoe.layers.mlp import ACTIVATIONS
 from edgemoe.layers.quant import QuantLike, dequantize, quant_type, row_bytes
 from edgemoe.moe.experts import decode_reference, gathered_experts
 
@@ -26,16 +30,21 @@ from edgemoe.moe.experts import decode_reference, gathered_experts
 class ExpertLayout:
     """Dense experts (the model's dtype): gate_up [2I, H] (gate rows first), then down [H, I]."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, act: str = "silu") -> None:
         self.hidden, self.inter, self.dtype = hidden, inter, dtype
         self.row = 3 * inter * hidden  # elements of one expert's row
         self.split = 2 * inter * hidden  # where down starts
-        self.decode: Callable = decode_reference  # (x, ids, weights, w13, w2, arrivals=) -> [T, H]
+        self.act_name, self.act = act, ACTIVATIONS[act]
+        # (x, ids, weights, w13, w2, arrivals=) -> [T, H]
+        self.decode: Callable = decode_reference if act == "silu" else partial(decode_reference, act=self.act)
+        self.decode_waits = False  # whether `decode` waits for each copied expert itself (the kernels do)
 
     def use_kernels(self, device: torch.device) -> None:
+        if self.act_name != "silu":  # the kernel computes SiLU
+            return
         from edgemoe.kernels.moe_gemv import fused_experts
 
-        self.decode = fused_experts
+        self.decode, self.decode_waits = fused_experts, True
 
     @property
     def row_bytes(self) -> int:
@@ -65,7 +74,7 @@ class ExpertLayout:
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
         """`gathered_experts` over these views (prefill with few pairs)."""
-        return gathered_experts(x, ids, weights, w13, w2)
+        return gathered_experts(x, ids, weights, w13, w2, self.act)
 
     def grouped(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
@@ -82,7 +91,7 @@ class ExpertLayout:
                 continue
             pairs, tok = order[start : start + n], token_of_pair[start : start + n]
             gate, up = F.linear(x[tok], self.dense_gate_up(w13[expert])).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.dense_down(w2[expert])) * weights.flatten()[pairs, None]
+            y = F.linear(self.act(gate) * up, self.dense_down(w2[expert])) * weights.flatten()[pairs, None]
             out.index_add_(0, tok, y)
             start += n
         return out
@@ -94,9 +103,10 @@ class QuantExpertLayout(ExpertLayout):
 
     def __init__(
         self, hidden: int, inter: int, q_gate_up: QuantLike, q_down: QuantLike, compute_dtype: torch.dtype,
-        row: int | None = None, copy_split: int | None = None,
+        row: int | None = None, copy_split: int | None = None, act: str = "silu",
     ) -> None:  # fmt: skip
         self.hidden, self.inter, self.dtype = hidden, inter, torch.uint8
+        self.act_name, self.act = act, ACTIVATIONS[act]
         self.q_gate_up, self.q_down, self.compute_dtype = quant_type(q_gate_up), quant_type(q_down), compute_dtype
         self.gu_bytes, self.down_bytes = row_bytes(self.q_gate_up, hidden), row_bytes(self.q_down, inter)
         self.split = 2 * inter * self.gu_bytes
@@ -104,9 +114,11 @@ class QuantExpertLayout(ExpertLayout):
         self.row = row or self.used
         self.copy_split = copy_split or self.split
         assert self.row >= self.used and 0 < self.copy_split < self.row
-        self.decode = self._decode_reference
+        self.decode, self.decode_waits = self._decode_reference, False
 
     def use_kernels(self, device: torch.device) -> None:
+        if self.act_name != "silu":  # the kernels compute SiLU
+            return
         from edgemoe.kernels.quant_gemv import quant_fused_experts
 
         q_gu, q_down, inter, hidden = self.q_gate_up, self.q_down, self.inter, self.hidden
@@ -114,7 +126,7 @@ class QuantExpertLayout(ExpertLayout):
         def decode(x, ids, weights, w13, w2, arrivals=None):  # noqa: ANN001, ANN202 - decode's signature
             return quant_fused_experts(x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals)
 
-        self.decode = decode
+        self.decode, self.decode_waits = decode, True
 
     def views(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate_up [N, 2I, gu_bytes] and down [N, H, down_bytes] uint8 views of `joined` [N, row]."""
@@ -137,7 +149,7 @@ class QuantExpertLayout(ExpertLayout):
     ) -> torch.Tensor:
         """The chosen experts dequantized (each once), then `gathered_experts`' arithmetic."""
         used, inverse = torch.unique(ids, return_inverse=True)  # [U], ids' shape
-        return gathered_experts(x, inverse, weights, self.dense_gate_up(w13[used]), self.dense_down(w2[used]))
+        return gathered_experts(x, inverse, weights, self.dense_gate_up(w13[used]), self.dense_down(w2[used]), self.act)
 
     def _decode_reference(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -147,7 +159,7 @@ class QuantExpertLayout(ExpertLayout):
         tokens, top_k = ids.shape
         flat = ids.flatten()
         pairs = torch.arange(flat.numel(), device=ids.device).view(tokens, top_k)
-        return gathered_experts(x, pairs, weights, self.dense_gate_up(w13[flat]), self.dense_down(w2[flat]))
+        return gathered_experts(x, pairs, weights, self.dense_gate_up(w13[flat]), self.dense_down(w2[flat]), self.act)
 
 
 def split_rows(joined: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ class RequestOutput:
     text: str  # generated text only
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     delta: str = ""  # text new since the previous step (streaming)
+    stop_reason: str | int | None = None  # with "stop": the stop string or stop token id that matched; None: EOS
 
     @property
     def finished(self) -> bool:
@@ -56,6 +57,7 @@ class Sequence:
         self.text = ""
         self.emitted = 0  # characters of text already handed out
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     @property
     def num_uncomputed(self) -> int:
@@ -77,4 +79,5 @@ class Sequence:
             self.text,
             self.finish_reason,
             delta,
+            self.stop_reason,
         )

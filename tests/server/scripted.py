@@ -35,7 +35,8 @@ QWEN3_TEMPLATE = """
 {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
 {{- '# Tools\\n\\nYou may call functions. Their signatures:\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-{{- '\\n</tools>\\n\\nCall one as:\\n<tool_call>\\n{"name": <name>, "arguments": <object>}\\n</tool_call><|im_end|>\\n' }}
+{{- '\\n</tools>\\n\\nCall one as:\\n<tool_call>\\n{"name": <name>, "arguments": <object>}' }}
+{{- '\\n</tool_call><|im_end|>\\n' }}
 {%- elif messages[0].role == 'system' %}
 {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
 {%- endif %}
@@ -54,7 +55,8 @@ QWEN3_TEMPLATE = """
 {%- for call in m.tool_calls or [] %}
 {%- if m.content or not loop.first %}{{- '\\n' }}{%- endif %}
 {{- '<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' }}
-{%- if call.function.arguments is string %}{{- call.function.arguments }}{%- else %}{{- call.function.arguments | tojson }}{%- endif %}
+{%- if call.function.arguments is string %}{{- call.function.arguments }}
+{%- else %}{{- call.function.arguments | tojson }}{%- endif %}
 {{- '}\\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\\n' }}
@@ -77,7 +79,9 @@ CODER_TEMPLATE = """
 {{- '<|im_start|>' + m.role + '\\n' + (m.content or '') }}
 {%- for call in m.tool_calls or [] %}
 {{- '<tool_call>\\n<function=' + call.function.name + '>\\n' }}
-{%- for k, v in call.function.arguments | items %}{{- '<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>\\n' }}{%- endfor %}
+{%- for k, v in call.function.arguments | items %}
+{{- '<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>\\n' }}
+{%- endfor %}
 {{- '</function>\\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\\n' }}
@@ -94,7 +98,7 @@ MISTRAL_TEMPLATE = """
 {%- elif m.role == 'assistant' and m.tool_calls %}
 {{- '[TOOL_CALLS][' }}
 {%- for c in m.tool_calls %}
-{%- if c.id | length != 9 %}{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}
+{%- if c.id | length != 9 %}{{- raise_exception('Tool call ids must be 9 alphanumeric characters') }}{%- endif %}
 {{- '{"name": "' + c.function.name + '", "arguments": ' + (c.function.arguments | tojson) + ', "id": "' + c.id + '"}' }}
 {%- if not loop.last %}{{- ', ' }}{%- endif %}
 {%- endfor %}

@@ -37,7 +37,8 @@ CODER = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</paramet
 # (id, format, reasoning: None | "closed" | "open", max_calls, text, expected (reasoning, content, calls))
 CASES = [
     ("qwen-plain", "qwen", None, None, "Hello there.\n", ("", "Hello there.\n", [])),
-    ("qwen-text-call", "qwen", None, None, f"Let me check.\n\n{W}", ("", "Let me check.", [call("get_weather", city="Paris")])),
+    ("qwen-text-call", "qwen", None, None, f"Let me check.\n\n{W}",
+     ("", "Let me check.", [call("get_weather", city="Paris")])),
     ("qwen-two-calls", "qwen", None, None, f"{W}\n{ROME}",
      ("", "", [call("get_weather", city="Paris"), call("get_weather", city="Rome")])),
     ("qwen-call-then-text", "qwen", None, None, f"{W}\n\nDone.", ("", "Done.", [call("get_weather", city="Paris")])),
@@ -49,7 +50,8 @@ CASES = [
      ("", 'ok <tool_call>\n{"name": "get_weather", "argu', [])),
     ("qwen-no-end-tag", "qwen", None, None, '<tool_call>\n{"name": "get_weather", "arguments": {}}\n',
      ("", "", [call("get_weather")])),
-    ("qwen-strings-with-markup", "qwen", None, None, qcall("write_file", '{"code": "if (x) { y(\\"}\\"); } </tool_call> [", "n": 1}'),
+    ("qwen-strings-with-markup", "qwen", None, None,
+     qcall("write_file", '{"code": "if (x) { y(\\"}\\"); } </tool_call> [", "n": 1}'),
      ("", "", [call("write_file", code='if (x) { y("}"); } </tool_call> [', n=1)])),
     ("qwen-escapes", "qwen", None, None, qcall("f", r'{"s": "a \\ b \" c \n d \u00e9"}'),
      ("", "", [call("f", s='a \\ b " c \n d é')])),
@@ -64,7 +66,8 @@ CASES = [
     ("qwen-bare-marker", "qwen", None, None, "see <tool_call>", ("", "see <tool_call>", [])),
     ("qwen-unicode", "qwen", None, None, f"日本 {TOKYO}",
      ("", "日本", [call("get_weather", city="東京")])),
-    ("qwen-one-call-only", "qwen", None, 1, f"Sure. {W}{W} and more", ("", "Sure.", [call("get_weather", city="Paris")])),
+    ("qwen-one-call-only", "qwen", None, 1, f"Sure. {W}{W} and more",
+     ("", "Sure.", [call("get_weather", city="Paris")])),
     ("qwen-bad-then-good", "qwen", None, None, f"{BAD_JSON}\n{W}", ("", BAD_JSON, [call("get_weather", city="Paris")])),
     ("coder-typed", "qwen3_coder", None, None,
      "I will.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"

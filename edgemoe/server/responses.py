@@ -87,7 +87,7 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     """Input items -> OpenAI chat messages: an assistant's message and the calls after it become one message."""
     out: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    reasoning = ""
+    reasoning, calls = "", set()
     for i, item in enumerate(items):
         where, kind = f"input.{i}", item.get("type", "message")
         if kind == "message":
@@ -96,12 +96,21 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                 raise _bad(f"{where}.role: must be user, system, developer or assistant", f"{where}.role")
             out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str) or not item[key]:
+                    raise _bad(f"{where}.{key}: must be a non-empty string", f"{where}.{key}")
+            if not isinstance(_json(item["arguments"]), dict):
+                raise _bad(f"{where}.arguments: must be a JSON object", f"{where}.arguments")
+            calls.add(item["call_id"])
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
             if not out or out[-1]["role"] != "assistant":
                 out.append({"role": "assistant", "content": None})
             out[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
+            if item.get("call_id") not in calls:
+                raise _bad(f"{where}.call_id: {item.get('call_id')!r} answers no function_call before it",
+                           f"{where}.call_id")  # fmt: skip
             output = _text(item.get("output"), f"{where}.output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         elif kind == "reasoning":
@@ -113,6 +122,13 @@ def _messages(req: ResponsesRequest) -> list[dict]:
         if reasoning and out[-1]["role"] == "assistant":
             out[-1]["reasoning_content"], reasoning = reasoning, ""
     return out
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _tools(tools: list[dict] | None) -> list[dict] | None:

@@ -67,6 +67,7 @@ class MessagesRequest(BaseModel):
     tools: list[dict] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None
+    output_config: dict | None = None
 
 
 def _bad(message: str, param: str | None = None) -> RequestError:
@@ -96,6 +97,8 @@ def parse(body: object, count_only: bool = False) -> Conversation:
     req = parse_request(MessagesRequest, body)
     if req.max_tokens is None and not count_only:
         raise RequestError(400, "max_tokens: Field required", "max_tokens", "missing_required_parameter")
+    if (req.output_config or {}).get("format") is not None:
+        raise _bad("output_config.format: structured outputs are not supported", "output_config.format")
     messages, prefill = _messages(req)
     chat = {"model": req.model, "messages": messages, "stream": req.stream, "stop": req.stop_sequences,
             "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,

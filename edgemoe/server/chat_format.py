@@ -213,9 +213,10 @@ def render_chat(
     forced = _forced(formats, choice, function) if use_tools else ""
     text += prefill + forced
     try:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    except UnicodeEncodeError:  # a lone surrogate: valid JSON, invalid Unicode
+        text.encode()  # a lone surrogate (valid JSON, invalid Unicode) would fail deep in the tokenizer
+    except UnicodeEncodeError:
         raise RequestError(400, "the text is not valid Unicode (lone surrogate)", "messages", "invalid_value") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise RequestError(400, "the prompt is empty", "messages", "invalid_value")
     parallel = req.parallel_tool_calls is not False

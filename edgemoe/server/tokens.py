@@ -38,10 +38,11 @@ def tokenize(engine: LLMEngine, formats: ChatFormats, body: dict, req: TokenizeR
         raise RequestError(400, "give either prompt or messages", "prompt", "invalid_value")
     if req.prompt is not None:
         try:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            req.prompt.encode()  # a lone surrogate would fail deep in the tokenizer
         except UnicodeEncodeError:
             message = "the text is not valid Unicode (lone surrogate)"
             raise RequestError(400, message, "prompt", "invalid_value") from None
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         extra = ("add_special_tokens", "add_generation_prompt", "return_token_strs")
         chat = parse_request(ChatCompletionRequest, {k: v for k, v in body.items() if k not in extra})

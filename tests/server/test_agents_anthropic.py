@@ -148,6 +148,8 @@ BAD = [  # (id, body, status, error type)
     ("server-tool", {"messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
      "invalid_request_error"),
     ("bad-role", {"messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error"),
+    ("structured-output", {"messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
+     400, "invalid_request_error"),
     ("unknown-model", {"model": "claude-opus-4", "messages": USER}, 404, "not_found_error"),
 ]  # fmt: skip
 
@@ -160,3 +162,13 @@ def test_errors_in_anthropic_shape(tool_server, body, status, kind):
     err = r.json()
     assert err["type"] == "error" and set(err["error"]) == {"type", "message"} and err["error"]["type"] == kind
     assert err["error"]["message"]
+
+
+def test_lone_surrogate(tool_server):
+    body = b'{"model":"qwen-tools","max_tokens":8,"messages":[{"role":"user","content":"a\\ud800"}]}'
+    r = httpx.post(f"{tool_server.url}/v1/messages", content=body, timeout=30,
+                   headers={"x-api-key": tool_server.api_key, "content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{tool_server.url}/v1/tokenize", content=b'{"prompt":"a\\ud800"}', timeout=30,
+                   headers={"x-api-key": tool_server.api_key, "content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

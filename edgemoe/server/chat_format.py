@@ -163,8 +163,7 @@ class ChatPlan:
     prompt_ids: list[int]
     formats: ChatFormats
     tools: list[dict]  # the request's tools, checked (empty when none)
-    tool_choice: str  # none, auto, required or function (then `function` names it)
-    function: str | None = None
+    tool_choice: str  # none, auto, required or function
     parallel: bool = True
     in_reasoning: bool = False  # the prompt leaves the model inside <think>
     forced: str = ""  # the call's opening that the prompt ends with (tool_choice required or a function)
@@ -210,6 +209,8 @@ def render_chat(
         text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools if use_tools else None, **kwargs)
     except EdgeMoEError as exc:
         raise RequestError(400, str(exc), "messages", "invalid_value") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:  # the template's own code failed on this data
+        raise RequestError(400, f"chat template: {type(exc).__name__}: {exc}", "messages", "invalid_value") from None
     forced = _forced(formats, choice, function) if use_tools else ""
     text += prefill + forced
     try:
@@ -221,7 +222,7 @@ def render_chat(
         raise RequestError(400, "the prompt is empty", "messages", "invalid_value")
     parallel = req.parallel_tool_calls is not False
     in_reasoning = formats.reasoning and opens_reasoning(text)
-    return ChatPlan(ids, formats, tools, choice, function, parallel, in_reasoning, forced)
+    return ChatPlan(ids, formats, tools, choice, parallel, in_reasoning, forced)
 
 
 def _forced(formats: ChatFormats, choice: str, function: str | None) -> str:

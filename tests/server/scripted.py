@@ -21,6 +21,7 @@ import torch
 import uvicorn
 
 from edgemoe import LLM, demo_model_path
+from edgemoe.engine.engine import LLMEngine
 from edgemoe.engine.sequence import Sequence
 from edgemoe.server.app import ServerConfig, create_app
 from edgemoe.server.engine_loop import EngineLoop
@@ -189,14 +190,14 @@ class InProcessServer:
         self.model_id, self.api_key = model.name, api_key
         self.script = ScriptedOutput(Tokenizer(model))
 
-        def make_engine():  # noqa: ANN202
+        def make_engine() -> LLMEngine:
             engine = LLM(model=str(model), max_num_seqs=4, progress=False).engine
             engine.logits_processors.append(self.script)
             return engine
 
         self.engine_loop = EngineLoop(make_engine, 4, 8, Metrics())
-        app = create_app(self.engine_loop, self.engine_loop.metrics, ServerConfig(self.model_id, api_key=api_key,
-                                                                                  **config))  # fmt: skip
+        config = ServerConfig(self.model_id, api_key=api_key, **config)
+        app = create_app(self.engine_loop, self.engine_loop.metrics, config)
         sock = free_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         uv = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")

@@ -186,7 +186,8 @@ def free_socket() -> socket.socket:
 class InProcessServer:
     """The serve app (engine thread + uvicorn) in this process, so that tests reach the engine's Python API."""
 
-    def __init__(self, model: Path, api_key: str = "test-key", **config: str) -> None:
+    def __init__(self, model: Path, api_key: str = "test-key", **options: str) -> None:
+        """`options`: ServerConfig fields (tool_parser, reasoning_parser)."""
         self.model_id, self.api_key = model.name, api_key
         self.script = ScriptedOutput(Tokenizer(model))
 
@@ -196,7 +197,7 @@ class InProcessServer:
             return engine
 
         self.engine_loop = EngineLoop(make_engine, 4, 8, Metrics())
-        config = ServerConfig(self.model_id, api_key=api_key, **config)
+        config = ServerConfig(self.model_id, api_key=api_key, **options)
         app = create_app(self.engine_loop, self.engine_loop.metrics, config)
         sock = free_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -120,6 +120,8 @@ def parse_size(text: str | int) -> int:
 MOE_STRATEGIES = ("resident", "offload")
 EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4")
 GRAPH_UPLOADS = ("auto", "capture", "none")
+TOOL_PARSERS = ("auto", "none", "qwen", "qwen3_coder", "mistral")  # edgemoe/server/tool_calls.py
+REASONING_PARSERS = ("auto", "none", "qwen3")  # edgemoe/server/reasoning.py
 
 
 def option(default, help: str, cli: bool = True, metavar: str | None = None):  # noqa: A002
@@ -251,6 +253,14 @@ class ServeConfig:
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
     max_queue: int = option(64, "sequences that may wait for a slot; beyond that requests get 429")
     max_body_bytes: int = option(4 << 20, "largest request body; larger ones get 413")
+    tool_parser: str = option(
+        "auto",
+        f"tool-call format of the model's output: {', '.join(TOOL_PARSERS)} (auto: from the chat template and "
+        "vocabulary)",
+    )
+    reasoning_parser: str = option(
+        "auto", f"reasoning split from answers: {', '.join(REASONING_PARSERS)} (qwen3: <think>...</think>)"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -261,6 +271,12 @@ class ServeConfig:
             raise EdgeMoEError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise EdgeMoEError("--api-key must not be empty")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise EdgeMoEError(f"unknown --tool-parser {self.tool_parser!r}: use {', '.join(TOOL_PARSERS)}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise EdgeMoEError(
+                f"unknown --reasoning-parser {self.reasoning_parser!r}: use {', '.join(REASONING_PARSERS)}"
+            )
 
 
 def cli_fields(cls: type) -> list:

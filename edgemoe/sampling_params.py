@@ -20,6 +20,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens reach the text (Mistral's [TOOL_CALLS] must)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -90,14 +90,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
+    ) -> str:
+        """Render `messages` (and `tools`, in the OpenAI function format, as Hugging Face templates take them);
+        `kwargs` are the template's own switches, e.g. `enable_thinking`."""
         if self._template_error:
             raise EdgeMoEError(self._template_error)
         if self._template is None:
             raise EdgeMoEError("this model has no chat template (tokenizer_config.json: chat_template)")
         try:
             return self._template.render(
+                **kwargs,
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -142,16 +148,19 @@ class IncrementalDetokenizer:
     The window starts inside the prompt, so the first delta keeps its leading space.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 4) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 4, skip_special_tokens: bool = True
+    ) -> None:
         self.tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-context:])
         self.prefix = 0  # window start
         self.read = len(self.ids)  # ids before this were already turned into text
 
     def step(self, new_ids: list[int]) -> str:
         self.ids += new_ids
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        after = self.tok.decode(self.ids[self.prefix :])
+        before = self.tok.decode(self.ids[self.prefix : self.read], self.skip_special_tokens)
+        after = self.tok.decode(self.ids[self.prefix :], self.skip_special_tokens)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""  # an incomplete character (or only special tokens): wait for more ids
         self.prefix, self.read = self.read, len(self.ids)

@@ -117,6 +117,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.device, config.max_num_seqs, max_blocks)
+        # Callables (sequences due a token, their logits [due, vocab]) -> logits, run in order before the sampler:
+        # constrained decoding, banned tokens; the server tests force scripted outputs through one.
+        self.logits_processors = self.runner.logits_processors
         self.recorder = None
         if moe.record_routing:
             self.recorder = RoutingRecorder(self.runner.record_routing(), moe.record_routing)
@@ -244,7 +247,8 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_gen))
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        seq = Sequence(ids, params, IncrementalDetokenizer(self.tokenizer, ids), generator, request_id)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+        seq = Sequence(ids, params, detok, generator, request_id)
         if seq.request_id in self._seqs:
             raise EdgeMoEError(f"request id {seq.request_id!r} is already in use")
         self._seqs[seq.request_id] = seq
@@ -292,12 +296,15 @@ class LLMEngine:
             seq.text += seq.detok.step([token])
             if p.stop:  # a new match must end inside the new delta
                 start = max(0, before - max(map(len, p.stop)) + 1)
-                hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
+                hits = [(i, s) for i, s in ((seq.text.find(s, start), s) for s in p.stop) if i >= 0]
                 if hits:
-                    seq.text = seq.text[: min(hits)]
+                    at, seq.stop_reason = min(hits)
+                    seq.text = seq.text[:at]
                     seq.finish_reason = "stop"
                     return
         if stop_token:
             seq.finish_reason = "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
         elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"

@@ -10,6 +10,8 @@ never change between replays, and a step's inputs reach the device as one copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from edgemoe.engine.context import ForwardContext, set_context
@@ -17,7 +19,11 @@ from edgemoe.engine.cuda_graphs import DecodeGraphs
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.sampler import Sampler
 from edgemoe.engine.scheduler import Batch
+from edgemoe.engine.sequence import Sequence
 from edgemoe.models.decoder import MoEForCausalLM
+
+# (sequences due a token, their logits [due, vocab] float32) -> logits the sampler draws from
+LogitsProcessor = Callable[[list[Sequence], torch.Tensor], torch.Tensor]
 
 _FIELDS = 4  # ids, positions, slots, context lengths (int64); then the valid flags, then the block tables
 
@@ -73,6 +79,7 @@ class ModelRunner:
     ) -> None:
         self.model, self.kv, self.device = model, kv, device
         self.sampler = Sampler()
+        self.logits_processors: list[LogitsProcessor] = []  # applied in order, before the sampler
         self.graphs: DecodeGraphs | None = None  # once `capture_graphs` ran (CUDA)
         self.decode = DecodeBuffers(max_num_seqs, max_blocks, kv.pad_block, kv.block_size, device)
         self.routed_ids: torch.Tensor | None = None  # [moe_layers, max_num_seqs, top_k] once `record_routing` ran
@@ -171,6 +178,7 @@ class ModelRunner:
             return due, None
         return due, self._forward(input_ids, positions, ctx, self._tensor(ends))
 
+    @torch.inference_mode()
     def run(self, batch: Batch) -> list[int | None]:
         """Next token per sequence of the batch; None for a prefill chunk that does not end its prompt."""
         due, logits = self.compute_logits(batch)
@@ -178,6 +186,8 @@ class ModelRunner:
         if not due:
             return out
         seqs = [batch.seqs[i] for i in due]
+        for process in self.logits_processors:
+            logits = process(seqs, logits)
         params = [s.params for s in seqs]
         tokens = self.sampler(
             logits,

@@ -29,6 +29,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     delta: str = ""  # text new since the previous step (streaming)
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    stop_reason: str | int | None = None  # with "stop": the stop string or stop token id that matched; None: EOS
 
     @property
     def finished(self) -> bool:
@@ -59,6 +60,7 @@ class Sequence:
         self.text = ""
         self.emitted = 0  # characters of text already handed out
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     @property
     def num_uncomputed(self) -> int:
@@ -80,5 +82,6 @@ class Sequence:
             self.text,
             self.finish_reason,
             delta,
-            self.num_cached,
+            cached_tokens=self.num_cached,
+            stop_reason=self.stop_reason,
         )

@@ -1,5 +1,11 @@
-"""The HTTP app: OpenAI routes over the engine loop, an API-key guard, and error handlers that turn every
-malformed request into a 4xx OpenAI error body (`{"error": {"message", "type", "param", "code"}}`).
+"""The HTTP app: OpenAI and Anthropic routes over the engine loop, an API-key guard, and error handlers that turn
+every malformed request into a 4xx error body: OpenAI's (`{"error": {"message", "type", "param", "code"}}`), or
+Anthropic's on /v1/messages (`{"type": "error", "error": {"type", "message"}}`).
+
+The three chat APIs (chat completions, messages, responses) share one path, `_chat`: the request converted to OpenAI
+chat messages, rendered by the model's chat template (`chat_format.py`), its output parsed into reasoning, content
+and tool calls, and written in the request's API by that API's builder (`openai_chat.py`, `anthropic.py`,
+`responses.py`).
 
 Bodies are read and parsed here rather than by FastAPI so that each failure has its own status: 415 for
 a wrong content type, 413 for an oversized body (checked while reading, not after), 400 for bad JSON.
@@ -12,8 +18,9 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -26,6 +33,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from edgemoe.engine.engine import LLMEngine
 from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
+from edgemoe.server import anthropic, openai_chat, responses, tokens
+from edgemoe.server.chat_format import ChatFormats, Conversation, announce, detect_formats, render_chat
 from edgemoe.server.engine_loop import EngineLoop, RequestHandle
 from edgemoe.server.metrics import CONTENT_TYPE, Metrics
 from edgemoe.server.protocol import (
@@ -47,6 +56,8 @@ class ServerConfig:
     model_aliases: frozenset[str] = frozenset()  # other names accepted in requests (the --model path)
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
+    tool_parser: str = "auto"  # ServeConfig's
+    reasoning_parser: str = "auto"
 
 
 @dataclass
@@ -54,6 +65,13 @@ class _State:
     engine_loop: EngineLoop
     config: ServerConfig
     names: set[str]
+    formats: ChatFormats | None = None  # the model's output formats, detected at the first chat request
+
+    def chat_formats(self, engine: LLMEngine) -> ChatFormats:
+        if self.formats is None:
+            self.formats = detect_formats(engine.tokenizer, self.config.tool_parser, self.config.reasoning_parser)
+            announce(self.formats)
+        return self.formats
 
 
 def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) -> FastAPI:
@@ -84,11 +102,43 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _complete(request, True, state)
+        return await _chat(request, state, openai_chat.parse, openai_chat.ChatBuilder)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _chat(request, state, anthropic.parse, anthropic.MessagesBuilder)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await _chat(request, state, responses.parse, responses.ResponsesBuilder)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _complete(request, False, state)
+        return await _complete(request, state)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        conv = anthropic.parse(await _read_json(request, config.max_body_bytes), count_only=True)
+        _check_model(conv.req.model, state.names)
+        engine = _loaded(engine_loop)
+        plan = await run_in_threadpool(
+            render_chat, engine.tokenizer, state.chat_formats(engine), conv.req, conv.template_kwargs, conv.prefill
+        )
+        return {"input_tokens": len(plan.prompt_ids)}
+
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await _read_json(request, config.max_body_bytes)
+        req = parse_request(tokens.TokenizeRequest, body)
+        _check_model(req.model, state.names)
+        engine = _loaded(engine_loop)
+        return await run_in_threadpool(tokens.tokenize, engine, state.chat_formats(engine), body, req)
+
+    @app.post("/v1/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = parse_request(tokens.DetokenizeRequest, await _read_json(request, config.max_body_bytes))
+        _check_model(req.model, state.names)
+        return tokens.detokenize(_loaded(engine_loop), req)
 
     return app
 
@@ -107,29 +157,64 @@ def _check_model(model: str | None, names: set[str]) -> None:
         )
 
 
-async def _complete(request: Request, chat: bool, state: _State) -> Response:
-    engine_loop = state.engine_loop
-    body = await _read_json(request, state.config.max_body_bytes)
-    req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
-    _check_model(req.model, state.names)
-    engine = engine_loop.engine
-    if engine is None:
+def _loaded(engine_loop: EngineLoop) -> LLMEngine:
+    if engine_loop.engine is None:
         raise RequestError(
             503, "the model is still loading", code="unavailable", type="server_error", headers={"Retry-After": "1"}
         )
-    prompt_ids = await run_in_threadpool(_tokenize, engine, req)  # a long prompt must not stall the event loop
-    kv_tokens = engine.kv.num_blocks * engine.kv.block_size  # the longest sequence the KV cache holds
-    handle = RequestHandle(prompt_ids, _sampling_params(req, len(prompt_ids), engine.max_model_len, kv_tokens))
+    return engine_loop.engine
+
+
+def _kv_tokens(engine: LLMEngine) -> int:
+    """The longest sequence the KV cache holds."""
+    return engine.kv.num_blocks * engine.kv.block_size
+
+
+async def _submit(handle: RequestHandle, engine_loop: EngineLoop) -> None:
     engine_loop.submit(handle)
     try:
         await handle.accepted  # the engine's own checks (KV room) fail here, before any byte is sent
     except asyncio.CancelledError:
         engine_loop.abort(handle)
         raise
-    builder = ResponseBuilder(chat, state.config.model_id, req.include_usage)
+
+
+async def _complete(request: Request, state: _State) -> Response:
+    engine_loop = state.engine_loop
+    body = await _read_json(request, state.config.max_body_bytes)
+    req = parse_request(CompletionRequest, body)
+    _check_model(req.model, state.names)
+    engine = _loaded(engine_loop)
+    prompt_ids = await run_in_threadpool(_tokenize, engine, req)  # a long prompt must not stall the event loop
+    handle = RequestHandle(prompt_ids, _sampling_params(req, len(prompt_ids), engine.max_model_len, _kv_tokens(engine)))
+    await _submit(handle, engine_loop)
+    builder = ResponseBuilder(False, state.config.model_id, req.include_usage)
     if req.stream:
-        return _EventStream(handle, builder, engine_loop)
+        return _EventStream(_stream(handle, builder), handle, engine_loop)
     return JSONResponse(await _collect(request, handle, builder, engine_loop))
+
+
+async def _chat(request: Request, state: _State, parse: Callable[[object], Conversation], builder: type) -> Response:
+    """A chat API's request: `parse` converts it; `builder(conversation, plan, handle, model)` writes the answer,
+    whole (`response`) or streamed (`stream`)."""
+    engine_loop = state.engine_loop
+    conv = parse(await _read_json(request, state.config.max_body_bytes))
+    req = conv.req
+    _check_model(req.model, state.names)
+    engine = _loaded(engine_loop)
+    plan = await run_in_threadpool(  # a long conversation must not stall the event loop
+        render_chat, engine.tokenizer, state.chat_formats(engine), req, conv.template_kwargs, conv.prefill
+    )
+    room = engine.max_model_len - len(plan.prompt_ids)
+    if conv.fit_max_tokens and req.max_tokens is not None and room > 0:
+        req.max_tokens = min(req.max_tokens, room)
+    params = _sampling_params(req, len(plan.prompt_ids), engine.max_model_len, _kv_tokens(engine))
+    handle = RequestHandle(plan.prompt_ids, plan.sampling(params))
+    await _submit(handle, engine_loop)
+    answer = builder(conv, plan, handle, state.config.model_id)
+    if req.stream:
+        return _EventStream(answer.stream(), handle, engine_loop)
+    return JSONResponse(await _collect(request, handle, answer, engine_loop))
 
 
 async def _read_json(request: Request, limit: int) -> object:
@@ -154,16 +239,13 @@ async def _read_json(request: Request, limit: int) -> object:
         raise RequestError(400, f"the request body is not valid JSON: {message}", code="invalid_json") from None
 
 
-def _tokenize(engine: LLMEngine, req: ChatCompletionRequest | CompletionRequest) -> list[int]:
-    """Prompt ids, checked: runs in a worker thread (templates and tokenizers are thread-safe) so that a long
-    prompt does not stall the event loop, and so that the engine thread only sees valid ids."""
+def _tokenize(engine: LLMEngine, req: CompletionRequest) -> list[int]:
+    """Prompt ids, checked: runs in a worker thread (tokenizers are thread-safe) so that a long prompt does not
+    stall the event loop, and so that the engine thread only sees valid ids."""
     tok = engine.tokenizer
-    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-    try:  # EdgeMoEError: a lone surrogate (valid JSON, invalid Unicode), a chat template that fails on these messages
-        if isinstance(req, ChatCompletionRequest):
-            text = tok.apply_chat_template([m.for_template() for m in req.messages])
-            ids = tok.encode(text, add_special_tokens=False, limit=engine.max_model_len)
-        elif isinstance(req.prompt, str):
+    param = "prompt"
+    try:  # EdgeMoEError: a lone surrogate (valid JSON, invalid Unicode), a prompt whose length proves it too long
+        if isinstance(req.prompt, str):
             ids = tok.encode(req.prompt, limit=engine.max_model_len)
         else:
             ids = req.prompt
@@ -218,9 +300,6 @@ def _sampling_params(
 async def _stream(handle: RequestHandle, builder: ResponseBuilder) -> AsyncIterator[str]:
     """The SSE body: chunks as the engine produces them, then the usage chunk if asked for, then [DONE]."""
     try:
-        if builder.chat:
-            for i in range(len(handle.params)):
-                yield builder.chunk(i, "", role=True)
         async for index, out in handle.outputs():
             if out.delta or out.finish_reason:
                 yield builder.chunk(index, out.delta, out.finish_reason)
@@ -235,9 +314,9 @@ class _EventStream(StreamingResponse):
     """When the client goes away, Starlette cancels the response; then the sequences are aborted. Done here
     rather than in the body generator, whose `finally` never runs if it is cancelled before its first chunk."""
 
-    def __init__(self, handle: RequestHandle, builder: ResponseBuilder, engine_loop: EngineLoop) -> None:
+    def __init__(self, body: AsyncIterator[str], handle: RequestHandle, engine_loop: EngineLoop) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(_stream(handle, builder), media_type="text/event-stream", headers=headers)
+        super().__init__(body, media_type="text/event-stream", headers=headers)
         self.handle, self.engine_loop = handle, engine_loop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -248,7 +327,11 @@ class _EventStream(StreamingResponse):
                 self.engine_loop.abort(self.handle)
 
 
-async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder, engine_loop: EngineLoop) -> dict:
+class _Builder(Protocol):
+    def response(self, texts: list[str], finish_reasons: list[str], usage: dict) -> dict: ...
+
+
+async def _collect(request: Request, handle: RequestHandle, builder: _Builder, engine_loop: EngineLoop) -> dict:
     """Wait for every choice, or for the client to leave (then abort: nobody will read the answer)."""
 
     async def finish() -> None:
@@ -275,8 +358,9 @@ async def _collect(request: Request, handle: RequestHandle, builder: ResponseBui
 
 
 class _ApiKeyGuard:
-    """With an API key set, every route but /health needs `Authorization: Bearer KEY` (checked before the body
-    is read, and before routing, so unknown paths do not reveal themselves either)."""
+    """With an API key set, every route but /health needs `Authorization: Bearer KEY` or `x-api-key: KEY` (the
+    Anthropic clients' header), checked before the body is read, and before routing, so unknown paths do not reveal
+    themselves either."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics) -> None:
         self.app = app
@@ -286,40 +370,47 @@ class _ApiKeyGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.key is None or scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
-        auth = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key):
             return await self.app(scope, receive, send)
-        body = error_body("missing or wrong API key: send the header Authorization: Bearer KEY", code="invalid_api_key")
+        if secrets.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = "missing or wrong API key: send the header Authorization: Bearer KEY (or x-api-key: KEY)"
+        body = error_body(message, code="invalid_api_key")
+        if anthropic.is_anthropic(scope["path"]):
+            body = anthropic.error_body(401, message)
         response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         self.metrics.errors.labels("401").inc()
         await response(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    def reply(status: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
+    def reply(request: Request, status: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.errors.labels(str(status)).inc()
+        if anthropic.is_anthropic(request.url.path):
+            body = anthropic.error_body(status, body["error"]["message"])
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return reply(exc.status, exc.body(), exc.headers)
+        return reply(request, exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return reply(exc.status_code, error_body(message, code=code), exc.headers)
+        return reply(request, exc.status_code, error_body(message, code=code), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(p) for p in err["loc"]) or None
-        return reply(400, error_body(f"{param}: {err['msg']}", param=param, code="invalid_value"))
+        return reply(request, 400, error_body(f"{param}: {err['msg']}", param=param, code="invalid_value"))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return reply(500, error_body("internal server error", "server_error", code="internal_error"))
+        return reply(request, 500, error_body("internal server error", "server_error", code="internal_error"))
 
 
 class GracefulServer(uvicorn.Server):

@@ -26,12 +26,13 @@ DEMO_MODEL_ID = "edgemoe-demo"
 def add_serve_parser(sub: argparse._SubParsersAction, engine_flags: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve the model over an OpenAI-compatible HTTP API",
-        description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /health, /metrics), with continuous batching. A request without max_tokens "
-        "gets up to 256 tokens (fewer if the context or the KV cache has less room left). The KV cache holds "
-        "--max-num-seqs sequences of --max-model-len tokens, within 80 percent of the free GPU memory (1 GiB on the "
-        "CPU) unless --kv-cache-memory or --kv-cache-tokens sizes it; the server says what it reserved at start-up.",
+        help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs",
+        description="Serve the model over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, "
+        "/v1/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, /v1/tokenize, /v1/detokenize, "
+        "/v1/models, /health, /metrics), with continuous batching, tool calls and reasoning. A request without "
+        "max_tokens gets up to 256 tokens (fewer if the context or the KV cache has less room left). The KV cache "
+        "holds --max-num-seqs sequences of --max-model-len tokens, within 80 percent of the free GPU memory (1 GiB on "
+        "the CPU) unless --kv-cache-memory or --kv-cache-tokens sizes it; the server says what it reserved at start.",
     )
     add_flags(p.add_argument_group("server"), ServeConfig)
     engine_flags(p)
@@ -82,7 +83,14 @@ def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
         serve.max_queue,
         metrics,
     )
-    config = ServerConfig(model_id, frozenset({model} if model else ()), serve.api_key, serve.max_body_bytes)
+    config = ServerConfig(
+        model_id,
+        frozenset({model} if model else ()),
+        serve.api_key,
+        serve.max_body_bytes,
+        serve.tool_parser,
+        serve.reasoning_parser,
+    )
     app = create_app(engine_loop, metrics, config)
     uv_config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = GracefulServer(uv_config, engine_loop, _url(sock), model_id, SHUTDOWN_GRACE_S)

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (no "1" for 1, no true for 1, no NaN) so that a client's mistake comes
 back as a 400 naming the field instead of being silently coerced. Fields we do not implement but that
-change the meaning of a request (tools, logprobs, penalties, ...) are rejected when set to anything but
+change the meaning of a request (logprobs, penalties, ...) are rejected when set to anything but
 their no-op value; harmless ones (user, metadata, ...) are ignored.
 """
 
@@ -24,8 +24,6 @@ def _no(v: Any) -> bool:
 
 # field -> is this value a no-op we can accept without implementing the feature?
 _UNSUPPORTED = {
-    "tools": _no,
-    "tool_choice": _no,
     "functions": _no,
     "function_call": _no,
     "logprobs": _no,
@@ -97,9 +95,12 @@ class _Request(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None  # None: an assistant message with tool_calls (chat_format checks the rest)
     name: str | None = None
+    tool_calls: list | None = None  # assistant: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None  # tool: the call it answers
+    reasoning_content: str | None = None  # assistant: its reasoning, for templates that show it again
 
     @field_validator("content", mode="before")
     @classmethod
@@ -111,14 +112,14 @@ class ChatMessage(BaseModel):
             return "".join(p["text"] for p in v)
         return v
 
-    def for_template(self) -> dict:
-        # chat templates know "system"; "developer" is OpenAI's newer name for it
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
-
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list | None = None  # [{"type": "function", "function": {...}}], checked by chat_format
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # the template's own switches, e.g. {"enable_thinking": false}
 
     @property
     def requested_max_tokens(self) -> int | None:

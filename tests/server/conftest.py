@@ -89,3 +89,21 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="session")
+def tool_server(tmp_path_factory):
+    """The serve app in this process on the demo model dressed as a Qwen3-style tool-calling model (its template and
+    think/tool tokens); tests script its output with `tool_server.script.push(text)` (tests/server/scripted.py)."""
+    import torch
+
+    from .scripted import QWEN3_TEMPLATE, QWEN_TOKENS, InProcessServer, make_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine thread shares 2 CI cores with the clients and the other server
+    server = InProcessServer(make_model(tmp_path_factory.mktemp("agents") / "qwen-tools", QWEN3_TEMPLATE, QWEN_TOKENS))
+    try:
+        yield server
+    finally:
+        server.stop()
+        torch.set_num_threads(threads)

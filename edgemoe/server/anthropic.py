@@ -1,0 +1,274 @@
+"""The Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): requests converted to the OpenAI
+chat form that `chat_format` renders, answers as Anthropic messages, streams as Anthropic's event sequence, errors in
+Anthropic's shape.
+
+Mapping: `system` -> a system message; `tool_use` blocks -> the assistant's tool calls; `tool_result` blocks -> tool
+messages (each must answer a `tool_use` made before it); `thinking` blocks -> the assistant's reasoning (templates
+that show past reasoning get it back); a last assistant message -> the start of the answer. `thinking` switches the
+template's `enable_thinking` (the token budget is not enforced). `max_tokens` is capped to what the context has left,
+so that an agent's fixed large value still works on a short context.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from edgemoe.server.chat_format import ChatPlan, Conversation, new_call_id, parse_all
+from edgemoe.server.engine_loop import RequestHandle
+from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
+from edgemoe.server.reasoning import Reasoning
+from edgemoe.server.tool_calls import Content, ToolCall
+
+SIGNATURE = "edgemoe"  # thinking blocks carry a signature; ours is not checked when a client sends one back
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic(path: str) -> bool:
+    """Routes whose errors take Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_body(status: int, message: str) -> dict:
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["user", "assistant"]
+    content: str | list[dict]
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # agents send fields that change nothing here
+
+    model: str
+    messages: list[_Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # required by /v1/messages, not by count_tokens
+    system: str | list[dict] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=1)
+    tools: list[dict] | None = None
+    tool_choice: dict | None = None
+    thinking: dict | None = None
+    output_config: dict | None = None
+
+
+def _bad(message: str, param: str | None = None) -> RequestError:
+    return RequestError(400, message, param, "invalid_value")
+
+
+def _text(block: dict, key: str, where: str) -> str:
+    if not isinstance(block.get(key), str):
+        raise _bad(f"{where}.{key}: must be a string", f"{where}.{key}")
+    return block[key]
+
+
+def _texts(content: Any, where: str) -> str:
+    """A string, or text blocks joined (system prompts, tool results)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}: must be a string or a list of text blocks", where)
+    for j, b in enumerate(content):
+        if not isinstance(b, dict) or b.get("type") != "text":
+            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+            raise _bad(f"{where}.{j}: {kind!r} blocks are not supported here (only text)", f"{where}.{j}")
+    return "\n".join(_text(b, "text", f"{where}.{j}") for j, b in enumerate(content))
+
+
+def parse(body: object, count_only: bool = False) -> Conversation:
+    req = parse_request(MessagesRequest, body)
+    if req.max_tokens is None and not count_only:
+        raise RequestError(400, "max_tokens: Field required", "max_tokens", "missing_required_parameter")
+    if (req.output_config or {}).get("format") is not None:
+        raise _bad("output_config.format: structured outputs are not supported", "output_config.format")
+    messages, prefill = _messages(req)
+    chat = {"model": req.model, "messages": messages, "stream": req.stream, "stop": req.stop_sequences,
+            "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+            **_tools(req)}  # fmt: skip
+    kwargs = {}
+    if req.thinking is not None:
+        kind = req.thinking.get("type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise _bad("thinking.type: must be enabled, adaptive or disabled", "thinking.type")
+        kwargs["enable_thinking"] = kind != "disabled"
+    conv_req = parse_request(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
+    return Conversation(conv_req, kwargs, prefill, fit_max_tokens=True, wire=req)
+
+
+def _messages(req: MessagesRequest) -> tuple[list[dict], str]:
+    """Anthropic messages -> OpenAI chat messages, and the answer's given start (a last assistant message)."""
+    out: list[dict] = [{"role": "system", "content": _texts(req.system, "system")}] if req.system else []
+    calls: set[str] = set()
+    prefill = ""
+    for i, m in enumerate(req.messages):
+        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        texts, reasoning, tool_calls, results = [], [], [], []
+        for j, b in enumerate(blocks):
+            where, kind = f"messages.{i}.content.{j}", b.get("type")
+            if kind == "text":
+                texts.append(_text(b, "text", where))
+            elif m.role == "assistant" and kind == "thinking":
+                reasoning.append(_text(b, "thinking", where))
+            elif m.role == "assistant" and kind == "redacted_thinking":
+                pass  # encrypted by another server: nothing a local model can read
+            elif m.role == "assistant" and kind == "tool_use":
+                ident, name = _text(b, "id", where), _text(b, "name", where)
+                if not isinstance(b.get("input"), dict):
+                    raise _bad(f"{where}.input: must be an object", f"{where}.input")
+                calls.add(ident)
+                tool_calls.append({"id": ident, "type": "function",
+                                   "function": {"name": name, "arguments": json.dumps(b["input"])}})  # fmt: skip
+            elif m.role == "user" and kind == "tool_result":
+                ident = _text(b, "tool_use_id", where)
+                if ident not in calls:
+                    raise _bad(f"{where}.tool_use_id: {ident!r} answers no tool_use made before it", where)
+                text = _texts(b.get("content", ""), f"{where}.content")
+                results.append({"role": "tool", "tool_call_id": ident, "content": text})
+            else:
+                raise _bad(f"{where}.type: {kind!r} blocks are not supported in {m.role} messages", f"{where}.type")
+        if m.role == "user":
+            out += results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
+        elif i == len(req.messages) - 1 and not tool_calls:
+            prefill = "".join(texts)  # Anthropic: the model continues a last assistant message
+        else:
+            msg: dict = {"role": "assistant", "content": "".join(texts)}
+            if tool_calls:
+                msg["tool_calls"] = tool_calls
+            if reasoning:
+                msg["reasoning_content"] = "".join(reasoning)
+            out.append(msg)
+    return out, prefill
+
+
+def _tools(req: MessagesRequest) -> dict:
+    tools = []
+    for i, t in enumerate(req.tools or []):
+        if t.get("type", "custom") != "custom":
+            message = f"tools.{i}.type: {t.get('type')!r} tools (run by Anthropic's servers) are not supported"
+            raise _bad(message, "tools")
+        if not isinstance(t.get("input_schema"), dict):
+            raise _bad(f"tools.{i}.input_schema: must be a JSON schema object", f"tools.{i}.input_schema")
+        fn = {"name": t.get("name"), "parameters": t["input_schema"]}
+        if "description" in t:
+            fn["description"] = t["description"]
+        tools.append({"type": "function", "function": fn})
+    out: dict = {"tools": tools or None}
+    choice = req.tool_choice
+    if choice is not None:
+        kind = choice.get("type")
+        if kind not in ("auto", "any", "tool", "none"):
+            raise _bad("tool_choice.type: must be auto, any, tool or none", "tool_choice.type")
+        names = {"auto": "auto", "any": "required", "none": "none"}
+        out["tool_choice"] = names.get(kind) or {"type": "function", "function": {"name": choice.get("name")}}
+        if choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    return out
+
+
+def stop_reason(reason: str, stop: str | int | None, called: bool) -> tuple[str, str | None]:
+    if reason == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    return ("stop_sequence", stop) if isinstance(stop, str) else ("end_turn", None)
+
+
+class MessagesBuilder:
+    """Builds one request's Anthropic message, whole or as its event stream."""
+
+    def __init__(self, conv: Conversation, plan: ChatPlan, handle: RequestHandle, model: str) -> None:
+        self.plan, self.handle, self.model = plan, handle, model
+        self.id = f"msg_{uuid.uuid4().hex}"
+
+    def _message(self, content: list[dict], reason: str | None, stop: str | None, out_tokens: int) -> dict:
+        prompt = len(self.handle.prompt_ids)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": reason, "stop_sequence": stop,
+                "usage": {"input_tokens": prompt, "output_tokens": out_tokens, "cache_creation_input_tokens": 0,
+                          "cache_read_input_tokens": 0}}  # fmt: skip
+
+    def response(self, texts: list[str], finish_reasons: list[str], usage: dict) -> dict:
+        out = parse_all(self.plan.parser(), texts[0])
+        content = [{"type": "thinking", "thinking": out.reasoning, "signature": SIGNATURE}] if out.reasoning else []
+        content += [{"type": "text", "text": out.content}] if out.content else []
+        content += [{"type": "tool_use", "id": new_call_id("toolu_"), "name": c.name, "input": json.loads(c.arguments)}
+                    for c in out.calls]  # fmt: skip
+        reason, stop = stop_reason(finish_reasons[0], self.handle.finals[0].stop_reason, bool(out.calls))
+        return self._message(content, reason, stop, usage["completion_tokens"])
+
+    async def stream(self) -> AsyncIterator[str]:
+        """message_start, then per block content_block_start / _delta... / _stop, message_delta, message_stop."""
+        parser, called, block = self.plan.parser(), False, None  # block: the kind of the open block
+        index = -1
+        yield _event("message_start", message=self._message([], None, None, 0))
+        try:
+            async for _, out in self.handle.outputs():
+                events = parser.feed(out.delta) if out.delta else []
+                if out.finish_reason:
+                    events += parser.finish()
+                for e in events:
+                    kind = "tool_use" if isinstance(e, ToolCall) else "thinking" if isinstance(e, Reasoning) else "text"
+                    if block is not None and (kind != block or kind == "tool_use"):
+                        yield _close(index, block)
+                        block = None
+                    if block is None:
+                        index, block = index + 1, kind
+                        yield _event("content_block_start", index=index, content_block=_start(e))
+                    if isinstance(e, ToolCall):
+                        called = True
+                        yield _delta(index, {"type": "input_json_delta", "partial_json": e.arguments})
+                    elif isinstance(e, Reasoning):
+                        yield _delta(index, {"type": "thinking_delta", "thinking": e.text})
+                    elif isinstance(e, Content):
+                        yield _delta(index, {"type": "text_delta", "text": e.text})
+                if out.finish_reason:
+                    if block is not None:
+                        yield _close(index, block)
+                    reason, stop = stop_reason(out.finish_reason, out.stop_reason, called)
+                    tokens = len(out.token_ids)
+                    yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": stop},
+                                 usage={"output_tokens": tokens})  # fmt: skip
+                    yield _event("message_stop")
+        except RequestError as exc:  # the status line is gone already: the error travels as an event
+            yield _event("error", error=error_body(exc.status, exc.message)["error"])
+
+
+def _start(e: Content | Reasoning | ToolCall) -> dict:
+    if isinstance(e, ToolCall):
+        return {"type": "tool_use", "id": new_call_id("toolu_"), "name": e.name, "input": {}}
+    if isinstance(e, Reasoning):
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "text", "text": ""}
+
+
+def _close(index: int, block: str) -> str:
+    """Close a block (a thinking block gets its signature first)."""
+    sign = _delta(index, {"type": "signature_delta", "signature": SIGNATURE}) if block == "thinking" else ""
+    return sign + _event("content_block_stop", index=index)
+
+
+def _delta(index: int, delta: dict) -> str:
+    return _event("content_block_delta", index=index, delta=delta)
+
+
+def _event(kind: str, **fields: object) -> str:
+    data = json.dumps({"type": kind, **fields}, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {kind}\ndata: {data}\n\n"

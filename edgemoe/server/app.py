@@ -123,7 +123,7 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
         engine = _loaded(engine_loop)
         plan = await run_in_threadpool(
             render_chat, engine.tokenizer, state.chat_formats(engine), conv.req, conv.template_kwargs, conv.prefill
-        )
+        )  # (count_tokens: no limit, a client may ask how far over it is)
         return {"input_tokens": len(plan.prompt_ids)}
 
     @app.post("/v1/tokenize")
@@ -203,7 +203,13 @@ async def _chat(request: Request, state: _State, parse: Callable[[object], Conve
     _check_model(req.model, state.names)
     engine = _loaded(engine_loop)
     plan = await run_in_threadpool(  # a long conversation must not stall the event loop
-        render_chat, engine.tokenizer, state.chat_formats(engine), req, conv.template_kwargs, conv.prefill
+        render_chat,
+        engine.tokenizer,
+        state.chat_formats(engine),
+        req,
+        conv.template_kwargs,
+        conv.prefill,
+        limit=engine.max_model_len,
     )
     room = engine.max_model_len - len(plan.prompt_ids)
     if conv.fit_max_tokens and req.max_tokens is not None and room > 0:

@@ -190,6 +190,7 @@ def render_chat(
     template_kwargs: dict | None = None,
     prefill: str = "",
     add_generation_prompt: bool = True,
+    limit: int | None = None,
 ) -> ChatPlan:
     """Check the conversation and render it. `template_kwargs`: switches the API sets (the request's
     chat_template_kwargs win); `prefill`: the start of the answer, given by the client (not parsed as output)."""
@@ -217,7 +218,10 @@ def render_chat(
         text.encode()  # a lone surrogate (valid JSON, invalid Unicode) would fail deep in the tokenizer
     except UnicodeEncodeError:
         raise RequestError(400, "the text is not valid Unicode (lone surrogate)", "messages", "invalid_value") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    try:  # `limit`: a conversation whose length alone proves it over the context is refused before tokenizing
+        ids = tokenizer.encode(text, add_special_tokens=False, limit=limit)
+    except EdgeMoEError as exc:
+        raise RequestError(400, str(exc), "messages", "context_length_exceeded") from None
     if not ids:
         raise RequestError(400, "the prompt is empty", "messages", "invalid_value")
     parallel = req.parallel_tool_calls is not False

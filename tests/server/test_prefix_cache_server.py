@@ -42,3 +42,9 @@ def test_a_prompt_whose_length_proves_it_too_long_is_refused_untokenized(http) -
     r = http.post("/v1/completions", json={"prompt": "a" * 90_000, "max_tokens": 1})  # the body limit: 100 kB
     assert r.status_code == 400 and "context limit" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "prompt" and time.monotonic() - start < 2
+
+
+def test_a_conversation_whose_length_proves_it_too_long_is_refused_untokenized(http) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 90_000}]})
+    assert r.status_code == 400 and "context limit" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"

@@ -8,8 +8,10 @@ their no-op value; harmless ones (user, metadata, ...) are ignored.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+import typing
 import uuid
 from typing import Any, Literal
 
@@ -192,13 +194,13 @@ def parse_request(model: type[_Request], body: Any) -> _Request:
         cause = err.get("ctx", {}).get("error")
         if isinstance(cause, _FieldError):
             raise RequestError(400, cause.message, cause.param, "invalid_value") from None
-        loc = list(err["loc"])
-        tag = next((i for i, p in enumerate(loc) if isinstance(p, str) and p not in _FIELD_NAMES), None)
+        loc, names = list(err["loc"]), _FIELD_NAMES | _field_names(model)
+        tag = next((i for i, p in enumerate(loc) if i and isinstance(p, str) and p not in names), None)
         if tag is not None:  # a union member's tag ("str", "list[int]"): pydantic's path, not the client's
             loc = loc[:tag]
         param = ".".join(str(p) for p in loc) or None
         message = err["msg"].removeprefix("Value error, ")
-        if tag is not None and loc[-1] in _EXPECTED:
+        if tag is not None and loc and loc[-1] in _EXPECTED:
             message = f"must be {_EXPECTED[loc[-1]]}"
         elif err["type"] == "model_type":  # "a valid dictionary or instance of ChatMessage": our class's name
             message = f"must be a JSON object{_EXAMPLE.get(loc[0], '') if len(loc) > 1 else ''}"
@@ -208,6 +210,21 @@ def parse_request(model: type[_Request], body: Any) -> _Request:
 
 _MODELS = (ChatCompletionRequest, CompletionRequest, ChatMessage, StreamOptions)
 _FIELD_NAMES = {name for m in _MODELS for name in m.model_fields}
+
+
+@functools.cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """The field names of `model` and of the models its fields hold (their aliases too): the client's path parts."""
+    names: set[str] = set()
+    for name, info in model.model_fields.items():
+        names.update({name, info.alias} - {None})
+        for arg in typing.get_args(info.annotation) or (info.annotation,):
+            for inner in typing.get_args(arg) or (arg,):
+                if isinstance(inner, type) and issubclass(inner, BaseModel) and inner is not model:
+                    names |= _field_names(inner)
+    return frozenset(names)
+
+
 _EXPECTED = {  # what a field of several types takes
     "stop": "a string or a list of strings",
     "prompt": "a string or a list of token ids (integers >= 0)",

@@ -62,12 +62,17 @@ class Turn:
     decode_tok_s: float | None  # the server's
     first_output_ms: float  # the client's
     tool_calls: list[str] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache held (its /metrics)
 
 
 class ServerClock:
     """The server's time-to-first-token and end-to-end latency sums (/metrics), read before and after a turn."""
 
-    _SUMS = re.compile(r"^edgemoe_(time_to_first_token|e2e_request_latency)_seconds_sum (\S+)$", re.M)
+    _SUMS = re.compile(
+        r"^edgemoe_(time_to_first_token_seconds_sum|e2e_request_latency_seconds_sum|prefix_cache_hit_tokens_total)"
+        r" (\S+)$",
+        re.M,
+    )
 
     def __init__(self, url: str, key: str) -> None:
         self.url, self.headers = f"{url}/metrics", {"Authorization": f"Bearer {key}"}
@@ -79,12 +84,13 @@ class ServerClock:
     def turn(self, api: str, turn: int, before: dict[str, float], start: float, first: float | None,
              usage: tuple[int, int], calls: list[str]) -> Turn:  # fmt: skip
         after = self.read()
-        ttft = after["time_to_first_token"] - before["time_to_first_token"]
-        e2e = after["e2e_request_latency"] - before["e2e_request_latency"]
+        ttft = after["time_to_first_token_seconds_sum"] - before["time_to_first_token_seconds_sum"]
+        e2e = after["e2e_request_latency_seconds_sum"] - before["e2e_request_latency_seconds_sum"]
+        cached = int(after["prefix_cache_hit_tokens_total"] - before["prefix_cache_hit_tokens_total"])
         prompt, output = usage
         speed = (output - 1) / (e2e - ttft) if output > 1 and e2e > ttft else None
         first_ms = 1000 * ((time.perf_counter() if first is None else first) - start)
-        return Turn(api, turn, prompt, output, 1000 * ttft, speed, first_ms, calls)
+        return Turn(api, turn, prompt, output, 1000 * ttft, speed, first_ms, calls, cached)
 
 
 def openai_loop(url: str, key: str, model: str, turns: int, max_tokens: int, clock: ServerClock) -> list[Turn]:
@@ -200,12 +206,14 @@ def main(argv: list[str] | None = None) -> list[Turn]:
     model = a.model or openai.OpenAI(base_url=f"{a.url}/v1", api_key=a.api_key).models.list().data[0].id
     turns, clock = [], ServerClock(a.url, a.api_key)
     print(
-        f"{'api':<10} {'turn':>4} {'prompt':>7} {'output':>6} {'TTFT ms':>8} {'tok/s':>7} {'first out ms':>12}  calls"
+        f"{'api':<10} {'turn':>4} {'prompt':>7} {'cached':>6} {'output':>6} {'TTFT ms':>8} {'tok/s':>7} "
+        f"{'first out ms':>12}  calls"
     )
     for api in a.apis.split(","):
         for t in LOOPS[api](a.url, a.api_key, model, a.turns, a.max_tokens, clock):
             speed = "-" if t.decode_tok_s is None else f"{t.decode_tok_s:.1f}"
-            print(f"{t.api:<10} {t.turn:>4} {t.prompt_tokens:>7} {t.output_tokens:>6} {t.ttft_ms:>8.1f} {speed:>7} "
+            print(f"{t.api:<10} {t.turn:>4} {t.prompt_tokens:>7} {t.cached_tokens:>6} {t.output_tokens:>6} "
+                  f"{t.ttft_ms:>8.1f} {speed:>7} "
                   f"{t.first_output_ms:>12.1f}  {', '.join(t.tool_calls) or '-'}", flush=True)  # fmt: skip
             turns.append(t)
     if a.json:

@@ -36,5 +36,7 @@ def test_agent_loop(tool_server, tmp_path):
     for api in ("openai", "anthropic", "responses"):
         prompts = [t.prompt_tokens for t in turns if t.api == api]
         assert prompts == sorted(set(prompts))  # each turn's prompt extends the last
+        cached = [t.cached_tokens for t in turns if t.api == api]
+        assert all(c > 0 for c in cached[1:]), cached  # and reuses the last turn's KV (the prefix cache)
     assert all(t.ttft_ms > 0 and t.output_tokens > 1 and t.decode_tok_s > 0 for t in turns)
     assert len(json.loads(out.read_text())["turns"]) == 9

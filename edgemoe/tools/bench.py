@@ -47,7 +47,7 @@ from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.offload.experts import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tools.cache_sim import load_trace, synthetic_trace
-from edgemoe.tools.make_model import PRESETS, hf_config
+from edgemoe.tools.random_weights import PRESETS, hf_config
 
 GEOMETRIES = list(PRESETS)  # real ones fix their family; tiny and small are qwen2_moe (smoke runs)
 BLOCK_SIZE = 16

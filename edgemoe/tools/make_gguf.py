@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.quant import random_blocks
-from edgemoe.tools.make_model import DTYPES, TOKENIZER_PRE, checkpoint_shapes, random_tensors
+from edgemoe.tools.random_weights import DTYPES, TOKENIZER_PRE, checkpoint_shapes, random_tensors
 
 Q = gguf.GGMLQuantizationType
 ARCHS = {

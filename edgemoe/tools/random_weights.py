@@ -1,0 +1,240 @@
+"""Random weights of named families and geometries: the presets (`tiny` ... real ones such as `qwen3-30b-a3b`), their
+`config.json`, every checkpoint tensor drawn from a seed, and the tokenizer files. `make_model` writes them as a
+Hugging Face folder, `make_gguf` as a GGUF file; `edgemoe bench` builds its models from the same presets."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tokenizers import Tokenizer
+
+from edgemoe.errors import EdgeMoEError
+from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.models.gguf_tokenizer import QWEN2_SPLIT, byte_level_pre_tokenizer
+from edgemoe.models.registry import FAMILIES
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        intermediate_size=96,
+        shared_expert_intermediate_size=48,
+        vocab_size=None,
+        max_position_embeddings=1024,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=128,
+        intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        vocab_size=None,
+        max_position_embeddings=4096,
+    ),
+    # tiny, with every expert row a whole number of 256-weight blocks (the K types): GGUF tests
+    "tiny-k": dict(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        intermediate_size=512,
+        shared_expert_intermediate_size=256,
+        vocab_size=None,
+        max_position_embeddings=1024,
+    ),
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe",
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        intermediate_size=6144,
+        vocab_size=151936,
+        norm_topk_prob=True,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    ),
+    "qwen1.5-moe-a2.7b": dict(
+        family="qwen2_moe",
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=60,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1408,
+        intermediate_size=5632,
+        shared_expert_intermediate_size=5632,
+        vocab_size=151936,
+        rope_theta=1e6,
+        max_position_embeddings=8192,
+    ),
+    "mixtral-8x7b": dict(
+        family="mixtral",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=14336,
+        vocab_size=32000,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+    ),
+}
+_PER_EXPERT = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # default: mlp, gate/up/down_proj
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# family -> how its tokenizer splits text before byte-level BPE, by llama.cpp's name (tokenizer.ggml.pre)
+TOKENIZER_PRE = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "mixtral": "gpt-2", "olmoe": "gpt-2"}
+
+
+def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) -> dict:
+    """A config.json that both transformers and edgemoe read."""
+    g = {**geometry, "vocab_size": geometry.get("vocab_size") or vocab_size}
+    if layers:
+        g["num_hidden_layers"] = layers
+    base = {
+        "model_type": family,
+        "vocab_size": g["vocab_size"],
+        "hidden_size": g["hidden_size"],
+        "num_hidden_layers": g["num_hidden_layers"],
+        "num_attention_heads": g["num_attention_heads"],
+        "num_key_value_heads": g["num_key_value_heads"],
+        "num_experts_per_tok": g["num_experts_per_tok"],
+        "max_position_embeddings": g["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "rope_theta": g.get("rope_theta", 10000.0),
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    if "head_dim" in g:
+        base["head_dim"] = g["head_dim"]
+    if family == "qwen2_moe":
+        return {
+            **base,
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "num_experts": g["num_experts"],
+            "moe_intermediate_size": g["moe_intermediate_size"],
+            "intermediate_size": g["intermediate_size"],
+            "shared_expert_intermediate_size": g.get("shared_expert_intermediate_size", 0),
+            "norm_topk_prob": g.get("norm_topk_prob", False),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "qkv_bias": True,
+        }
+    if family == "qwen3_moe":
+        return {
+            **base,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": g["num_experts"],
+            "moe_intermediate_size": g["moe_intermediate_size"],
+            "intermediate_size": g["intermediate_size"],
+            "norm_topk_prob": g.get("norm_topk_prob", True),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "attention_bias": False,
+            "head_dim": g.get("head_dim", g["hidden_size"] // g["num_attention_heads"]),
+        }
+    if family == "mixtral":
+        return {
+            **base,
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": g["num_experts"],
+            "intermediate_size": g["moe_intermediate_size"],
+            "sliding_window": None,
+        }
+    if family == "olmoe":
+        return {
+            **base,
+            "architectures": ["OlmoeForCausalLM"],
+            "num_experts": g["num_experts"],
+            "intermediate_size": g["moe_intermediate_size"],
+            "norm_topk_prob": False,
+            "clip_qkv": None,
+        }
+    raise EdgeMoEError(f"unknown family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
+
+
+def _draw(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):  # norms near 1, not exactly 1, so that they matter in tests
+        return 1 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith(".bias"):
+        return 0.1 * torch.randn(shape, generator=gen)
+    fan_in = shape[-1] if "embed_tokens" not in name else 1  # unit-variance activations (embeddings: unit rows)
+    return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+
+
+def checkpoint_shapes(family: str, config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of every tensor, experts fused, in the order `random_tensors` draws them."""
+    module = FAMILIES[family]
+    with torch.device("meta"):
+        model = MoEForCausalLM(module.normalise(config), module.LAYER)
+    params = dict(model.named_parameters())
+    shapes = []
+    for name, p in params.items():
+        if name.endswith("qkv_proj.bias"):
+            continue  # listed with the weight
+        if name.endswith("qkv_proj.weight"):  # Hugging Face's q_proj, k_proj, v_proj, each weight then its bias
+            attn = name.removesuffix(".qkv_proj.weight")
+            has_bias = f"{attn}.qkv_proj.bias" in params
+            for part, rows in zip("qkv", model.get_submodule(attn).qkv_sizes):
+                shapes.append((f"{attn}.{part}_proj.weight", (rows, p.shape[1])))
+                if has_bias:
+                    shapes.append((f"{attn}.{part}_proj.bias", (rows,)))
+            continue
+        shapes.append((name, tuple(p.shape)))
+    return shapes
+
+
+def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: torch.dtype):
+    """Yield (checkpoint name, tensor) in Hugging Face naming, experts per-expert or fused."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix, gate, up, down = _PER_EXPERT.get(family, ("mlp", "gate_proj", "up_proj", "down_proj"))
+    for name, shape in checkpoint_shapes(family, config):
+        t = _draw(name, shape, gen).to(dtype)
+        if ".experts." not in name or layout == "fused":
+            yield name, t
+            continue
+        layer = name.split(".experts.")[0].replace(".mlp", f".{prefix}")
+        for e in range(t.shape[0]):
+            if name.endswith("gate_up_proj"):
+                g, u = t[e].chunk(2)
+                yield f"{layer}.experts.{e}.{gate}.weight", g.clone()
+                yield f"{layer}.experts.{e}.{up}.weight", u.clone()
+            else:
+                yield f"{layer}.experts.{e}.{down}.weight", t[e].clone()
+
+
+def tokenizer_files(family: str) -> tuple[str, str]:
+    """The random checkpoints' tokenizer.json and tokenizer_config.json (texts): the demo model's, the Qwen
+    families' splitting text with Qwen2's regex (TOKENIZER_PRE)."""
+    from edgemoe.engine.engine import demo_model_path
+
+    demo = demo_model_path()
+    tokenizer, config = (demo / "tokenizer.json").read_text(), (demo / "tokenizer_config.json").read_text()
+    if TOKENIZER_PRE[family] == "qwen2":
+        tok = Tokenizer.from_str(tokenizer)
+        tok.pre_tokenizer = byte_level_pre_tokenizer(QWEN2_SPLIT)
+        tokenizer = tok.to_str(pretty=True)
+    return tokenizer, config

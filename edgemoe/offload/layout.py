@@ -20,11 +20,10 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from edgemoe.layers.mlp import ACTIVATIONS
 from edgemoe.layers.quant import QuantLike, dequantize, quant_type, row_bytes
-from edgemoe.moe.experts import decode_reference, gathered_experts
+from edgemoe.moe.experts import decode_reference, gathered_experts, grouped_experts
 
 
 class ExpertLayout:
@@ -79,22 +78,19 @@ class ExpertLayout:
     def grouped(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
-        """`grouped_experts` over these views, each used expert made dense once (prefill with many pairs)."""
-        tokens, top_k = ids.shape
-        order = ids.flatten().argsort(stable=True)  # pair indices grouped by expert
-        counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
-        token_of_pair = order // top_k
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs, tok = order[start : start + n], token_of_pair[start : start + n]
-            gate, up = F.linear(x[tok], self.dense_gate_up(w13[expert])).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.dense_down(w2[expert])) * weights.flatten()[pairs, None]
-            out.index_add_(0, tok, y)
-            start += n
-        return out
+        """`grouped_experts` over these views, each used expert made dense as it is read (prefill, many pairs)."""
+        w13, w2 = _Dense(w13, self.dense_gate_up), _Dense(w2, self.dense_down)
+        return grouped_experts(x, ids, weights, w13, w2, self.act)
+
+
+class _Dense:
+    """A bank whose experts are made dense (`dense`: a layout's dequantization) as they are indexed."""
+
+    def __init__(self, bank: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.bank, self.dense, self.shape = bank, dense, bank.shape
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.dense(self.bank[index])
 
 
 class QuantExpertLayout(ExpertLayout):

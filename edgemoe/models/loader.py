@@ -73,8 +73,6 @@ def load_model(
     (`edgemoe.offload.banks`) instead of the device. `expert_dtype`: a GGUF block format (q8_0, q4_0, mxfp4) the
     routed experts are quantized to once, as the `gguf` package quantizes them (random weights: any format of
     `edgemoe.layers.quant`); auto keeps `dtype`."""
-    with torch.device("meta"):
-        model = build_model(cfg, family, block_size).to(dtype)
     layouts = {}
     if expert_dtype != "auto":
         q, (H, inter) = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size)
@@ -85,16 +83,45 @@ def load_model(
             )
         act = cfg.hidden_act
         layouts = {i: QuantExpertLayout(H, inter, q, q, dtype, act=act) for i, moe in enumerate(cfg.moe_layers) if moe}
-    host = _place_experts(model, layouts, dtype, device, progress, offload)
-    model.to_empty(device=device)
-    model.tie_weights()
+    model, host = _empty_model(cfg, family, device, dtype, block_size, layouts, progress, offload)
     if folder is None:
         fill_random(model, host)
     else:
         load_weights(model, folder, family, progress, host | _resident_targets(model))
+    return _ready(model, device)
+
+
+def _empty_model(
+    cfg: ModelConfig,
+    family: ModuleType,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    layouts: dict,
+    progress: bool,
+    offload: bool,
+) -> tuple[MoEForCausalLM, dict[str, torch.Tensor]]:
+    """The model built on the meta device, experts placed (`_place_experts`), then given uninitialised storage on
+    `device` -> (model, the host banks by parameter name)."""  # fmt: skip
+    with torch.device("meta"):
+        model = build_model(cfg, family, block_size).to(dtype)
+    host = _place_experts(model, layouts, dtype, device, progress, offload)
+    model.to_empty(device=device)
+    model.tie_weights()
+    return model, host
+
+
+def _ready(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
+    """Weights in place: the RoPE table built and the kernels chosen for `device`."""
     model.model.rotary.build(device)
     select_kernels(model, device)
     return model.eval().requires_grad_(False)
+
+
+def _check_filled(params: dict[str, torch.Tensor], filled: dict[str, int], source: object) -> None:
+    missing = [n for n, p in params.items() if filled[n] < p.numel()]
+    if missing:
+        raise EdgeMoEError(f"checkpoint {source} lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
 
 
 def _place_experts(
@@ -173,9 +200,7 @@ def load_weights(
                 raise EdgeMoEError(f"tensor {key} has shape {shape}, the config implies {list(target.shape)}")
             target.copy_(tensor)
             filled[name] += target.numel()
-    missing = [n for n, p in params.items() if filled[n] < p.numel()]
-    if missing:
-        raise EdgeMoEError(f"checkpoint {folder} lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
+    _check_filled(params, filled, folder)
 
 
 def quantize_rows(model: MoEForCausalLM, name: str, handle, key: str) -> torch.Tensor:  # noqa: ANN001
@@ -270,12 +295,8 @@ def load_gguf(
 ) -> MoEForCausalLM:
     """`load_model` for a GGUF checkpoint: dense weights dequantized to `dtype`; routed experts kept as stored (their
     raw blocks copied from the memory-mapped file into host banks or device storage) unless stored as floats."""
-    with torch.device("meta"):
-        model = build_model(cfg, family, block_size).to(dtype)
     layouts = expert_layouts(ckpt, cfg, dtype)
-    host = _place_experts(model, layouts, dtype, device, progress, offload)
-    model.to_empty(device=device)
-    model.tie_weights()
+    model, host = _empty_model(cfg, family, device, dtype, block_size, layouts, progress, offload)
     params = dict(model.named_parameters()) | host
     filled = dict.fromkeys(params, 0)
     heads = (cfg.num_heads, cfg.num_kv_heads)
@@ -295,12 +316,8 @@ def load_gguf(
         ):
             if moe:
                 filled.update(_fill_experts(ckpt, model, params, i, i in layouts))
-    missing = [n for n, p in params.items() if filled[n] < p.numel()]
-    if missing:
-        raise EdgeMoEError(f"{ckpt.path.name} lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
-    model.model.rotary.build(device)
-    select_kernels(model, device)
-    return model.eval().requires_grad_(False)
+    _check_filled(params, filled, ckpt.path.name)
+    return _ready(model, device)
 
 
 def _fill_experts(ckpt: GGUFCheckpoint, model: MoEForCausalLM, params: dict, layer: int, raw: bool) -> dict:

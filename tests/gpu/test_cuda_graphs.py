@@ -90,3 +90,4 @@ def test_routing_is_recorded_with_graphs_on(tmp_path) -> None:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
         traces[graphs] = np.load(path)
     assert traces[True].shape == (11, 7, 4) and np.array_equal(traces[True], traces[False])
+    assert len(np.unique(traces[True])) > 4 and traces[True].max() < 32  # real routing, not an unwritten buffer

@@ -199,6 +199,11 @@ class EngineConfig:
         True,
         "reuse the KV cache of the longest cached whole-block prefix of a prompt (agent loops, shared system prompts)",
     )
+    batch_invariant: bool = option(
+        False,
+        "prefill one sequence a step, so that a sequence's KV and logits do not depend on the requests beside it "
+        "(decode is batch-invariant always); costs prefill throughput when many prompts arrive together",
+    )
     seed: int | None = option(
         None, "seed of the seeds of requests that give none (None: a fresh one per engine)", cli=False
     )

@@ -114,7 +114,7 @@ class LLMEngine:
                 f"the weights do not fit the memory of {self.device}{'' if offload else ': try moe_strategy offload'}"
             ) from None
         self.expert_cache = self._place(moe)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.batch_invariant)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.device, config.max_num_seqs, max_blocks)
         # Callables (sequences due a token, their logits [due, vocab]) -> logits, run in order before the sampler:

@@ -22,9 +22,11 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int, one_prefill: bool = False) -> None:
+        """`one_prefill`: a prefill step holds one sequence's chunk only (batch-invariant prefill)."""
         self.kv = kv
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
+        self.one_prefill = one_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._prefilled_last = False
@@ -57,7 +59,7 @@ class Scheduler:
                 break
             admitted.append(seq)
         for seq in candidates + admitted:
-            if budget == 0:
+            if budget == 0 or (seqs and self.one_prefill):
                 break
             if seq.status is Status.WAITING and not seq.block_table:
                 self._reuse_prefix(seq)

@@ -1,0 +1,93 @@
+"""Same numbers whatever the path (README, "What is guaranteed"): every decode step's logits are bitwise equal with
+CUDA graphs on and off, with experts resident and offloaded, and whatever else a sequence is batched with.
+
+Each run records, for every step, the logits of every sequence keyed by the tokens that sequence held, so two runs
+compare step by step; a greedy token that flips shows up as keys one run has and the other lacks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgemoe import LLM, SamplingParams
+from edgemoe.tools.make_model import make_model
+
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+SEEDS = range(5)  # x 4 families: 20 checkpoints
+PROMPTS = [
+    "ROMEO.\n",
+    "Of Man's first disobedience, and the fruit",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and arrows",
+    "KING.",
+    "O Romeo, Romeo, wherefore art thou Romeo? Deny thy father",
+    "Now is the winter of our discontent made glorious summer",
+    "A",
+    "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him.",
+]
+
+
+def step_logits(llm: LLM, prompts: list[str], max_tokens: int) -> dict[tuple[int, ...], torch.Tensor]:
+    """Greedy generation -> {tokens a sequence held at a step: the logits it got there (float32, CPU)}."""
+    runner, seen = llm.engine.runner, {}
+    compute = runner.compute_logits
+
+    def record(batch):  # noqa: ANN001, ANN202 - the runner's signature
+        due, logits = compute(batch)
+        if logits is not None:
+            for i, row in zip(due, logits):
+                seen[tuple(batch.seqs[i].token_ids)] = row.float().cpu()
+        return due, logits
+
+    runner.compute_logits = record
+    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return seen
+
+
+def assert_same_steps(a: dict, b: dict, what: str, subset: bool = False) -> None:
+    """b's steps are a's (or, with `subset`, some of them) with bitwise equal logits."""
+    apart = len(b.keys() - a.keys()) if subset else len(a.keys() ^ b.keys())
+    assert not apart, f"{what}: greedy tokens differ ({apart} steps apart)"
+    for key in sorted(b.keys(), key=len):
+        if not torch.equal(a[key], b[key]):
+            diff = (a[key] - b[key]).abs().max().item()
+            pytest.fail(f"{what}: logits differ at {len(key)} tokens (max |diff| {diff:.3g})")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[tuple[str, int], str]:
+    root = tmp_path_factory.mktemp("invariance")
+    return {
+        (family, seed): str(make_model(root / f"{family}-{seed}", family, "tiny", seed=seed, dtype="bfloat16"))
+        for family in FAMILIES
+        for seed in SEEDS
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graphs_equal_eager_resident_and_offloaded(checkpoints, family) -> None:
+    for seed in SEEDS:
+        runs = {}
+        for graphs in (False, True):
+            for offload in (False, True):
+                opts = dict(moe_strategy="offload", moe_cache_slots=6) if offload else {}
+                llm = LLM(checkpoints[family, seed], device="cuda", progress=False, cuda_graphs=graphs, max_num_seqs=4,
+                          **opts)  # fmt: skip
+                runs[graphs, offload] = step_logits(llm, PROMPTS[:4], 24)
+                del llm
+        for key, run in runs.items():
+            assert_same_steps(runs[False, False], run, f"{family} seed {seed}, (graphs, offload) {key} vs eager")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_decode_does_not_depend_on_the_batch(checkpoints, family, graphs) -> None:
+    """Each prompt alone against batches of every size up to 8. Prefill runs one sequence a step
+    (`batch_invariant`), so that the KV each sequence decodes from is its own whatever the batch."""
+    path = checkpoints[family, 0]
+    llm = LLM(path, device="cuda", progress=False, cuda_graphs=graphs, max_num_seqs=8, batch_invariant=True)
+    alone = {}
+    for prompt in PROMPTS:
+        alone |= step_logits(llm, [prompt], 16)
+    for n in range(2, len(PROMPTS) + 1):
+        assert_same_steps(alone, step_logits(llm, PROMPTS[:n], 16), f"{family}: batch of {n}", subset=True)

@@ -71,9 +71,9 @@ class Problem:
         self.tables[:, :used] = torch.randperm(num_blocks, device=DEV).view(batch, used)
         self.lens = torch.full((batch,), context, dtype=torch.long, device=DEV)
         sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-        self.splits = choose_splits(batch, kv_heads, width, sms)  # what the kernel picks with splits=None
+        self.splits = choose_splits(kv_heads, sms)  # what the kernel picks with splits=None
         # the kernel's split length at this context (on the device there), for the report
-        min_tiles = min_split_tiles(batch, kv_heads, self.splits, sms)
+        min_tiles = min_split_tiles(kv_heads, self.splits, sms)
         self.split_len = max(min_tiles, cdiv(cdiv(context, self.splits), BLOCK_N)) * BLOCK_N
         self.programs = batch * kv_heads * self.splits  # the partial kernel's grid
         self.active = batch * kv_heads * cdiv(context, self.split_len)  # its programs that hold tokens

@@ -1,10 +1,14 @@
-"""The dense projections of batch-1 decode as a Triton GEMV: y = x @ weight.T (+ bias), its reference `F.linear`
-(cuBLAS, which the engine ran before). One program per BLOCK_N output rows, fp32 accumulation over K in BLOCK_K steps
-with STAGES steps in flight, every token's row against one read of each weight tile.
+"""The dense projections of decode as a Triton GEMV: y = x @ weight.T (+ bias), its reference `F.linear` (cuBLAS).
+One program per (BLOCK_N output rows, group of TOKEN_GROUP tokens), fp32 accumulation over K in BLOCK_K steps with
+STAGES steps in flight, every token of the group against one read of each weight tile (the groups of one row block
+are neighbouring programs, so a second group finds the tile in L2).
 
-Why: at one token it beats cuBLAS on qkv, o and the shared expert's down, and loses at four tokens
-(docs/findings.md, "Triton GEMV against cuBLAS at one token"), so `edgemoe.layers.linear.DecodeLinear` runs it at
-one row only.
+Why: a token's output does not depend on the others of its batch. Every group is computed by the same compiled
+kernel, padded to TOKEN_GROUP rows, with the same reduction order, so a token gets bitwise the same row alone, in a
+batch of any size, or in a padded CUDA graph; cuBLAS picks its kernel (and split-K) by the row count, so its rows
+change with the batch. Speed: at one token it beats cuBLAS on qkv, o and the shared expert's down, and loses at four
+(docs/findings.md, "Triton GEMV against cuBLAS at one token"); `edgemoe.layers.linear.DecodeLinear` runs it for every
+decode step (batch invariance is the contract: README, "What is guaranteed").
 
 `norm_gemv` also takes the pre-norm block's residual add and RMSNorm before it (decode's qkv projection: every
 program normalises the row it multiplies, so the norm's own launch goes; the engine runs it only on GPUs without
@@ -23,7 +27,7 @@ import triton.language as tl
 from edgemoe.kernels.norm_rope import _inv_rms, _norm_warps, _normalize, _round
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 
-MAX_TOKENS = 4  # every token's accumulator lives in registers: [T, BLOCK_N, BLOCK_K] fp32
+TOKEN_GROUP = 4  # tokens a program holds accumulators for ([TOKEN_GROUP, BLOCK_N, BLOCK_K] fp32), whatever T
 BLOCK_K, WARPS, STAGES = 256, 4, 4  # the best of a sweep at the shapes it runs (benchmarks/dense_gemv.py)
 LONG_ROW = 4096  # rows this long: wider steps, fewer in flight (`pick_steps`)
 SHORT_STEPS, LONG_STEPS = (BLOCK_K, STAGES), (512, 3)  # (columns a step, steps in flight)
@@ -48,9 +52,10 @@ def _gemv(x, w, bias, y, res, norm_w, h_out, T, N, K, stride_x, stride_w, stride
           HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, Y_TY: tl.constexpr,
           RNE_BY_HAND: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     wait_for_inputs(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    groups = tl.cdiv(T, T_PAD)
+    n = (tl.program_id(0) // groups) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    t = tl.arange(0, T_PAD)
+    t = (tl.program_id(0) % groups) * T_PAD + tl.arange(0, T_PAD)
     rows = n < N
     w_ptr = w + n[:, None].to(tl.int64) * stride_w + k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptr = x + t[:, None] * stride_x + k[None, :]  # [T_PAD, BLOCK_K]
@@ -88,17 +93,17 @@ def gemv(
     block_k: int | None = None,
     warps: int = WARPS,
     stages: int | None = None,
+    group: int = TOKEN_GROUP,
 ) -> torch.Tensor:
-    """x [T, K] (T <= 4) @ weight [N, K].T (+ bias [N]) -> y [T, N] in x's dtype; weight and bias in x's dtype, x and
+    """x [T, K] @ weight [N, K].T (+ bias [N]) -> y [T, N] in x's dtype; weight and bias in x's dtype, x and
     weight contiguous in K. fp32 accumulation; the bias is added in fp32 before the one rounding of y, as F.linear's
     cuBLAS does (at T = 1 addmm copies the bias into the output and the GEMM adds it as C with beta 1 in fp32; at
     T > 1 cublasLt's bias epilogue, also fp32). The keywords are for benchmarks/dense_gemv.py's sweep: block_n,
-    block_k and stages None are the engine's choice (`pick_block_n`, `pick_steps`)."""
+    block_k and stages None are the engine's choice (`pick_block_n`, `pick_steps`); `group` (TOKEN_GROUP) the tokens
+    a program holds."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [T, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     T, N = x.shape[0], weight.shape[0]
-    if T > MAX_TOKENS:
-        raise ValueError(f"gemv holds every token's accumulator in registers: T <= {MAX_TOKENS}, got {T}")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         raise ValueError(f"gemv takes float32, bfloat16 or float16 x, weight and bias alike, got {dtypes}")
@@ -108,15 +113,17 @@ def gemv(
         raise ValueError("gemv needs x and weight contiguous in K and a contiguous bias")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
         raise ValueError(f"x, weight and bias must share a device, got {x.device}, {weight.device}")
-    sizes = [b for b in (block_n, block_k) if b is not None]
+    sizes = [b for b in (block_n, block_k, group) if b is not None]
     if any(b < 1 or b & (b - 1) for b in sizes) or warps < 1 or (stages is not None and stages < 1):
-        raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two, warps and stages >= 1")
+        raise ValueError(
+            f"block_n {block_n}, block_k {block_k} and group {group} must be powers of two, warps and stages >= 1"
+        )
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return y
     k, s = pick_steps(x.shape[1])
     block_k, stages = k if block_k is None else block_k, s if stages is None else stages
-    _launch(x, weight, bias, y, None, block_n or pick_block_n(N), block_k, warps, stages)
+    _launch(x, weight, bias, y, None, block_n or pick_block_n(N), block_k, warps, stages, group)
     return y
 
 
@@ -162,18 +169,21 @@ def norm_gemv(
     if N:
         warps = norm_warps(x.shape[1])
         block_k = pick_steps(x.shape[1])[0]  # gemv's: the same sums, bitwise (stages do not change them)
-        _launch(x, weight, bias, y, (residual, norm_weight, eps, h), pick_block_n(N), block_k, warps, STAGES)
+        norm = (residual, norm_weight, eps, h)
+        _launch(x, weight, bias, y, norm, pick_block_n(N), block_k, warps, STAGES, TOKEN_GROUP)
     else:
         torch.add(x, residual, out=h)
     return y, h
 
 
-def _launch(x, weight, bias, y, norm: tuple | None, block_n: int, block_k: int, warps: int, stages: int) -> None:
+def _launch(
+    x, weight, bias, y, norm: tuple | None, block_n: int, block_k: int, warps: int, stages: int, group: int
+) -> None:  # fmt: skip
     (T, K), N = x.shape, weight.shape[0]
     res, norm_w, eps, h = (x, x, 0.0, x) if norm is None else norm  # unused without the norm
-    _gemv[(triton.cdiv(N, block_n),)](
+    _gemv[(triton.cdiv(N, block_n) * triton.cdiv(T, group),)](
         x, weight, weight if bias is None else bias, y, res, norm_w, h, T, N, K, x.stride(0), weight.stride(0),
-        y.stride(0), 1.0 / K, eps, triton.next_power_of_2(T), block_n, block_k, stages, bias is not None,
+        y.stride(0), 1.0 / K, eps, group, block_n, block_k, stages, bias is not None,
         norm is not None, triton.next_power_of_2(K) if norm else 1, _DTYPES[x.dtype], not x.is_cuda, num_warps=warps,
         enable_fp_fusion=False, **launch_args(x.device),  # no FMA in the norm's sums; the GEMV's are explicit
     )  # fmt: skip

@@ -4,16 +4,16 @@ block table and only up to the sequence's context length (split-KV, "flash decod
 
 - partial, program (seq, kv head, split): one split of the sequence's context, for all the `group` query heads that
   share the KV head (K/V read once per KV head), in tiles of `block_n` tokens with an online softmax in fp32. The
-  number of splits S is fixed by the shapes (`choose_splits`); their length follows the context length read on the
-  device: L = cdiv(ctx_len, S) rounded up to whole tiles (at least `min_split_tiles`), split s covering
-  [s * L, min((s + 1) * L, ctx_len)), so a short context in a table padded far past it still spreads over many
-  programs (4K tokens at S = 128: 32 two-tile splits per KV head, where fixed 512-token splits made 8). Splits past
-  the context exit at once, before the PDL wait (docs/findings.md, "Reduce in one round trip, empty splits exit
-  early").
+  number of splits S is fixed by the model's shape and the GPU (`choose_splits`), never by the batch; their length
+  follows the context length read on the device: L = cdiv(ctx_len, S) rounded up to whole tiles (at least
+  `min_split_tiles`), split s covering [s * L, min((s + 1) * L, ctx_len)), so a short context in a table padded
+  far past it still spreads over many programs (4K tokens at S = 128: 32 two-tile splits per KV head, where fixed
+  512-token splits made 8). Splits past the context exit at once, before the PDL wait (docs/findings.md, "Reduce in
+  one round trip, empty splits exit early").
 - reduce, program (seq, head): combines the cdiv(ctx_len, L) splits that hold tokens (max / sum-exp rescaling) into
   the output: with at most 64 splits in one round trip to memory (every split's max, sum and accumulator loaded at
-  once), with more in chunks of 64 after a pass over the maxima. With one split the partial kernel normalises and
-  writes the output itself, and reduce does not run.
+  once), with more in chunks of 64 after a pass over the maxima. With S = 1 (forced: tests and benchmarks) the
+  partial kernel normalises and writes the output itself, and reduce does not run.
 
 Both kernels are latency-bound at decode's short splits, so each reads the context length, a step input written
 before the step's first kernel, before waiting on the previous kernel (`wait_for_inputs`): that round trip overlaps
@@ -47,32 +47,31 @@ PREFETCH_TILES = 1
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def choose_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int = BLOCK_N) -> int:
-    """Splits per (sequence, KV head): the smallest power of two S with seqs * kv_heads * S >= the largest power of
-    two <= PROGRAMS_PER_SM * sms programs (512 on an H200's 132 SMs; docs/findings.md, "Splits: 512 programs, at
-    least two tiles"), capped at MAX_SPLITS and at
-    the largest power of two <= width // block_n (a full-width context gives every split at least one tile); 1 when
-    the width holds fewer than two tiles.
+def choose_splits(kv_heads: int, sms: int) -> int:
+    """Splits per (sequence, KV head): the smallest power of two S with kv_heads * S >= the largest power of two <=
+    PROGRAMS_PER_SM * sms programs (512 on an H200's 132 SMs; docs/findings.md, "Splits: 512 programs, at least two
+    tiles"), capped at MAX_SPLITS.
 
     Decode reads the KV once with little arithmetic, so its speed is the HBM bandwidth the grid draws; one program
     streams its split from one SM, and one SM alone draws a small share of it, so the programs holding tokens must
-    cover every SM, several each. The splits share the context, not the padded width, so the target holds at any
-    context of at least S tiles (below that fewer, one-tile, splits). More splits cost partials to write and combine
-    (heads * head_dim fp32 each), hence the smallest S that fills the GPU. Only shapes enter, so a CUDA graph captures
-    a fixed S, and powers of two bound the compiled variants of the reduce."""
+    cover every SM, several each, already at batch 1. The splits share the context, not the padded width, so the
+    target holds at any context of at least S tiles (below that fewer splits hold tokens). Only the model's shape and
+    the GPU enter: a sequence's context is cut the same way whatever its batch and its block table's width, so its
+    output does not depend on them (batch invariance; graphs, which pad both, equal eager steps), and a CUDA graph
+    captures a fixed S. A batch pays for it in programs that exit at once (splits past a context: before the PDL
+    wait) and in partials of splits it could have merged."""
     target = 1 << ((PROGRAMS_PER_SM * sms).bit_length() - 1)
-    cap = min(MAX_SPLITS, max(1, width // block_n))
     splits = 1
-    while splits * 2 <= cap and seqs * kv_heads * splits < target:
+    while splits * 2 <= MAX_SPLITS and kv_heads * splits < target:
         splits *= 2
     return splits
 
 
-def min_split_tiles(seqs: int, kv_heads: int, splits: int, sms: int) -> int:
+def min_split_tiles(kv_heads: int, splits: int, sms: int) -> int:
     """Tiles a split holds at least: 2 where half the splits still give every SM a program, else 1. A short context
-    then spreads over fewer, two-tile, splits, while one KV head at batch 1 keeps one-tile splits (docs/findings.md,
-    "Splits: 512 programs, at least two tiles")."""
-    return 2 if seqs * kv_heads * splits >= 2 * sms else 1
+    then spreads over fewer, two-tile, splits, while one KV head keeps one-tile splits (docs/findings.md, "Splits:
+    512 programs, at least two tiles"). Like S, fixed by the shapes alone (batch invariance)."""
+    return 2 if kv_heads * splits >= 2 * sms else 1
 
 
 @functools.cache
@@ -280,10 +279,10 @@ def paged_decode_attention(
     width = block_tables.shape[1] * block_size  # padded tokens: bounds the context lengths
     sms = _sm_count(q.device)
     if splits is None:
-        splits = choose_splits(seqs, kv_heads, width, sms, block_n)
+        splits = choose_splits(kv_heads, sms)
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    min_tiles = min_split_tiles(seqs, kv_heads, splits, sms)
+    min_tiles = min_split_tiles(kv_heads, splits, sms)
     q = q if q.stride(2) == 1 else q.contiguous()
     group = heads // kv_heads
     g_pad = 1 if group == 1 else max(16, triton.next_power_of_2(group))

@@ -22,9 +22,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int, act: str = "silu") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = DecodeLinear(inter, hidden, bias=False)  # gate/up stay cuBLAS: fused, they measured slower
+        self.gate_proj = DecodeLinear(hidden, inter, bias=False)
+        self.up_proj = DecodeLinear(hidden, inter, bias=False)
+        self.down_proj = DecodeLinear(inter, hidden, bias=False)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

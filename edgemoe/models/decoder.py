@@ -11,6 +11,7 @@ from torch import nn
 
 from edgemoe.config import ModelConfig
 from edgemoe.layers.attention import Attention
+from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.mlp import GatedMLP
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
@@ -105,7 +106,7 @@ class MoEForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = self.model_class(cfg, layer_class, block_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

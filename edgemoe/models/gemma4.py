@@ -186,8 +186,8 @@ class Gemma4DecoderLayer(DecoderLayer):
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.act = ACTIVATIONS[cfg.hidden_act]
         if s.ple_dim:
-            self.per_layer_input_gate = nn.Linear(H, s.ple_dim, bias=False)
-            self.per_layer_projection = nn.Linear(s.ple_dim, H, bias=False)
+            self.per_layer_input_gate = DecodeLinear(H, s.ple_dim, bias=False)
+            self.per_layer_projection = DecodeLinear(s.ple_dim, H, bias=False)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
     def forward(  # type: ignore[override]
@@ -214,7 +214,7 @@ class Gemma4Model(DecoderModel):
         self.embed_tokens_per_layer: PerLayerEmbeddings | None = None
         if s.ple_dim:
             self.embed_tokens_per_layer = PerLayerEmbeddings(s.ple_vocab, cfg.num_layers, s.ple_dim)
-            self.per_layer_model_projection = nn.Linear(H, cfg.num_layers * s.ple_dim, bias=False)
+            self.per_layer_model_projection = DecodeLinear(H, cfg.num_layers * s.ple_dim, bias=False)
             self.per_layer_projection_norm = RMSNorm(s.ple_dim, cfg.rms_norm_eps)
 
     @staticmethod

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from edgemoe.engine.context import get_context
+from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.mlp import GatedMLP
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.moe.experts import Experts
@@ -40,7 +41,7 @@ class SparseMoE(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if shared:
             self.shared_expert = GatedMLP(hidden, shared)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = DecodeLinear(hidden, 1, bias=False)
         self.side_stream: torch.cuda.Stream | None = None
         self._fused_route = self._norm_route = None  # decode's router kernels, once `use_kernels` chose them
 

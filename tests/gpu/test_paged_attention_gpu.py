@@ -97,7 +97,7 @@ def test_splits_at_qwen3_shape(lens: list[int], width: int, dtype) -> None:
     from edgemoe.kernels.paged_attention import MAX_SPLITS, choose_splits, paged_decode_attention
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chosen = choose_splits(len(lens), 4, width, sms)
+    chosen = choose_splits(4, sms)
     q, k, v, tables, ctx_lens = paged_case(lens, 32, 4, 128, 16, width, dtype, seed=lens[0])
     attn = layer_with(k, v, 32, 16)
     expected = plain_attention(q, k, v, tables, ctx_lens, 16)

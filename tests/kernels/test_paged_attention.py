@@ -3,7 +3,8 @@ per-sequence softmax, on fresh random inputs: shuffled block tables padded with 
 off block and split boundaries, MHA / GQA / MQA, block sizes 1 and 16. Small tiles keep several splits (and the reduce
 kernel) in play at interpreter-sized contexts; the split length follows each context length: lengths far apart in
 one batch, tables padded far past the contexts, more splits than tiles (empty splits, never read), one split.
-`choose_splits` against a table and a plain rule (CPU tensors: an H200's SM count)."""
+`choose_splits` against a table and a plain rule (CPU tensors: an H200's SM count); a sequence's output bitwise the
+same alone and in batches."""
 
 from __future__ import annotations
 
@@ -117,10 +118,26 @@ def test_one_split_writes_the_output_directly(block_size) -> None:
     check(c, kernel(c, block_size, splits=1), block_size)
 
 
-def test_narrow_table_gets_one_split() -> None:
+def test_narrow_table_gets_the_same_splits() -> None:
     c = paged_case([1, 20, 24], 4, 2, 32, 1, 24, torch.float32)  # 24 tokens: fewer than two tiles of 16
-    assert choose_splits(3, 2, 24, STAND_IN_SMS, BLOCK_N) == 1
+    assert choose_splits(2, STAND_IN_SMS) == 256  # the shapes' S, however narrow the table: all but one empty
     check(c, kernel(c, 1, splits=None), 1)
+
+
+def test_a_sequence_gets_the_same_output_whatever_its_batch() -> None:
+    """Batch invariance: a sequence alone in a table of its own width, and in batches of 2-5 beside other contexts
+    in tables padded wider (as a graph's), gives bitwise the same output (the splits S and their length follow from
+    the shapes and its own context alone)."""
+    lens = [150, 3, 97, 512, 33]
+    c = paged_case(lens, 8, 2, 32, 16, 512, torch.bfloat16)
+    for i, n in enumerate(lens):
+        blocks = -(-n // 16)
+        alone = dict(c, q=c["q"][i : i + 1], block_tables=c["block_tables"][i : i + 1, :blocks],
+                     context_lens=c["context_lens"][i : i + 1])  # fmt: skip
+        expected = kernel(alone, 16, splits=None)
+        for b in range(i + 1, len(lens) + 1):
+            batch = dict(c, q=c["q"][:b], block_tables=c["block_tables"][:b], context_lens=c["context_lens"][:b])
+            assert torch.equal(kernel(batch, 16, splits=None)[i], expected[0]), (i, b)
 
 
 def test_reads_nothing_past_the_context() -> None:
@@ -155,10 +172,10 @@ def test_unsupported_head_dim_is_refused() -> None:
 
 
 def test_contexts_far_apart_in_a_wide_table() -> None:
-    """Splits chosen for the shapes (32 of 16 tokens at a 512 width): one token, a few, mid-block, mid-split and the
-    full width in one batch, each split over its own context."""
+    """Splits chosen for the shapes (256, of at least one 16-token tile: 32 hold tokens at 512): one token, a few,
+    mid-block, mid-split and the full width in one batch, each split over its own context."""
     lens, width = [1, 3, 24, 150, 512], 512
-    assert choose_splits(len(lens), 2, width, STAND_IN_SMS, BLOCK_N) == 32
+    assert choose_splits(2, STAND_IN_SMS) == 256
     c = paged_case(lens, 8, 2, 32, 16, width, torch.float32)
     check(c, kernel(c, 16, splits=None), 16)
 
@@ -193,54 +210,46 @@ def test_more_splits_than_tiles(monkeypatch, block_size: int) -> None:
 
 
 def test_reduce_over_more_than_one_chunk() -> None:
-    """256 splits chosen at a 4K width, of two 16-token tiles: 125 and 128 of them hold tokens (two of reduce's chunks
+    """256 splits chosen for one KV head, of two 16-token tiles: 125 and 128 of them hold tokens (two of reduce's chunks
     of 64, after a pass over the maxima), one for the one-token context."""
     lens, width = [4000, 1, 4096], 4096
-    assert choose_splits(len(lens), 1, width, STAND_IN_SMS, BLOCK_N) == 256
+    assert choose_splits(1, STAND_IN_SMS) == 256
     c = paged_case(lens, 4, 1, 16, 16, width, torch.float32)
     check(c, kernel(c, 16, splits=None), 16)
 
 
-def plain_splits(seqs: int, kv_heads: int, width: int, sms: int, block_n: int) -> int:
-    """The powers of two up to min(256, width // block_n) (or 1); the first with as many programs as the largest power
-    of two within 4 per SM, else the last."""
+def plain_splits(kv_heads: int, sms: int) -> int:
+    """The powers of two up to 256; the first with as many programs as the largest power of two within 4 per SM,
+    else the last."""
     target = max(p for p in (2**i for i in range(20)) if p <= 4 * sms)
-    allowed = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s == 1 or s <= width // block_n]
-    return next((s for s in allowed if seqs * kv_heads * s >= target), allowed[-1])
+    return next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if kv_heads * s >= target), 256)
 
 
 @pytest.mark.parametrize(
-    "seqs, kv_heads, width, expected",
+    "kv_heads, expected",
     [
-        (1, 4, 40960, 128),  # qwen3-30b-a3b (4 KV heads), B=1, graph width: 512 programs (132 SMs: 4 x 132 -> 512)
-        (4, 4, 40960, 32),  # qwen3, B=4: 512 programs
-        (1, 4, 4096, 64),  # qwen3, B=1, a 4K table: 64 tiles of 64 tokens, 256 programs
-        (1, 16, 40960, 32),  # qwen1.5-moe (16 KV heads), B=1: 512 programs
-        (1, 16, 32768, 32),
-        (64, 4, 40960, 2),  # large batches: few splits
-        (256, 4, 40960, 1),
-        (1, 4, 127, 1),  # fewer than two tiles: one split, no reduce
-        (1, 4, 128, 2),
-        (1, 1, 1 << 20, MAX_SPLITS),
+        (4, 128),  # qwen3-30b-a3b (4 KV heads): 512 programs at batch 1 (132 SMs: 4 x 132 -> 512)
+        (16, 32),  # qwen1.5-moe (16 KV heads)
+        (8, 64),  # mixtral
+        (1, MAX_SPLITS),
+        (1024, 1),
     ],
 )
-def test_choose_splits_cases(seqs: int, kv_heads: int, width: int, expected: int) -> None:
-    assert choose_splits(seqs, kv_heads, width, 132) == expected
+def test_choose_splits_cases(kv_heads: int, expected: int) -> None:
+    assert choose_splits(kv_heads, 132) == expected
 
 
 def test_choose_splits_matches_the_plain_rule() -> None:
-    for seqs, kv_heads, width, sms, block_n in itertools.product(
-        (1, 2, 3, 8, 64, 512), (1, 2, 4, 8, 16), (1, 16, 64, 100, 512, 4096, 40960, 131072), (1, 78, 132), (16, 64)
-    ):
-        assert choose_splits(seqs, kv_heads, width, sms, block_n) == plain_splits(seqs, kv_heads, width, sms, block_n)
+    for kv_heads, sms in itertools.product((1, 2, 4, 8, 16, 64, 512, 4096), (1, 78, 132)):
+        assert choose_splits(kv_heads, sms) == plain_splits(kv_heads, sms)
 
 
 def test_min_split_tiles() -> None:
-    """Two-tile splits where half the splits still cover every SM (qwen3 at batch 1: 4 KV heads x 128 splits on 132
-    SMs), one-tile ones where they would not (one KV head at batch 1); the far-apart-contexts case above runs the
-    two-tile rule through the kernel (5 x 2 x 32 programs)."""
+    """Two-tile splits where half the splits still cover every SM (qwen3: 4 KV heads x 128 splits on 132 SMs),
+    one-tile ones where they would not (one KV head); the far-apart-contexts case above runs the two-tile rule
+    through the kernel (2 x 256 programs a sequence)."""
     from edgemoe.kernels.paged_attention import min_split_tiles
 
-    assert min_split_tiles(1, 4, 128, 132) == 2
-    assert min_split_tiles(1, 1, 256, 132) == 1
-    assert min_split_tiles(5, 2, 32, STAND_IN_SMS) == 2
+    assert min_split_tiles(4, 128, 132) == 2
+    assert min_split_tiles(1, 256, 132) == 1
+    assert min_split_tiles(2, 256, STAND_IN_SMS) == 2

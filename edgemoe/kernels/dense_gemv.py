@@ -3,9 +3,9 @@ One program per (BLOCK_N output rows, group of TOKEN_GROUP tokens), fp32 accumul
 STAGES steps in flight, every token of the group against one read of each weight tile (the groups of one row block
 are neighbouring programs, so a second group finds the tile in L2).
 
-Why: a token's output does not depend on the others of its batch. Every group is computed by the same compiled
-kernel, padded to TOKEN_GROUP rows, with the same reduction order, so a token gets bitwise the same row alone, in a
-batch of any size, or in a padded CUDA graph; cuBLAS picks its kernel (and split-K) by the row count, so its rows
+Why: a token's output does not depend on the others of its batch. Every token's sum over K runs in the same order,
+whatever its group's size (`token_group`), so a token gets bitwise the same row alone, in a batch of any size, or in
+a padded CUDA graph; cuBLAS picks its kernel (and split-K) by the row count, so its rows
 change with the batch. Speed: at one token it beats cuBLAS on qkv, o and the shared expert's down, and loses at four
 (docs/findings.md, "Triton GEMV against cuBLAS at one token"); `edgemoe.layers.linear.DecodeLinear` runs it for every
 decode step (batch invariance is the contract: README, "What is guaranteed").
@@ -27,12 +27,19 @@ import triton.language as tl
 from edgemoe.kernels.norm_rope import _inv_rms, _norm_warps, _normalize, _round
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 
-TOKEN_GROUP = 4  # tokens a program holds accumulators for ([TOKEN_GROUP, BLOCK_N, BLOCK_K] fp32), whatever T
+TOKEN_GROUP = 4  # tokens a program holds accumulators for at most ([group, BLOCK_N, BLOCK_K] fp32): `token_group`
 BLOCK_K, WARPS, STAGES = 256, 4, 4  # the best of a sweep at the shapes it runs (benchmarks/dense_gemv.py)
 LONG_ROW = 4096  # rows this long: wider steps, fewer in flight (`pick_steps`)
 SHORT_STEPS, LONG_STEPS = (BLOCK_K, STAGES), (512, 3)  # (columns a step, steps in flight)
 MAX_NORM_HIDDEN = 8192  # norm_gemv: the row's 1 / rms from one tile, 16 fp32 registers a thread at 16 warps
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def token_group(tokens: int) -> int:
+    """Tokens a program computes: the next power of two of T up to TOKEN_GROUP. A row comes out bitwise the same in
+    groups of 1, 2 and 4 (each token's sum over K runs in the same order whatever the group: the GPU test at the
+    engine's shapes), and a group of 4 at one token costs 30 % on qkv (padded rows are multiplied too)."""
+    return min(triton.next_power_of_2(max(tokens, 1)), TOKEN_GROUP)
 
 
 def pick_block_n(n: int) -> int:
@@ -93,14 +100,14 @@ def gemv(
     block_k: int | None = None,
     warps: int = WARPS,
     stages: int | None = None,
-    group: int = TOKEN_GROUP,
+    group: int | None = None,
 ) -> torch.Tensor:
     """x [T, K] @ weight [N, K].T (+ bias [N]) -> y [T, N] in x's dtype; weight and bias in x's dtype, x and
     weight contiguous in K. fp32 accumulation; the bias is added in fp32 before the one rounding of y, as F.linear's
     cuBLAS does (at T = 1 addmm copies the bias into the output and the GEMM adds it as C with beta 1 in fp32; at
     T > 1 cublasLt's bias epilogue, also fp32). The keywords are for benchmarks/dense_gemv.py's sweep: block_n,
-    block_k and stages None are the engine's choice (`pick_block_n`, `pick_steps`); `group` (TOKEN_GROUP) the tokens
-    a program holds."""
+    block_k and stages None are the engine's choice (`pick_block_n`, `pick_steps`); `group` (None:
+    `token_group`) the tokens a program holds."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [T, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     T, N = x.shape[0], weight.shape[0]
@@ -123,7 +130,7 @@ def gemv(
         return y
     k, s = pick_steps(x.shape[1])
     block_k, stages = k if block_k is None else block_k, s if stages is None else stages
-    _launch(x, weight, bias, y, None, block_n or pick_block_n(N), block_k, warps, stages, group)
+    _launch(x, weight, bias, y, None, block_n or pick_block_n(N), block_k, warps, stages, group or token_group(T))
     return y
 
 
@@ -170,7 +177,7 @@ def norm_gemv(
         warps = norm_warps(x.shape[1])
         block_k = pick_steps(x.shape[1])[0]  # gemv's: the same sums, bitwise (stages do not change them)
         norm = (residual, norm_weight, eps, h)
-        _launch(x, weight, bias, y, norm, pick_block_n(N), block_k, warps, STAGES, TOKEN_GROUP)
+        _launch(x, weight, bias, y, norm, pick_block_n(N), block_k, warps, STAGES, 1)
     else:
         torch.add(x, residual, out=h)
     return y, h

@@ -70,7 +70,7 @@ def test_graphs_equal_eager_resident_and_offloaded(checkpoints, family) -> None:
         runs = {}
         for graphs in (False, True):
             for offload in (False, True):
-                opts = dict(moe_strategy="offload", moe_cache_slots=6) if offload else {}
+                opts = dict(moe_strategy="offload", moe_cache_slots=10) if offload else {}
                 llm = LLM(checkpoints[family, seed], device="cuda", progress=False, cuda_graphs=graphs, max_num_seqs=4,
                           **opts)  # fmt: skip
                 runs[graphs, offload] = step_logits(llm, PROMPTS[:4], 24)

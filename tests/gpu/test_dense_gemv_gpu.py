@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edgemoe.engine.context import ForwardContext, set_context
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.layers.linear import DecodeLinear
 from tests.gpu.sync_free import host_sync_forbidden
@@ -56,10 +57,28 @@ def test_decode_linear_dispatch(name: str, cublas_fp32_reduction) -> None:
     if bias:
         layer.bias.copy_(b)
     one = layer(x[:1])
-    assert torch.equal(one, gemv(x[:1], w, b))  # one row: the GEMV
-    assert torch.equal(layer(x), F.linear(x, w, b))  # more rows: cuBLAS
+    assert torch.equal(one, gemv(x[:1], w, b))  # one row: the GEMV in any step
+    for prefill, expected in ((False, gemv(x, w, b)), (True, F.linear(x, w, b))):  # more: the GEMV in decode only
+        set_context(ForwardContext(prefill, None, None, None))
+        try:
+            assert torch.equal(layer(x), expected)
+        finally:
+            set_context(None)
     bound = error_bound(x[:1], w, b, torch.bfloat16)[1]  # each of the two within it of the exact result
     assert ((one.double() - F.linear(x[:1], w, b).double()).abs() <= 2 * bound).all()
+
+
+@pytest.mark.parametrize("name", [*SHAPES, "qwen3-30b-a3b lm_head"])
+def test_a_row_does_not_depend_on_the_batch(name: str) -> None:
+    """Batch invariance at the engine's shapes: each token's row bitwise the same alone and among 2-9 tokens (groups
+    of 2 and 4 and several groups: `token_group`)."""
+    from edgemoe.kernels.dense_gemv import gemv
+
+    n, k, bias = SHAPES.get(name, (151936, 2048, False))
+    x, w, b = inputs(9, n, k, torch.bfloat16, bias, seed=11, device="cuda")
+    alone = torch.cat([gemv(x[i : i + 1], w, b) for i in range(9)])
+    for tokens in range(2, 10):
+        assert torch.equal(gemv(x[:tokens], w, b), alone[:tokens]), tokens
 
 
 def test_no_host_sync_once_compiled() -> None:

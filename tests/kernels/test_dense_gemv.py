@@ -1,6 +1,7 @@
 """The dense decode GEMV (`edgemoe.kernels.dense_gemv.gemv`) against a float64 `F.linear` on fresh random inputs:
 bf16 and float32, with and without bias, 1-9 tokens, shapes off the block sizes; a row the same whatever the batch;
-bad inputs; and `DecodeLinear`, which on CPU must be nn.Linear exactly. Without CUDA under Triton's interpreter (tests/conftest.py): small shapes."""
+bad inputs; and `DecodeLinear`, which on CPU must be nn.Linear exactly. Without CUDA under Triton's interpreter
+(tests/conftest.py): small shapes."""
 
 from __future__ import annotations
 

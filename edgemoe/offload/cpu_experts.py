@@ -29,6 +29,7 @@ from edgemoe.offload.c_library import build_library
 from edgemoe.offload.layout import ExpertLayout, QuantExpertLayout
 
 SOURCE = Path(__file__).with_name("cpu_experts.c")
+KERNELS = SOURCE.with_name("cpu_experts_kernels.h")  # included by SOURCE
 DENSE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # dtype -> GGML type id, the C file's format ids
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # edgemoe.layers.mlp.ACTIVATIONS' names -> the C file's
 _ERRORS = {
@@ -67,7 +68,7 @@ def build(march: str = "native") -> ctypes.CDLL:
     """cpu_experts.c built for `-march={march}`: "native" is the engine's; the tests also build "x86-64-v3" (the
     AVX2 path) and "x86-64" (plain C)."""
     flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-pthread"]
-    key = _cpu_key() if march == "native" else b""
+    key = KERNELS.read_bytes() + (_cpu_key() if march == "native" else b"")
     lib = build_library(SOURCE, f"cpu-experts-{march}", "the CPU expert executor", [*flags, "-lm"], key)
     lib.edgemoe_cpu_experts_create.argtypes, lib.edgemoe_cpu_experts_create.restype = [ctypes.c_int], ctypes.c_void_p
     lib.edgemoe_cpu_experts_destroy.argtypes, lib.edgemoe_cpu_experts_destroy.restype = [ctypes.c_void_p], None

@@ -128,10 +128,12 @@ static void gate_up_item(const run_state *s, int64_t item) {
   const uint8_t *rows = j->bank + g->expert * j->row_stride;
   const float *xs[MAXX];
   for (int k = 0; k < g->n; ++k) xs[k] = j->x + j->token_ids[g->pairs[k]] * j->hidden;
-  const uint8_t *next = rows + ahead(s->gu_bytes) * s->gu_bytes;
+  int64_t a = ahead(s->gu_bytes);
   for (int64_t r = r0; r < r1; ++r) {
     float gate[MAXX], up[MAXX];
-    prefetch_row(next + r * s->gu_bytes, s->gu_bytes), prefetch_row(next + (j->inter + r) * s->gu_bytes, s->gu_bytes);
+    if (r + a < j->inter) /* within the expert's rows */
+      prefetch_row(rows + (r + a) * s->gu_bytes, s->gu_bytes),
+          prefetch_row(rows + (j->inter + r + a) * s->gu_bytes, s->gu_bytes);
     s->gu->dot(rows + r * s->gu_bytes, j->hidden, xs, (int)g->n, gate);
     s->gu->dot(rows + (j->inter + r) * s->gu_bytes, j->hidden, xs, (int)g->n, up);
     for (int k = 0; k < g->n; ++k) s->h[g->pairs[k] * j->inter + r] = activate(j->act, gate[k]) * up[k];
@@ -145,10 +147,10 @@ static void down_item(const run_state *s, int64_t item) {
   const uint8_t *rows = j->bank + g->expert * j->row_stride + j->down_offset;
   const float *hs[MAXX];
   for (int k = 0; k < g->n; ++k) hs[k] = s->h + g->pairs[k] * j->inter;
-  const uint8_t *next = rows + ahead(s->down_bytes) * s->down_bytes;
+  int64_t a = ahead(s->down_bytes);
   for (int64_t r = r0; r < r1; ++r) {
     float y[MAXX];
-    prefetch_row(next + r * s->down_bytes, s->down_bytes);
+    if (r + a < j->hidden) prefetch_row(rows + (r + a) * s->down_bytes, s->down_bytes);
     s->down->dot(rows + r * s->down_bytes, j->inter, hs, (int)g->n, y);
     for (int k = 0; k < g->n; ++k) j->out[g->pairs[k] * j->hidden + r] = y[k];
   }
@@ -255,7 +257,8 @@ static int check_job(const edgemoe_cpu_job *j, const format **gu, const format *
 
 static int by_expert(const void *a, const void *b) {
   const pair_key *u = a, *v = b;
-  return u->expert != v->expert ? (u->expert > v->expert) - (u->expert < v->expert) : (u->pair > v->pair) - (u->pair < v->pair);
+  if (u->expert != v->expert) return (u->expert > v->expert) - (u->expert < v->expert);
+  return (u->pair > v->pair) - (u->pair < v->pair);
 }
 
 /* Scratch for `pairs` pairs of `inter`, kept for the next runs. */
@@ -276,7 +279,7 @@ static int reserve(edgemoe_cpu_pool *p, int64_t pairs, int64_t inter) {
 }
 
 /* The run's state: pairs grouped by expert (sorted, at most MAXX a group), items of about ITEM_BYTES. */
-static int64_t plan(edgemoe_cpu_pool *p, const edgemoe_cpu_job *j, const format *gu, const format *down) {
+static void plan(edgemoe_cpu_pool *p, const edgemoe_cpu_job *j, const format *gu, const format *down) {
   for (int64_t i = 0; i < j->pairs; ++i) p->keys[i] = (pair_key){j->expert_ids[i], i};
   qsort(p->keys, (size_t)j->pairs, sizeof(pair_key), by_expert);
   int64_t n = 0;
@@ -294,7 +297,6 @@ static int64_t plan(edgemoe_cpu_pool *p, const edgemoe_cpu_job *j, const format 
   s->per1 = (j->inter + s->rows1 - 1) / s->rows1, s->per2 = (j->hidden + s->rows2 - 1) / s->rows2;
   s->items1 = n * s->per1, s->items2 = n * s->per2;
   atomic_store(&s->next1, 0), atomic_store(&s->next2, 0), atomic_store(&s->done1, 0);
-  return n;
 }
 
 /* Compute job's pairs into job->out with the pool's threads and the caller's. Returns 0, or one of BAD_FORMAT,

@@ -3,15 +3,18 @@ from the layer's host bank (pinned or not), into an fp32 buffer the caller provi
 Each pair's output is y = down_e @ (act(gate_e @ x_t) * (up_e @ x_t)), fp32 [pairs, H], unweighted: the GPU applies
 the routing weights and sums in its own fixed order.
 
-The work is `cpu_experts.c` (its header comment says how): a persistent pool of pthreads, weights dequantized to
-fp32 as they are read (dense bf16/fp16/fp32, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4; gate_up and down may differ, as
-in Q4_K_M files), activations kept in fp32, results bitwise the same at any thread count. It is compiled at first
-use like the copy service (`c_library`), with -O3 -march=native since it runs where it is built: AVX-512, else
-AVX2 + FMA + F16C, else plain C (`CpuExperts.isa`). A C loop can call it without Python (`CpuExperts.c_entry`, `job`).
+The work is `cpu_experts.c` (the pool, the two phases) and `cpu_experts_kernels.h` (one dot kernel per format and
+ISA): weights dequantized to fp32 as they are read (dense bf16/fp16/fp32, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4;
+gate_up and down may differ, as in Q4_K_M files), activations kept in fp32, results bitwise the same at any thread
+count. It is compiled at first use like the copy service (`c_library`), with -O3 -march=native since it runs where it
+is built: AVX-512, else AVX2 + FMA + F16C, else plain C (`CpuExperts.isa`). A C loop can call it without Python
+(`CpuExperts.c_entry` and `job`).
 
-AMX and AVX512_BF16 are not used: both multiply bf16 by bf16, which would round the activations, and these are
-GEMVs bound by memory reads, not arithmetic (benchmarks/cpu_experts.py: the AVX-512 bf16 kernel reads weights at
-about the rate a plain read of host memory reaches; see that script's README line for the measurement).
+AMX and AVX512_BF16 are not used: both multiply bf16 by bf16, which would round the activations to bf16, and the
+bf16 case is bound by memory, not arithmetic. Measured (benchmarks/cpu_experts.py, 2-core AVX-512 + AMX dev VM, 8
+qwen3-30b-a3b experts of 128): the AVX-512 bf16 kernel reads 13.5 GB/s on one thread, 0.95 of a plain read of the
+same memory at that thread count (0.83 on two), and 25-28 GB/s a core when the expert is in cache; faster
+arithmetic has nothing left to win.
 """
 
 from __future__ import annotations
@@ -188,7 +191,7 @@ class CpuExperts:
             raise EdgeMoEError("the CPU expert executor is closed")
 
     def close(self) -> None:
-        """Stop the threads (idempotent)."""
+        """Stop the threads (idempotent; not while a run is in flight on another thread)."""
         self._finalizer()
 
     def __enter__(self) -> CpuExperts:

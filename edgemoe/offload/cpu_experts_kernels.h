@@ -228,7 +228,10 @@ INLINE void unpack_k_scales(const uint8_t *b, unpacked *u) { /* Q4_K, Q5_K: d sc
 INLINE void unpack_q4_k(const uint8_t *b, unpacked *u) { /* byte 16 + 32 g + l: weights 64 g + l (low), + 32 */
   unpack_k_scales(b, u);
   UNROLL for (int g = 0; g < 4; ++g)
-    for (int l = 0; l < 32; ++l) u->q[64 * g + l] = b[16 + 32 * g + l] & 15, u->q[64 * g + 32 + l] = b[16 + 32 * g + l] >> 4;
+    for (int l = 0; l < 32; ++l) {
+      uint8_t q = b[16 + 32 * g + l];
+      u->q[64 * g + l] = q & 15, u->q[64 * g + 32 + l] = q >> 4;
+    }
 }
 INLINE void unpack_q5_k(const uint8_t *b, unpacked *u) { /* Q4_K's nibbles from 48; fifth bits: bit j of byte 16 + l */
   unpack_k_scales(b, u);
@@ -257,7 +260,8 @@ INLINE void k_block(const unpacked *u, BLOCK_ARGS) { /* Q4_K, Q5_K: (d sc_j) q -
   UNROLL for (int j = 0; j < 8; ++j) {
     vf ds = vset(u->scale[j]), dm = vset(u->mins[8 + j]);
     UNROLL for (int i = 0; i < 32 / W; ++i)
-      accumulate(acc, xs, nx, vfms(ds, vb_u8(vb_load(u->q + 32 * j + i * W)), dm), k + 32 * j + i * W, slot + 32 * j / W + i);
+      accumulate(acc, xs, nx, vfms(ds, vb_u8(vb_load(u->q + 32 * j + i * W)), dm), k + 32 * j + i * W,
+                 slot + 32 * j / W + i);
   }
 }
 INLINE void q4_k_block(const uint8_t *b, BLOCK_ARGS) {
@@ -276,7 +280,8 @@ INLINE void q6_k_block(const uint8_t *b, BLOCK_ARGS) { /* (d sc) q - 32 d sc: (d
   UNROLL for (int j = 0; j < 16; ++j) {
     vf ds = vset(u.scale[j]), ds32 = vset(u.mins[j]);
     UNROLL for (int i = 0; i < 16 / W; ++i)
-      accumulate(acc, xs, nx, vfms(ds, vb_u8(vb_load(u.q + 16 * j + i * W)), ds32), k + 16 * j + i * W, slot + 16 * j / W + i);
+      accumulate(acc, xs, nx, vfms(ds, vb_u8(vb_load(u.q + 16 * j + i * W)), ds32), k + 16 * j + i * W,
+                 slot + 16 * j / W + i);
   }
 }
 

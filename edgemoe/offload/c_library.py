@@ -14,17 +14,19 @@ from pathlib import Path
 from edgemoe.errors import EdgeMoEError
 
 
-def build_library(source: Path, name: str, what: str, flags: list[str], key: bytes = b"") -> ctypes.CDLL:
-    """`source` compiled with `flags` into `edgemoe-{name}-{hash}.so` unless it is there already, then loaded. `key`:
-    more bytes the build depends on (the CPU, for -march=native). A missing compiler or a failed build is one line
-    of `EdgeMoEError` naming `what`."""
+def build_library(
+    source: Path, name: str, what: str, flags: list[str], key: bytes = b"", libs: tuple[str, ...] = ()
+) -> ctypes.CDLL:
+    """`source` compiled with `flags` (and linked with `libs`) into `edgemoe-{name}-{hash}.so` unless it is there
+    already, then loaded. `key`: more bytes the build depends on (included files; the CPU, for -march=native). A
+    missing compiler or a failed build is one line of `EdgeMoEError` naming `what`."""
     text = source.read_bytes()
-    digest = hashlib.sha256(text + "\0".join(flags).encode() + key).hexdigest()[:16]
+    digest = hashlib.sha256(text + "\0".join([*flags, *libs]).encode() + key).hexdigest()[:16]
     target = Path(tempfile.gettempdir()) / f"edgemoe-{name}-{digest}.so"
     if not target.exists():
         cc = os.environ.get("CC", "cc")
         partial = target.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, *flags, "-shared", "-fPIC", str(source), "-o", str(partial)]
+        cmd = [cc, *flags, "-shared", "-fPIC", str(source), "-o", str(partial), *libs]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True)
         except FileNotFoundError as e:

@@ -34,7 +34,7 @@ from edgemoe.offload.layout import ExpertLayout, QuantExpertLayout
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 KERNELS = SOURCE.with_name("cpu_experts_kernels.h")  # included by SOURCE
 DENSE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # dtype -> GGML type id, the C file's format ids
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # edgemoe.layers.mlp.ACTIVATIONS' names -> the C file's
+ACT_IDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # edgemoe.layers.mlp.ACTIVATIONS' names -> the C file's ids
 _ERRORS = {
     1: "an unsupported weight format",
     2: "shapes that do not fit the bank's rows",
@@ -72,7 +72,7 @@ def build(march: str = "native") -> ctypes.CDLL:
     AVX2 path) and "x86-64" (plain C)."""
     flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-pthread"]
     key = KERNELS.read_bytes() + (_cpu_key() if march == "native" else b"")
-    lib = build_library(SOURCE, f"cpu-experts-{march}", "the CPU expert executor", [*flags, "-lm"], key)
+    lib = build_library(SOURCE, f"cpu-experts-{march}", "the CPU expert executor", flags, key, libs=("-lm",))
     lib.edgemoe_cpu_experts_create.argtypes, lib.edgemoe_cpu_experts_create.restype = [ctypes.c_int], ctypes.c_void_p
     lib.edgemoe_cpu_experts_destroy.argtypes, lib.edgemoe_cpu_experts_destroy.restype = [ctypes.c_void_p], None
     lib.edgemoe_cpu_experts_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(Job)]
@@ -102,9 +102,9 @@ def physical_cores() -> int:
 def layout_formats(layout: ExpertLayout) -> tuple[int, int, int, int]:
     """(gate_up format, down format, byte offset of down in a row, activation) of `layout`, as the C job names them;
     EdgeMoEError for a layout the executor cannot read."""
-    act = ACTIVATIONS.get(layout.act_name)
+    act = ACT_IDS.get(layout.act_name)
     if act is None:
-        raise EdgeMoEError(f"the CPU expert executor computes {', '.join(ACTIVATIONS)}, not {layout.act_name}")
+        raise EdgeMoEError(f"the CPU expert executor computes {', '.join(ACT_IDS)}, not {layout.act_name}")
     if isinstance(layout, QuantExpertLayout):
         return layout.q_gate_up.ggml_type, layout.q_down.ggml_type, layout.split, act
     if type(layout) is ExpertLayout and layout.dtype in DENSE:

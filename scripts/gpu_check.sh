@@ -18,6 +18,7 @@ python3 benchmarks/miss_copy.py --json "$out/miss_copy.json" | tail -12 || rc=1
 python3 benchmarks/copy_service.py --rows 1,2,8 --json "$out/copy_service.json" | tail -12 || rc=1
 python3 benchmarks/moe_gemv.py --json "$out/moe_gemv.json" | tail -16 || rc=1
 python3 benchmarks/quant_gemv.py --json "$out/quant_gemv.json" | tail -10 || rc=1
+python3 benchmarks/cpu_experts.py --json "$out/cpu_experts.json" | tail -90 || rc=1
 python3 benchmarks/dense_gemv.py --json "$out/dense_gemv.json" | tail -14 || rc=1
 python3 benchmarks/router.py --json "$out/router.json" | tail -12 || rc=1
 python3 benchmarks/ensure.py --json "$out/ensure.json" | tail -12 || rc=1

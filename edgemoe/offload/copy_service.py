@@ -17,10 +17,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -29,6 +25,7 @@ import torch
 
 from edgemoe.engine.cuda_graphs import add_capture_hook
 from edgemoe.errors import EdgeMoEError
+from edgemoe.offload.c_library import build_library
 from edgemoe.offload.protocol import HEADER, RING, PostTarget
 
 SOURCE = Path(__file__).with_name("copy_service.c")
@@ -74,22 +71,7 @@ class _Service(ctypes.Structure):
 @functools.cache
 def library() -> ctypes.CDLL:
     """copy_service.c as a shared library, built once per source version into the temporary directory."""
-    source = SOURCE.read_bytes()
-    target = Path(tempfile.gettempdir()) / f"edgemoe-copy-service-{hashlib.sha256(source).hexdigest()[:16]}.so"
-    if not target.exists():
-        cc = os.environ.get("CC", "cc")
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, "-O2", "-shared", "-fPIC", str(SOURCE), "-o", str(partial)]
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-        except FileNotFoundError as e:
-            raise EdgeMoEError(f"the copy service needs a C compiler ({cc}): {e}") from None
-        except subprocess.CalledProcessError as e:
-            lines = e.stderr.strip().splitlines() or [f"{cc} exited with {e.returncode}"]
-            first = next((line for line in lines if "error" in line), lines[-1])
-            raise EdgeMoEError(f"building the copy service failed: {first}") from None
-        os.replace(partial, target)
-    lib = ctypes.CDLL(str(target))  # ctypes releases the GIL during the call
+    lib = build_library(SOURCE, "copy-service", "the copy service", ["-O2"])
     lib.edgemoe_copy_service_serve.argtypes = [ctypes.POINTER(_Service), ctypes.c_void_p]
     return lib
 

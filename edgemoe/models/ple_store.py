@@ -11,6 +11,7 @@ file's header and size whenever it is reused.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -129,7 +130,8 @@ def _convert(file: Path, key: str, expected: dict, dtype: torch.dtype, places: l
             return path
         except OSError as exc:  # a read-only folder (then the cache directory), a full disk
             reason = f"cannot write {path}: {exc.strerror or exc}"
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # what was written of it (or whatever stood in its way) stays
+                tmp.unlink()
     raise EdgeMoEError(reason)
 
 

@@ -38,6 +38,10 @@ def _never() -> bool:
     return False
 
 
+def _nothing() -> None:
+    pass
+
+
 def _stream_idle(device: torch.device) -> None:
     torch.cuda.current_stream(device).synchronize()
 
@@ -64,7 +68,7 @@ class DiskPerLayerEmbeddings(PLEBackend):
         self._staged_for: int | None = None  # tokens of the step `before_step` prepared (its next eager gather)
         self._gather = gather_rows_reference
         self._capturing = torch.cuda.is_current_stream_capturing if cuda else _never
-        self._idle = functools.partial(_stream_idle, device) if cuda else lambda: None
+        self._idle = functools.partial(_stream_idle, device) if cuda else _nothing
         self._readers: ThreadPoolExecutor | None = None
         self.wait = make_wait_sync(device, self._fill) if sync == "wait" else None  # None: host sync
 
@@ -86,6 +90,8 @@ class DiskPerLayerEmbeddings(PLEBackend):
 
     def before_step(self, ids: list[int]) -> None:
         """The runner's pre-step hook: the step's token ids (host) before it runs, eager or replayed."""
+        if self.wait is not None:
+            self.wait.worker.check()
         self._staged_for = None
         if len(ids) > self.max_tokens:
             return  # not a runner's step size: `gather` reads it in pieces

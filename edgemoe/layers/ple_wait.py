@@ -174,9 +174,13 @@ class ReleaseWorker:
             threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True).start()
             weakref.finalize(self, jobs.put, None)
 
-    def before_replay(self) -> None:
+    def check(self) -> None:
+        """Raise if a fill failed or stalled: the staging buffer may still be written by it."""
         if self.error is not None:
             raise EdgeMoEError(f"{self.error}: the engine cannot decode further")
+
+    def before_replay(self) -> None:
+        self.check()
         self._step = step = _Step(self._fill, self._write, self._lock, self.timeout)
         self._watches.put(step.watch)
         self._fills.put(step.fill_then_release)

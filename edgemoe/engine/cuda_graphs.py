@@ -7,8 +7,9 @@ around every capture, which yields a list and fills it with the `ReplayHook`s th
 Upload policy (`GRAPH_UPLOADS`): `capture` uploads each graph (`cudaGraphUpload` + sync) when it is captured,
 `none` leaves the upload to the first replay, `auto` uploads only the graphs whose first launch must not block: those
 with a replay hook whose `needs_upload` is true (a graph that waits on the GPU for work its replay hook hands to a
-host thread; uploading every graph made replays slower: docs/findings.md, "Graph upload"). `warm_replay` replays
-each graph once at capture time (its hooks included) instead.
+host thread), since the reference engine found uploads slowing replays (here the policies measured alike:
+docs/findings.md, "Graph upload policies make no difference"). `warm_replay` replays each graph once at capture time
+(its hooks included) instead.
 """
 
 from __future__ import annotations

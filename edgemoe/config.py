@@ -120,6 +120,8 @@ def parse_size(text: str | int) -> int:
 MOE_STRATEGIES = ("resident", "offload")
 EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4")
 GRAPH_UPLOADS = ("auto", "capture", "none")
+PLE_BACKENDS = ("gpu", "host", "disk")  # edgemoe/layers/ple.py, ple_disk.py
+PLE_SYNCS = ("host", "wait")  # edgemoe/layers/ple_wait.py
 TOOL_PARSERS = ("auto", "none", "qwen", "qwen3_coder", "mistral")  # edgemoe/server/tool_calls.py
 REASONING_PARSERS = ("auto", "none", "qwen3")  # edgemoe/server/reasoning.py
 
@@ -212,11 +214,22 @@ class EngineConfig:
     graph_upload: str = option(
         "auto",
         "CUDA graphs: upload each graph when captured (capture), on first replay (none), or only where a first "
-        "launch must not block (auto: today the same as none)",
+        "launch must not block (auto: the graphs that wait for --ple-sync wait's rows)",
     )
     graph_warm_replay: bool = option(False, "CUDA graphs: replay each graph once at capture time")
     shared_expert_overlap: bool = option(
         True, "CUDA: the shared expert on a side stream beside the routed experts and their miss copy (off: inline)"
+    )
+    ple_backend: str = option(
+        "gpu",
+        "where per-layer embeddings (Gemma-4) live: gpu (in VRAM), host (in pinned RAM; the GPU gathers each step's "
+        "rows), disk (a memory-mapped file: the checkpoint's tensor in place, else a copy in the run's dtype written "
+        "beside it once; each step's rows read into a pinned staging buffer)",
+    )
+    ple_sync: str = option(
+        "host",
+        "ple_backend disk: host (read a step's rows, then launch it) or wait (launch the replayed step first; it "
+        "waits on the GPU for the rows just before their first use; needs CUDA stream memory operations, else host)",
     )
     moe: ExpertCacheConfig = field(default_factory=ExpertCacheConfig)
 
@@ -233,6 +246,14 @@ class EngineConfig:
                 raise EdgeMoEError("give one of kv_cache_memory and kv_cache_tokens")
         if self.graph_upload not in GRAPH_UPLOADS:
             raise EdgeMoEError(f"unknown graph_upload {self.graph_upload!r}: use {', '.join(GRAPH_UPLOADS)}")
+        if self.ple_backend not in PLE_BACKENDS:
+            raise EdgeMoEError(f"unknown ple_backend {self.ple_backend!r}: use {', '.join(PLE_BACKENDS)}")
+        if self.ple_sync not in PLE_SYNCS:
+            raise EdgeMoEError(f"unknown ple_sync {self.ple_sync!r}: use {' or '.join(PLE_SYNCS)}")
+        if self.ple_sync == "wait" and self.ple_backend != "disk":
+            raise EdgeMoEError(
+                f"ple_sync wait waits for rows read from disk: use it with ple_backend disk, not {self.ple_backend}"
+            )
 
 
 def _count(value: object) -> bool:

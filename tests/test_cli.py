@@ -137,6 +137,8 @@ def test_bad_models(broken_models, tmp_path, case, fragment) -> None:
         (["--top-p", "0"], "top_p"),
         (["--kv-cache-memory", "lots"], "cannot read size"),
         (["--graph-upload", "sometimes"], "unknown graph_upload 'sometimes'"),
+        (["--ple-backend", "disk"], "ple_backend disk: qwen2_moe models have no per-layer embeddings"),
+        (["--ple-sync", "wait"], "ple_sync wait waits for rows read from disk"),
         (["--max-tokens", "abc"], "argument --max-tokens: invalid int value: 'abc' (see edgemoe generate --help)"),
         (["--max-model-len", "0"], "max_model_len must be an integer >= 1, got 0"),
         (["--max-model-len", "-5"], "max_model_len must be an integer >= 1, got -5"),

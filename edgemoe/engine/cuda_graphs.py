@@ -5,9 +5,11 @@ the copy lists a captured step posts) registers a capture hook (`add_capture_hoo
 around every capture, which yields a list and fills it with the `ReplayHook`s that graph's replays must run.
 
 Upload policy (`GRAPH_UPLOADS`): `capture` uploads each graph (`cudaGraphUpload` + sync) when it is captured,
-`none` leaves the upload to the first replay, `auto` uploads only where a first launch must not block (no
-feature needs that yet, so today it is `none`: docs/findings.md, "Graph upload"). `warm_replay` replays each graph
-once at capture time instead.
+`none` leaves the upload to the first replay, `auto` uploads only the graphs whose first launch must not block: those
+with a replay hook whose `needs_upload` is true (a graph that waits on the GPU for work its replay hook hands to a
+host thread), since the reference engine found uploads slowing replays (here the policies measured alike:
+docs/findings.md, "Graph upload policies make no difference"). `warm_replay` replays each graph once at capture time
+(its hooks included) instead.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ T = TypeVar("T")
 
 
 class ReplayHook(Protocol):
-    """Work a replay of one graph needs around its launch."""
+    """Work a replay of one graph needs around its launch. A hook may also set `needs_upload = True`: its graph's
+    first launch must not block (policy `auto` uploads it at capture)."""
 
     def before_replay(self) -> None: ...
 
@@ -42,12 +45,11 @@ def add_capture_hook(hook: CaptureHook) -> None:
         _CAPTURE_HOOKS.append(hook)
 
 
-def uploads_at_capture(policy: str) -> bool:
-    """Whether `policy` uploads graphs at capture time (`auto`: only for a feature whose first launch must not
-    block; there is none yet)."""
+def uploads_at_capture(policy: str, needs_upload: bool = False) -> bool:
+    """Whether `policy` uploads a graph at capture time (`auto`: where its replay hooks say it `needs_upload`)."""
     if policy not in GRAPH_UPLOADS:
         raise ValueError(f"unknown graph upload policy {policy!r}")
-    return policy == "capture"
+    return policy == "capture" or policy == "auto" and needs_upload
 
 
 class HookedGraph(torch.cuda.CUDAGraph):
@@ -55,6 +57,12 @@ class HookedGraph(torch.cuda.CUDAGraph):
     experts waits on the GPU for the copies it posted, so a replay nobody served would never end)."""
 
     hooks: tuple[ReplayHook, ...] = ()
+    uploaded = False  # uploaded at capture (`capture_graph`)
+
+    @property
+    def needs_upload(self) -> bool:
+        """Whether a replay hook says the first launch must not block."""
+        return any(getattr(hook, "needs_upload", False) for hook in self.hooks)
 
     def replay(self) -> None:
         for hook in self.hooks:
@@ -95,11 +103,12 @@ def capture_graph(
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
     graph.hooks = tuple(h for hooks in registered for h in hooks)
-    if uploads_at_capture(upload):
+    if uploads_at_capture(upload, graph.needs_upload):
         from edgemoe.engine.streams import upload_graph
 
         upload_graph(graph, torch.cuda.current_stream())
         torch.cuda.synchronize()
+        graph.uploaded = True
     if warm_replay:
         graph.replay()
         torch.cuda.synchronize()

@@ -19,6 +19,7 @@ from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
+from edgemoe.layers.ple import PLEOptions
 from edgemoe.models.loader import checkpoint_files, load_gguf, load_model
 from edgemoe.models.registry import read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
@@ -102,11 +103,13 @@ class LLMEngine:
         offload, args = moe.moe_strategy == "offload", (self.device, self.dtype, config.block_size, config.progress)
         if gguf is not None and moe.expert_dtype != "auto":
             raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
+        # the disk backend's staging holds a step's tokens: a prefill chunk's or a decode batch's
+        ple = PLEOptions(config.ple_backend, config.ple_sync, max(config.max_num_batched_tokens, config.max_num_seqs))
         try:
             if gguf is None:
-                self.model = load_model(path, self.model_config, family, *args, offload, moe.expert_dtype)
+                self.model = load_model(path, self.model_config, family, *args, offload, moe.expert_dtype, ple)
             else:
-                self.model = load_gguf(gguf, self.model_config, family, *args, offload)
+                self.model = load_gguf(gguf, self.model_config, family, *args, offload, ple)
         except SafetensorError as exc:
             raise EdgeMoEError(_unreadable_checkpoint(path, exc)) from None
         except torch.OutOfMemoryError:

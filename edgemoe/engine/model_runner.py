@@ -6,6 +6,10 @@ sequences runs the graph of the smallest captured size b >= n; rows n..b-1 are p
 writing its K/V into the KV cache's pad block, attending to that block alone, routed to row 0's experts, so padding
 never fetches or counts an expert). Block tables are padded to the longest context the engine allows, so shapes
 never change between replays, and a step's inputs reach the device as one copy.
+
+Pre-step hooks: a module of the model that needs a step's token ids on the host before the step runs (the `disk`
+per-layer embeddings stage their rows) defines `before_step(ids: list[int])`; the runner calls it with the step's
+ids, after building the step's inputs and before the eager forward or the graph replay. The runner names none of them.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # once `capture_graphs` ran (CUDA)
         self.decode = DecodeBuffers(max_num_seqs, max_blocks, kv.pad_block, kv.block_size, device)
         self.routed_ids: torch.Tensor | None = None  # [moe_layers, max_num_seqs, top_k] once `record_routing` ran
+        self.step_hooks: list[Callable[[list[int]], None]] = [
+            m.before_step for m in model.modules() if callable(getattr(m, "before_step", None))
+        ]  # each module's `before_step`, called with a step's token ids (see the module docstring)
         kv.bind([layer.self_attn.attn for layer in model.model.layers])
 
     def record_routing(self) -> torch.Tensor:
@@ -123,6 +130,10 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
+    def _before_step(self, ids: list[int]) -> None:
+        for hook in self.step_hooks:
+            hook(ids)
+
     def host_inputs(self, batch: Batch) -> tuple[list[int], list[int], list[int], list[int]]:
         """Token ids, positions and KV slots of the tokens computed this step; context length per sequence."""
         bs = self.kv.block_size
@@ -139,6 +150,7 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """Inputs of an eager step: tensors of the batch's own shape."""
         ids, positions, slots, context_lens = self.host_inputs(batch)
+        self._before_step(ids)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [self.kv.pad_block] * (width - len(s.block_table)) for s in batch.seqs]
         routed = None
@@ -164,7 +176,9 @@ class ModelRunner:
         n = len(batch.seqs)
         b = None if batch.is_prefill or self.graphs is None else self.graphs.size_for(n)
         if b is not None:
-            self.decode.fill(*self.host_inputs(batch), [s.block_table for s in batch.seqs])
+            inputs = self.host_inputs(batch)
+            self.decode.fill(*inputs, [s.block_table for s in batch.seqs])
+            self._before_step(inputs[0])
             return list(range(n)), self.graphs.replay(b)[:n]
         input_ids, positions, ctx = self.prepare(batch)
         due = [i for i, (s, k) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + k == len(s.token_ids)]

@@ -22,7 +22,7 @@ from edgemoe.layers.attention import Attention, PagedAttention
 from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.mlp import ACTIVATIONS, GatedMLP
 from edgemoe.layers.norm import RMSNorm
-from edgemoe.layers.ple import PerLayerEmbeddings, scale_in_dtype
+from edgemoe.layers.ple import PerLayerEmbeddings, PLEBackend, scale_in_dtype
 from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.models.decoder import DecoderLayer, DecoderModel, MoEForCausalLM
 from edgemoe.models.gemma4_config import FULL, MODEL_TYPE, MODEL_TYPES, SLIDING, Rope, normalise
@@ -211,7 +211,7 @@ class Gemma4Model(DecoderModel):
         super().__init__(cfg, layer_class, block_size)
         s, H = cfg.family_config, cfg.hidden_size
         self.hidden, self.ple_dim = H, s.ple_dim
-        self.embed_tokens_per_layer: PerLayerEmbeddings | None = None
+        self.embed_tokens_per_layer: PLEBackend | None = None  # the family builds `gpu`; the loader may swap it
         if s.ple_dim:
             self.embed_tokens_per_layer = PerLayerEmbeddings(s.ple_vocab, cfg.num_layers, s.ple_dim)
             self.per_layer_model_projection = DecodeLinear(H, cfg.num_layers * s.ple_dim, bias=False)

@@ -21,9 +21,11 @@ from tqdm import tqdm
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.kernels import select_kernels
+from edgemoe.layers.ple import PLEOptions
 from edgemoe.layers.quant import QUANT_TYPES, quant_type, quantize, random_blocks
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint
+from edgemoe.models.ple_store import Reader, place_ple
 from edgemoe.offload.experts import ResidentExperts
 from edgemoe.offload.layout import QuantExpertLayout
 
@@ -31,6 +33,7 @@ _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _QKV = re.compile(r"^(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$")  # row blocks of our qkv_proj
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+GPU_PLE = PLEOptions()  # per-layer embeddings resident, as the family builds them
 
 
 def build_model(cfg: ModelConfig, family: ModuleType, block_size: int) -> MoEForCausalLM:
@@ -67,12 +70,13 @@ def load_model(
     progress: bool = True,
     offload: bool = False,
     expert_dtype: str = "auto",
+    ple: PLEOptions = GPU_PLE,
 ) -> MoEForCausalLM:
     """The model of `folder`'s checkpoint (None: random weights, `fill_random`) built for `device`: on the meta device
     first, weights streamed into place, kernels chosen for the device. `offload`: routed experts go to host banks
     (`edgemoe.offload.banks`) instead of the device. `expert_dtype`: a GGUF block format (q8_0, q4_0, mxfp4) the
     routed experts are quantized to once, as the `gguf` package quantizes them (random weights: any format of
-    `edgemoe.layers.quant`); auto keeps `dtype`."""
+    `edgemoe.layers.quant`); auto keeps `dtype`. `ple`: where per-layer embeddings live (`edgemoe.models.ple_store`)."""
     layouts = {}
     if expert_dtype != "auto":
         q, (H, inter) = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size)
@@ -83,12 +87,18 @@ def load_model(
             )
         act = cfg.hidden_act
         layouts = {i: QuantExpertLayout(H, inter, q, q, dtype, act=act) for i, moe in enumerate(cfg.moe_layers) if moe}
-    model, host = _empty_model(cfg, family, device, dtype, block_size, layouts, progress, offload)
+    model, host, readers = _empty_model(cfg, family, device, dtype, block_size, layouts, progress, offload, ple)
     if folder is None:
+        _no_readers(readers, "random weights")
         fill_random(model, host)
     else:
-        load_weights(model, folder, family, progress, host | _resident_targets(model))
+        load_weights(model, folder, family, progress, host | _resident_targets(model), readers)
     return _ready(model, device)
+
+
+def _no_readers(readers: dict[str, Reader], source: str) -> None:
+    if readers:
+        raise EdgeMoEError(f"ple_backend disk maps its table from a safetensors checkpoint; {source} have none")
 
 
 def _empty_model(
@@ -100,15 +110,18 @@ def _empty_model(
     layouts: dict,
     progress: bool,
     offload: bool,
-) -> tuple[MoEForCausalLM, dict[str, torch.Tensor]]:
-    """The model built on the meta device, experts placed (`_place_experts`), then given uninitialised storage on
-    `device` -> (model, the host banks by parameter name)."""  # fmt: skip
+    ple: PLEOptions,
+) -> tuple[MoEForCausalLM, dict[str, torch.Tensor], dict[str, Reader]]:
+    """The model built on the meta device, experts and per-layer embeddings placed (`_place_experts`, `place_ple`),
+    then given uninitialised storage on `device` -> (model, the host banks and tables by parameter name, the tensors
+    a backend reads itself by parameter name)."""  # fmt: skip
     with torch.device("meta"):
         model = build_model(cfg, family, block_size).to(dtype)
     host = _place_experts(model, layouts, dtype, device, progress, offload)
+    ple_tables, readers = place_ple(model, ple, device, dtype, progress)
     model.to_empty(device=device)
     model.tie_weights()
-    return model, host
+    return model, host | ple_tables, readers
 
 
 def _ready(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
@@ -178,18 +191,31 @@ def fill_random(model: MoEForCausalLM, host: dict[str, torch.Tensor], seed: int 
 
 
 def load_weights(
-    model: MoEForCausalLM, folder: Path, family: ModuleType, progress: bool = True, host: dict | None = None
+    model: MoEForCausalLM,
+    folder: Path,
+    family: ModuleType,
+    progress: bool = True,
+    host: dict | None = None,
+    readers: dict[str, Reader] | None = None,
 ) -> None:
-    """Fill the model's parameters, and the `host` tensors (name -> host bank) that stand in for some."""
-    params = dict(model.named_parameters()) | (host or {})
+    """Fill the model's parameters, and the `host` tensors (name -> host bank) that stand in for some; hand the
+    tensors of `readers` (name -> reader) to their readers, unread."""
+    params, readers = dict(model.named_parameters()) | (host or {}), readers or {}
     filled = dict.fromkeys(params, 0)
     files = checkpoint_files(folder)
-    handles = [safe_open(f, framework="pt", device="cpu") for f in files]
-    keys = [(h, k) for h in handles for k in h.keys()]
+    handles = [(f, safe_open(f, framework="pt", device="cpu")) for f in files]
+    keys = [(f, h, k) for f, h in handles for k in h.keys()]
+    read = set()
     with torch.no_grad():
-        for handle, key in tqdm(keys, desc="loading weights", unit="tensor", disable=not progress or None, leave=False):
+        for file, handle, key in tqdm(
+            keys, desc="loading weights", unit="tensor", disable=not progress or None, leave=False
+        ):
             name = model.checkpoint_name(family.rename(key))
             if name is None:
+                continue
+            if name in readers:
+                readers[name](file, key)
+                read.add(name)
                 continue
             name, target = _target(name, params, model)
             if target is None:
@@ -201,6 +227,9 @@ def load_weights(
             target.copy_(tensor)
             filled[name] += target.numel()
     _check_filled(params, filled, folder)
+    unread = sorted(set(readers) - read)
+    if unread:
+        raise EdgeMoEError(f"checkpoint {folder} lacks {', '.join(unread)}")
 
 
 def quantize_rows(model: MoEForCausalLM, name: str, handle, key: str) -> torch.Tensor:  # noqa: ANN001
@@ -292,11 +321,13 @@ def load_gguf(
     block_size: int,
     progress: bool = True,
     offload: bool = False,
+    ple: PLEOptions = GPU_PLE,
 ) -> MoEForCausalLM:
     """`load_model` for a GGUF checkpoint: dense weights dequantized to `dtype`; routed experts kept as stored (their
     raw blocks copied from the memory-mapped file into host banks or device storage) unless stored as floats."""
     layouts = expert_layouts(ckpt, cfg, dtype)
-    model, host = _empty_model(cfg, family, device, dtype, block_size, layouts, progress, offload)
+    model, host, readers = _empty_model(cfg, family, device, dtype, block_size, layouts, progress, offload, ple)
+    _no_readers(readers, "GGUF files")
     params = dict(model.named_parameters()) | host
     filled = dict.fromkeys(params, 0)
     heads = (cfg.num_heads, cfg.num_kv_heads)

@@ -18,18 +18,17 @@ from edgemoe.offload.experts import OffloadedExperts
 from edgemoe.offload.layout import ExpertLayout
 
 
-def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised bank, page-locked in place when `pin` (cudaHostRegister, exact size: torch's pinned
-    allocator rounds each allocation up to a power of two, which would cost up to twice the experts' size)."""
+def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, what: str = "an expert bank") -> torch.Tensor:
+    """An uninitialised bank (of `what`, for the error), page-locked in place when `pin` (cudaHostRegister, exact
+    size: torch's pinned allocator rounds each allocation up to a power of two, which would cost up to twice the
+    experts' size)."""
     bank = torch.empty(shape, dtype=dtype)
     if pin and bank.numel():
         cudart = torch.cuda.cudart()
         ptr, size = bank.data_ptr(), bank.numel() * bank.element_size()
         err = cudart.cudaHostRegister(ptr, size, 3)  # portable | mapped: any GPU reads it through unified addressing
         if int(err) != 0:
-            raise EdgeMoEError(
-                f"cannot pin {size / 2**30:.2f} GiB of host memory for an expert bank (CUDA error {int(err)})"
-            )
+            raise EdgeMoEError(f"cannot pin {size / 2**30:.2f} GiB of host memory for {what} (CUDA error {int(err)})")
         weakref.finalize(bank, cudart.cudaHostUnregister, ptr)
     return bank
 

@@ -50,7 +50,8 @@ def test_default_batch_sizes() -> None:
 
 def test_upload_policies() -> None:
     assert uploads_at_capture("capture") and not uploads_at_capture("none")
-    assert not uploads_at_capture("auto"), "no backend needs a non-blocking first launch yet"
+    assert not uploads_at_capture("auto") and uploads_at_capture("auto", needs_upload=True)
+    assert not uploads_at_capture("none", needs_upload=True)
     with pytest.raises(EdgeMoEError, match="unknown graph_upload 'eager'"):
         LLM(progress=False, graph_upload="eager")
 

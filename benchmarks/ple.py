@@ -54,6 +54,7 @@ RUNS = [
     ("disk+wait cold", "disk", "wait", True),
     ("disk+host warm", "disk", "host", False),
     ("disk+wait warm", "disk", "wait", False),
+    ("gpu again", "gpu", "host", False),  # drift over the runs
 ]
 PROFILED = [("disk+wait", "disk", "wait"), ("host sync", "disk", "host")]  # a wait captured; none captured
 UPLOADS = ("auto", "capture", "none")
@@ -165,8 +166,8 @@ def gaps(llm: LLM, prompt: list[int], steps: int) -> dict:
     return out
 
 
-def release(llm: LLM | None, device: torch.device) -> None:
-    del llm
+def release(device: torch.device) -> None:
+    """Free what the last LLM left (the caller dropped its reference first)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -215,7 +216,8 @@ def main() -> None:
         result["runs"][name] = {"step_ms": seconds * 1e3, "tok_s": 1 / seconds, "vram_bytes": vram, "same": same}
         print(f"  {name:>15}: {1 / seconds:8.1f} tok/s, {seconds * 1e3:7.3f} ms a step, VRAM after load "
               f"{vram / 2**30:6.2f} GiB{'' if same else ', TOKENS DIFFER'}", file=sys.stderr)  # fmt: skip
-        release(llm, device)
+        del llm
+        release(device)
     runs = result["runs"]
     t_gpu = runs["gpu"]["step_ms"]
     for temp in ("cold", "warm"):
@@ -240,7 +242,8 @@ def main() -> None:
                 )
                 print(f"  profile {name:>10}, upload {upload:>7}: {p.get('period_us', 0):8.1f} us a step, "
                       f"{uploaded} graph(s) uploaded {streams}{p.get('error', '')}", file=sys.stderr)  # fmt: skip
-                release(llm, device)
+                del llm
+                release(device)
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
 

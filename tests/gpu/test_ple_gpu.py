@@ -69,7 +69,9 @@ def oracle(folder: Path):
 def test_backends_replay_the_gpu_backends_logits(folder: Path, oracle, backend: str, sync: str) -> None:
     outs, logits, llm = run(folder, ple_backend=backend, ple_sync=sync)
     assert outs == oracle[0]
-    assert len(logits) == len(oracle[1]) and all(torch.equal(a, b) for a, b in zip(logits, oracle[1]))
+    # the three sequences' rows; the graph's fourth row is padding, whose token (and so PLE row) is whatever the
+    # buffers held: the runner drops its logits
+    assert len(logits) == len(oracle[1]) and all(torch.equal(a[:3], b[:3]) for a, b in zip(logits, oracle[1]))
     ple, graphs = llm.engine.model.model.embed_tokens_per_layer, llm.engine.runner.graphs.graphs
     if sync == "wait":
         assert ple.wait is not None, "the probe found no stream memory operations on this GPU"

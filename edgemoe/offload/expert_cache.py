@@ -56,6 +56,7 @@ class ExpertCache:
         self.w13: torch.Tensor | None = None  # [S + 1, ...] its first half (dense: gate_up), as the miss copy moves it
         self.w2: torch.Tensor | None = None  # [S + 1, ...] the rest
         self.copy_service = None  # a CopyService once `start_copy_service` ran (CUDA)
+        self.prefill_stream = None  # an `edgemoe.offload.prefill_stream.PrefillStream` where the pool has 2E slots
         # the implementation, chosen once for the device: one Triton launch on CUDA, plain torch elsewhere
         if self.device.type == "cuda":
             from edgemoe.kernels.ensure import ensure_fused

@@ -4,9 +4,10 @@ their weights coming from host banks (`edgemoe.offload.banks`) on a miss. Also s
 Decode (at most S distinct experts in a layer's step, which the minimum cache size guarantees) is one `ensure`,
 one miss copy and the same expert kernel as resident experts, all fixed-shape and sync-free; on CUDA the expert
 kernel waits for each missed expert's rows, not for the whole copy (`edgemoe.offload.protocol.Arrivals`).
-Prefill may need more experts than there are slots: they are made resident in waves of at most S, in expert
-order, and each pair is computed exactly as the resident path would (same functions, same order), so outputs
-are bitwise equal to resident experts.
+Prefill with more pairs than experts streams whole layers through two areas of the pool where it has 2E slots
+(`edgemoe.offload.prefill_stream`); otherwise, or with fewer pairs, the experts it needs are made resident in waves
+of at most S, in expert order. Either way each pair is computed exactly as the resident path would (same functions,
+same order), so outputs are bitwise equal to resident experts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from edgemoe.engine.context import get_context
 from edgemoe.errors import EdgeMoEError
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.layout import ExpertLayout
+from edgemoe.offload.prefill_stream import PrefillStream
 from edgemoe.offload.protocol import Ensured
 
 MiB = 2**20
@@ -33,6 +35,7 @@ class OffloadedExperts(nn.Module):
     def __init__(self, layer: int, bank: torch.Tensor, layout: ExpertLayout) -> None:
         super().__init__()
         self.layer, self.layout = layer, layout  # layer: index among MoE layers
+        self.bank = bank  # [E, row]: what streamed prefill copies, a layer at a time
         self.gate_up_proj, self.down_proj = layout.views(bank)  # dense: [E, 2I, H], [E, H, I] on the host
         self.banks = layout.copy_views(bank)  # what the miss copy reads
         self.num_experts = bank.shape[0]
@@ -59,6 +62,8 @@ class OffloadedExperts(nn.Module):
             return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=self.cache.arrivals(got))
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
+        if self.cache.prefill_stream is not None:
+            return self.cache.prefill_stream.run(self.layer, self.layout, x, ids, weights)
         return self._grouped_waves(x, ids, weights)
 
     def load(self, ids: torch.Tensor) -> Ensured:
@@ -195,6 +200,8 @@ def attach_expert_cache(
     cache.attach_pool(*layout.copy_views(joined), joined)
     for m in layers:
         m.attach(cache)
+    if PrefillStream.fits(cache) and layers:
+        cache.prefill_stream = PrefillStream(cache, [m.bank for m in sorted(layers, key=lambda m: m.layer)])
     if device.type == "cuda" and layers:
         cache.start_copy_service()
     return cache

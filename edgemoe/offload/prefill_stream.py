@@ -1,0 +1,118 @@
+"""Streamed prefill over offloaded experts: whole layers through two areas of the slot pool, the copy of layer l+1
+under the compute of layer l, with no host synchronisation between them.
+
+Why whole layers: a prefill chunk of many tokens touches nearly every expert of every layer (512 tokens of
+qwen3-30b-a3b route 4,096 pairs over 128 experts; an expert is left out with probability (1 - 8/128)^512 ~ 1e-15),
+and which experts layer l+1 needs is known only once layer l has run, too late to copy them under its compute. So
+the bound is every expert's bytes over PCIe once per chunk, and one copy of a layer's whole bank (its rows are side
+by side in pinned memory and in the pool) reaches it. Waves of cache-sized expert sets (`OffloadedExperts`'s
+fallback) copy only what misses but wait for each wave on the host and never overlap a copy with compute.
+
+Areas: slots [0, E) and [E, 2E) of the pool (a cache of at least 2E slots and fewer than all experts; other caches
+keep the waves). Layer l is
+copied into area l % 2 on a copy stream; the compute stream waits for that copy by an event; the copy into an area
+waits for the compute that last read it (`wait_stream`). Layer l is computed with the resident path's own function
+over the area's rows (`ExpertLayout.grouped`), so outputs are bitwise those of resident experts.
+
+The cache's bookkeeping stays true throughout: before an area is overwritten, whatever the cache held in its slots is
+dropped (counted as evictions); once a layer is computed, its area is registered as holding that layer's experts (a
+copy of one elsewhere in the pool is freed), counted as one layer-step of the policy for the experts the chunk used,
+and in the stats as E accesses, each a miss whose bytes were copied. So after a prefill the cache holds the last two MoE
+layers' experts whole, which the first decode steps read without a miss, and the rest as before (less what the
+areas displaced).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgemoe.offload.expert_cache import ExpertCache
+from edgemoe.offload.layout import ExpertLayout
+
+
+class PrefillStream:
+    """Streams a prefill step's MoE layers (in order, `banks[i]` the host bank [E, row] of MoE layer i) through the
+    first 2E slots of `cache`'s pool."""
+
+    def __init__(self, cache: ExpertCache, banks: list[torch.Tensor]) -> None:
+        assert self.fits(cache), "streamed prefill needs two layers' worth of slots"
+        self.cache, self.banks, self.E = cache, banks, cache.num_experts
+        self.cuda = cache.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(cache.device) if self.cuda else None
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # per area: its copy's completion (CUDA)
+        self.holds: list[int | None] = [None, None]  # per area: the layer copied into it during this step
+        self.last_layer = -1  # the layer computed last: a layer at or before it starts a new step
+        self._experts = torch.arange(self.E, device=cache.device)
+        E = self.E  # a streamed layer's stats: E accesses, E misses, every expert's bytes copied
+        self._layer_stats = torch.tensor([E, 0, E, 0, E * cache.expert_bytes], device=cache.device)
+
+    @staticmethod
+    def fits(cache: ExpertCache) -> bool:
+        """Two layers' worth of slots, and not every expert (a cache that holds them all misses nothing to stream)."""
+        E, S = cache.num_experts, cache.num_slots
+        return cache.joined is not None and 2 * E <= S < cache.num_layers * E
+
+    def area_rows(self, area: int) -> torch.Tensor:
+        return self.cache.joined[area * self.E : (area + 1) * self.E]
+
+    def run(
+        self, layer: int, layout: ExpertLayout, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """MoE layer `layer`'s routed experts for a prefill chunk (x [tokens, hidden], ids and weights
+        [tokens, top_k]), as `ResidentExperts` computes them."""
+        if layer <= self.last_layer:  # a new step: what the areas held may have been evicted since
+            self.holds = [None, None]
+        self.last_layer = layer
+        area = layer % 2
+        self._copy(layer)
+        if layer + 1 < len(self.banks):
+            self._copy(layer + 1)  # under this layer's compute
+        if self.cuda:
+            torch.cuda.current_stream(self.cache.device).wait_event(self.copied[area])
+        out = layout.grouped(x, ids, weights, *layout.views(self.area_rows(area)))
+        self._register(layer, area, ids)
+        return out
+
+    def _copy(self, layer: int) -> None:
+        area = layer % 2
+        if self.holds[area] == layer:
+            return
+        self._drop(area, layer)
+        rows, bank = self.area_rows(area), self.banks[layer]
+        if self.cuda:
+            # after the compute that last read this area (and the drop just queued)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+            with torch.cuda.stream(self.copy_stream):
+                rows.copy_(bank, non_blocking=True)
+                self.copied[area] = torch.cuda.Event()
+                self.copied[area].record(self.copy_stream)
+        else:
+            rows.copy_(bank)
+        self.holds[area] = layer
+
+    def _drop(self, area: int, layer: int) -> None:
+        """Forget whatever the cache holds in the area's slots (device ops, no sync), counted as evictions of the
+        layer about to be copied there."""
+        c, L, E = self.cache, self.cache.num_layers, self.E
+        owner = c.owner[area * E : (area + 1) * E]
+        if c.collect_stats:
+            c.stats[layer, 3] += (owner >= 0).sum()
+        c.slot_of.scatter_(0, torch.where(owner >= 0, owner, L * E), -1)  # L * E: the scratch entry
+        c.slot_of[L * E] = -1
+        owner.fill_(-1)
+
+    def _register(self, layer: int, area: int, ids: torch.Tensor) -> None:
+        """The area holds `layer`'s experts now: mapping, policy (one layer-step of the experts `ids` used), stats."""
+        c, E, S = self.cache, self.E, self.cache.num_slots
+        keys = layer * E + self._experts
+        slots = area * E + self._experts
+        elsewhere = c.slot_of[keys]  # [E] a slot outside the area that held the expert (-1: none)
+        c.owner.scatter_(0, torch.where(elsewhere >= 0, elsewhere, S), -1)  # S: the scratch slot
+        c.owner[S] = -1
+        c.slot_of[keys] = slots
+        c.owner[slots] = keys
+        c.clock += 1
+        needed = torch.zeros(E, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
+        c.policy.update(layer, needed, torch.where(needed, slots, S), c.clock)
+        if c.collect_stats:  # accesses, hits, misses, evictions (`_drop`), bytes: every expert copied, a miss
+            c.stats[layer] += self._layer_stats

@@ -134,7 +134,18 @@ def _add_bench_parser(sub) -> None:
         default=256,
         help="with --routing-trace: trace steps run through the cache alone before decoding (default: 256)",
     )
-    b.add_argument("--prefill", type=int, default=512, help="prompt tokens for the prefill timing (0: skip)")
+    b.add_argument(
+        "--prefill",
+        default="512",
+        help="comma-separated prompt lengths for the prefill timings, each a first (cold) and later (warm) prompt, "
+        "after the engine's start-up warm-up (0: skip; default: 512)",
+    )
+    b.add_argument(
+        "--no-warmup-prefill",
+        dest="warmup_prefill",
+        action="store_false",
+        help="skip the engine's start-up warm-up before the prefill timings (the first prompt then compiles)",
+    )
     b.add_argument("--mode", default="eager,graph", help="eager, graph (one CUDA graph per step) or both")
     b.add_argument(
         "--shared-expert-overlap",

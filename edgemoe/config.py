@@ -217,6 +217,11 @@ class EngineConfig:
         "launch must not block (auto: the graphs that wait for --ple-sync wait's rows)",
     )
     graph_warm_replay: bool = option(False, "CUDA graphs: replay each graph once at capture time")
+    warmup: bool = option(
+        True,
+        "CUDA: at start-up, prefill dummy prompts of a few lengths (kernels compiled, libraries loaded, memory grown), "
+        "so that the first request runs as fast as later ones (off: a faster start-up, a slower first request)",
+    )
     shared_expert_overlap: bool = option(
         True, "CUDA: the shared expert on a side stream beside the routed experts and their miss copy (off: inline)"
     )

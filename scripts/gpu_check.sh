@@ -17,6 +17,7 @@ done
 python3 benchmarks/miss_copy.py --json "$out/miss_copy.json" | tail -12 || rc=1
 python3 benchmarks/copy_service.py --rows 1,2,8 --json "$out/copy_service.json" | tail -12 || rc=1
 python3 benchmarks/moe_gemv.py --json "$out/moe_gemv.json" | tail -16 || rc=1
+python3 benchmarks/grouped_gemm.py --json "$out/grouped_gemm.json" | tail -6 || rc=1
 python3 benchmarks/quant_gemv.py --json "$out/quant_gemv.json" | tail -10 || rc=1
 python3 benchmarks/cpu_experts.py --json "$out/cpu_experts.json" | tail -90 || rc=1
 python3 benchmarks/dense_gemv.py --json "$out/dense_gemv.json" | tail -14 || rc=1
@@ -27,4 +28,6 @@ python3 benchmarks/ple.py --json "$out/ple.json" 2>&1 | tail -16 || rc=1
 python3 benchmarks/prefill_stream.py --json "$out/prefill_stream.json" 2>&1 | tail -8 || rc=1
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-cache-fraction 0.25,0.5,1 --routing-trace synthetic \
   --mode graph --profile 4 --json "$out/bench_qwen3_8layers.json" | tail -12 || rc=1
+python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-strategy resident --prefill 512,4096 \
+  --mode graph --steps 16 --warmup 8 --json "$out/bench_qwen3_8layers_prefill.json" 2>&1 | grep -E "^prefill|tok_s" | tail -8 || rc=1
 exit $rc

@@ -18,6 +18,32 @@ if not torch.cuda.is_available():
 
 from edgemoe import demo_model_path  # noqa: E402
 
+
+def _interpreter_dot_reads_bfloat16() -> None:
+    """Triton's interpreter keeps bfloat16 as its bits (uint16) and its `tl.dot` multiplies those integers; widen
+    them to float32 first, which is exact, so a bf16 dot accumulates in fp32 as the GPU's does."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    except ImportError:
+        return
+    create_dot = InterpreterBuilder.create_dot
+
+    def widened(x: TensorHandle) -> TensorHandle:
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202 - the builder's
+        return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    InterpreterBuilder.create_dot = dot
+
+
+if not torch.cuda.is_available():
+    _interpreter_dot_reads_bfloat16()
+
 VOCAB = 6144  # the demo tokenizer's vocabulary, so that text prompts work on tiny models too
 
 # id -> (family, config overrides). Shapes cover GQA/MQA/MHA, explicit head_dim, norm_topk_prob on/off,

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 from edgemoe.config import EngineConfig, ExpertCacheConfig, ModelConfig, parse_size
 from edgemoe.engine.cuda_graphs import default_batch_sizes
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
-from edgemoe.engine.model_runner import ModelRunner
+from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.streams import side_stream
@@ -130,6 +131,8 @@ class LLMEngine:
             # resident too: with every expert cached the side stream still gains (docs/findings.md, "Side stream")
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             set_shared_expert_stream(self.model, side_stream(index))
+        if self.device.type == "cuda" and config.warmup:
+            self._warm_up()
         if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs()
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -196,6 +199,15 @@ class LLMEngine:
             note = f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, KV {kv_bytes / MiB:.1f} MiB"
             cache = self._attach_cache(moe, slots, note)
         return cache
+
+    def _warm_up(self) -> None:
+        """Dummy prefills (`ModelRunner.warm_up`, their K/V in the pad block); then the expert cache starts empty, as
+        if none ran."""
+        lengths = warmup_lengths(min(self.config.max_num_batched_tokens, self.max_model_len))
+        for n in tqdm(lengths, desc="warming up", unit="prefill", disable=not self.config.progress or None):
+            self.runner.warm_up(n)
+        if self.expert_cache is not None:
+            self.expert_cache.reset()
 
     def _capture_graphs(self) -> None:
         sizes = default_batch_sizes(self.config.max_num_seqs)

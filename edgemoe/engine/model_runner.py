@@ -10,6 +10,9 @@ never change between replays, and a step's inputs reach the device as one copy.
 Pre-step hooks: a module of the model that needs a step's token ids on the host before the step runs (the `disk`
 per-layer embeddings stage their rows) defines `before_step(ids: list[int])`; the runner calls it with the step's
 ids, after building the step's inputs and before the eager forward or the graph replay. The runner names none of them.
+
+Warm-up (`warm_up`, at engine start-up on CUDA): dummy prompts whose blocks are all the pad block run through the
+eager prefill path and the sampler, so that the first request finds the kernels compiled and the allocator grown.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from edgemoe.engine.sampler import Sampler
 from edgemoe.engine.scheduler import Batch
 from edgemoe.engine.sequence import Sequence
 from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.sampling_params import SamplingParams
 
 # (sequences due a token, their logits [due, vocab] float32) -> logits the sampler draws from
 LogitsProcessor = Callable[[list[Sequence], torch.Tensor], torch.Tensor]
@@ -75,6 +79,12 @@ class DecodeBuffers:
         return ForwardContext(
             False, self.slots[:b], self.context_lens[:b], self.block_tables[:b], valid=self.valid[:b], **extra
         )
+
+
+def warmup_lengths(chunk: int) -> list[int]:
+    """What start-up prefills: a whole chunk (`chunk`: the longest prefill step), then 17, 16 and 1 tokens (Triton
+    compiles an integer argument apart when it is 1, a multiple of 16, or neither)."""
+    return [chunk] + [n for n in (17, 16, 1) if n < chunk]
 
 
 class ModelRunner:
@@ -191,6 +201,19 @@ class ModelRunner:
                 set_context(None)
             return due, None
         return due, self._forward(input_ids, positions, ctx, self._tensor(ends))
+
+    @torch.inference_mode()
+    def warm_up(self, length: int) -> None:
+        """Prefill a prompt of `length` tokens 0 and sample its next token (thrown away). Its blocks are all the KV
+        cache's pad block, which padding rows write and read too: no block is allocated or cached, no sequence's K/V
+        is touched. Logits processors are not called (they may expect real requests)."""
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)  # every filter of the sampler
+        seq = Sequence([0] * length, params, None, None)
+        seq.block_table = [self.kv.pad_block] * -(-length // self.kv.block_size)
+        _, logits = self.compute_logits(Batch([seq], [length], True))
+        gen = torch.Generator(self.device).manual_seed(0)  # not the global generator
+        floats = [self._tensor([v], torch.float32) for v in (params.temperature, params.top_p, params.min_p)]
+        self.sampler(logits, floats[0], self._tensor([params.top_k]), *floats[1:], [gen]).tolist()
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int | None]:

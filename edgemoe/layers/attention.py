@@ -4,7 +4,10 @@ The cache of one layer is two tensors `[num_slots, kv_heads, head_dim]`; slot = 
 Decode attends with fixed shapes (block tables padded to a fixed width, masked by context length), so a CUDA
 graph can capture it: on CUDA the Triton kernel `edgemoe.kernels.paged_attention` reads K/V in place up to each
 context length; elsewhere (and for head_dims it does not take) `_decode_torch`, its reference, gathers the padded
-table and masks. Prefill (plain torch) loops over sequences, which may have any length.
+table and masks. Prefill (plain torch) loops over sequences, which may have any length: a whole prompt under the
+causal `visible` passes SDPA no mask (`is_causal`: flash on CUDA); a later chunk, a cached prefix or a subclass that
+narrows `visible` (a sliding window) passes a [new, keys] mask, with K/V repeated per query head so that CUDA can run
+the memory-efficient kernel.
 
 `Attention` is the block every family shares: one qkv projection, an optional per-head q/k norm, RoPE, the KV-cache
 write and paged attention, the output projection. A family that transforms q, k, v before RoPE (OLMoE's norm over
@@ -72,7 +75,7 @@ class PagedAttention(nn.Module):
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Which keys a query sees, by position (broadcast): causal here; a subclass narrows it (a sliding window).
-        The Triton decode kernel assumes this one."""
+        The Triton decode kernel and prefill's maskless causal path assume this one."""
         return k_pos <= q_pos
 
     def _decode_torch(self, q: torch.Tensor, ctx) -> torch.Tensor:
@@ -86,17 +89,20 @@ class PagedAttention(nn.Module):
         return out[:, :, 0, :]  # [seqs, heads, head_dim]
 
     def _prefill(self, q: torch.Tensor, ctx) -> torch.Tensor:
-        outs, start = [], 0
+        outs, start, groups = [], 0, self.num_heads // self.num_kv_heads
+        causal = type(self).visible is PagedAttention.visible  # no subclass narrowed it
         for i, (n_new, n_ctx) in enumerate(zip(ctx.query_lens, ctx.context_lens_host)):
             n_blocks = -(-n_ctx // self.block_size)
             k, v = self._gather(ctx.block_tables[i : i + 1, :n_blocks])
             k, v = k[:, :, :n_ctx], v[:, :, :n_ctx]
-            q_pos = torch.arange(n_ctx - n_new, n_ctx, device=q.device)
-            mask = self.visible(q_pos[:, None], torch.arange(n_ctx, device=q.device)[None, :])  # [new, keys]
             qi = q[start : start + n_new].transpose(0, 1)[None]  # [1, heads, new, head_dim]
-            o = F.scaled_dot_product_attention(
-                qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
-            )
+            if causal and n_new == n_ctx:  # a whole prompt: no mask (flash on CUDA, which also takes GQA)
+                o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=self.scale, enable_gqa=groups > 1)
+            else:  # a later chunk or a cached prefix (or a window): a mask, which the efficient kernel takes, not GQA
+                q_pos = torch.arange(n_ctx - n_new, n_ctx, device=q.device)
+                mask = self.visible(q_pos[:, None], torch.arange(n_ctx, device=q.device)[None, :])  # [new, keys]
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale)
             outs.append(o[0].transpose(0, 1))
             start += n_new
         return torch.cat(outs)

@@ -2,7 +2,9 @@
 
 Weights are two banks in Hugging Face's fused layout: `gate_up_proj [experts, 2 * inter, hidden]`
 (gate rows first) and `down_proj [experts, hidden, inter]`. The gate's activation is SiLU unless a family names
-another (`act`, one of `edgemoe.layers.mlp.ACTIVATIONS`: Gemma-4's GELU-tanh); the Triton kernel computes SiLU only.
+another (`act`, one of `edgemoe.layers.mlp.ACTIVATIONS`: Gemma-4's GELU-tanh); the Triton kernels compute SiLU only.
+On CUDA decode runs the fused GEMVs (`edgemoe.kernels.moe_gemv`) and prefill one grouped GEMM over all pairs
+(`edgemoe.kernels.grouped_gemm`); the functions here are their plain-torch references.
 """
 
 from __future__ import annotations
@@ -26,22 +28,24 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.act_name, self.act = act, ACTIVATIONS[act]
-        self.decode = decode_reference if act == "silu" else partial(decode_reference, act=self.act)
+        silu = act == "silu"
+        self.decode = decode_reference if silu else partial(decode_reference, act=self.act)
+        self.prefill: Callable = prefill_reference if silu else partial(prefill_reference, act=self.act)
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.act_name != "silu":  # the kernel computes SiLU: other activations keep the reference
+        if self.act_name != "silu":  # the kernels compute SiLU: other activations keep the references
             return
+        from edgemoe.kernels.grouped_gemm import grouped_gemm
         from edgemoe.kernels.moe_gemv import fused_experts
 
         self.decode = fused_experts  # reads the chosen experts in place
+        self.prefill = grouped_gemm  # every pair in two launches, no host synchronisation
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]
         if not get_context().is_prefill:  # sync-free, graph-capturable
             return self.decode(x, ids, weights, self.gate_up_proj, self.down_proj)
-        if ids.numel() <= self.gate_up_proj.shape[0]:
-            return gathered_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.act)
-        return grouped_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.act)
+        return self.prefill(x, ids, weights, self.gate_up_proj, self.down_proj)
 
 
 def decode_reference(
@@ -56,6 +60,16 @@ def decode_reference(
     """Decode's routed experts in plain torch (`gathered_experts`; the copy is done when `arrivals` is given), with
     the signature of their kernel `edgemoe.kernels.moe_gemv.fused_experts`. Fixed shapes, no host synchronisation."""
     return gathered_experts(x, ids, weights, w13, w2, act)
+
+
+def prefill_reference(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act = F.silu
+) -> torch.Tensor:
+    """Prefill's routed experts in plain torch, with the signature of their kernel
+    `edgemoe.kernels.grouped_gemm.grouped_gemm`: `gathered_experts` for few pairs, else `grouped_experts`."""
+    if ids.numel() <= w13.shape[0]:
+        return gathered_experts(x, ids, weights, w13, w2, act)
+    return grouped_experts(x, ids, weights, w13, w2, act)
 
 
 def gathered_experts(

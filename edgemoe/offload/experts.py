@@ -7,7 +7,9 @@ kernel waits for each missed expert's rows, not for the whole copy (`edgemoe.off
 Prefill with more pairs than experts streams whole layers through two areas of the pool where it has 2E slots
 (`edgemoe.offload.prefill_stream`); otherwise, or with fewer pairs, the experts it needs are made resident in waves
 of at most S, in expert order. Either way each pair is computed exactly as the resident path would (same functions,
-same order), so outputs are bitwise equal to resident experts.
+same order), so outputs are bitwise equal to resident experts. With the prefill kernel (dense SiLU experts on CUDA)
+every wave is one grouped GEMM over its experts' pairs, read from their slots, into one buffer of pair outputs summed
+at the end, as resident experts sum it (`edgemoe.kernels.grouped_gemm`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class OffloadedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]; the same kernel choice as `Experts.forward`
         pairs, E, S = ids.numel(), self.num_experts, self.cache.num_slots
+        if get_context().is_prefill and pairs > E and self.cache.prefill_stream is not None:
+            return self.cache.prefill_stream.run(self.layer, self.layout, x, ids, weights)
+        if get_context().is_prefill and self.layout.pair_outputs is not None:
+            return self._kernel_waves(x, ids, weights)
         gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
         if gathered and (pairs <= S or E <= S):
             got = self.load(ids)
@@ -62,8 +68,6 @@ class OffloadedExperts(nn.Module):
             return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=self.cache.arrivals(got))
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
-        if self.cache.prefill_stream is not None:
-            return self.cache.prefill_stream.run(self.layer, self.layout, x, ids, weights)
         return self._grouped_waves(x, ids, weights)
 
     def load(self, ids: torch.Tensor) -> Ensured:
@@ -79,6 +83,17 @@ class OffloadedExperts(nn.Module):
             wave = experts[start : start + S]
             got = self.load(torch.tensor(wave, device=self.cache.device)[None])
             yield wave, got.slots[0].tolist()
+
+    def _kernel_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The grouped GEMM wave by wave: each wave computes the pairs of its experts (the others' rows are -1,
+        skipped); each expert's pairs form the tiles they form resident, so the sum is bitwise resident experts'."""
+        flat = ids.flatten()
+        y = x.new_empty(flat.numel(), x.shape[1])  # [pairs, hidden]
+        for wave, slots in self._waves(torch.unique(flat).tolist()):
+            slot_of = torch.full((self.num_experts,), -1, dtype=torch.long, device=x.device)
+            slot_of[wave] = torch.tensor(slots, device=x.device)
+            self.layout.pair_outputs(x, slot_of[flat], weights.flatten(), self.w13, self.w2, out=y)
+        return y.view(*ids.shape, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)  # as `grouped_gemm` sums
 
     def _gathered_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`gathered_experts`, wave by wave. Batched matmuls are not batch-size invariant, so every wave runs them

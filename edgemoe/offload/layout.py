@@ -29,6 +29,10 @@ from edgemoe.moe.experts import decode_reference, gathered_experts, grouped_expe
 class ExpertLayout:
     """Dense experts (the model's dtype): gate_up [2I, H] (gate rows first), then down [H, I]."""
 
+    # prefill's grouped GEMM once `use_kernels` chose it (dense SiLU experts; `edgemoe.kernels.grouped_gemm`):
+    # (x, rows [pairs], weights [pairs], w13, w2, out=) -> out [pairs, H]; None: `gathered` / `grouped`
+    pair_outputs: Callable | None = None
+
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, act: str = "silu") -> None:
         self.hidden, self.inter, self.dtype = hidden, inter, dtype
         self.row = 3 * inter * hidden  # elements of one expert's row
@@ -41,9 +45,11 @@ class ExpertLayout:
     def use_kernels(self, device: torch.device) -> None:
         if self.act_name != "silu":  # the kernel computes SiLU
             return
+        from edgemoe.kernels.grouped_gemm import pair_outputs
         from edgemoe.kernels.moe_gemv import fused_experts
 
         self.decode, self.decode_waits = fused_experts, True
+        self.pair_outputs = pair_outputs
 
     @property
     def row_bytes(self) -> int:

@@ -12,7 +12,8 @@ Areas: slots [0, E) and [E, 2E) of the pool (a cache of at least 2E slots and fe
 keep the waves). Layer l is
 copied into area l % 2 on a copy stream; the compute stream waits for that copy by an event; the copy into an area
 waits for the compute that last read it (`wait_stream`). Layer l is computed with the resident path's own function
-over the area's rows (`ExpertLayout.grouped`), so outputs are bitwise those of resident experts.
+over the area's rows (`ExpertLayout.grouped`, or on CUDA the grouped GEMM `edgemoe.kernels.grouped_gemm`), so outputs
+are bitwise those of resident experts.
 
 The cache's bookkeeping stays true throughout: before an area is overwritten, whatever the cache held in its slots is
 dropped (counted as evictions); once a layer is computed, its area is registered as holding that layer's experts (a
@@ -69,7 +70,13 @@ class PrefillStream:
             self._copy(layer + 1)  # under this layer's compute
         if self.cuda:
             torch.cuda.current_stream(self.cache.device).wait_event(self.copied[area])
-        out = layout.grouped(x, ids, weights, *layout.views(self.area_rows(area)))
+        w13, w2 = layout.views(self.area_rows(area))
+        if layout.pair_outputs is not None:  # the prefill kernel, as resident `Experts` run it (`grouped_gemm`)
+            from edgemoe.kernels.grouped_gemm import sum_pairs
+
+            out = sum_pairs(layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2), ids.shape[1])
+        else:
+            out = layout.grouped(x, ids, weights, w13, w2)
         self._register(layer, area, ids)
         return out
 

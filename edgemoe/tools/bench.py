@@ -13,6 +13,10 @@ with probability 0.3). Decode runs eager and, where it captures, as one CUDA gra
 replayed). Resident decode keeps every expert on the device as parameters (no cache, no ensure, no miss copy): its
 bound is the HBM roofline; its experts hold the same values as the offloaded banks', so both decode the same tokens.
 
+`--prefill 512,4096` times one prompt of each length through the runner after the engine's start-up warm-up
+(`--no-warmup-prefill`: without it): the first prompt of a length (a cold first request) and the median of later ones
+(warm), and their ratio.
+
 `--shared-expert-overlap off,on` runs each configuration with the shared expert inline and on the side stream;
 `--profile N` records N replayed graph steps per graph-upload policy (`edgemoe.tools.profiler`) and reports kernel
 counts, busy time, inter-kernel gaps per stream and the side stream's overlap with the miss copy.
@@ -34,7 +38,7 @@ import torch
 from edgemoe.config import ExpertCacheConfig, parse_size
 from edgemoe.engine.cuda_graphs import HookedGraph, capture_graph
 from edgemoe.engine.kv_cache import KVCache
-from edgemoe.engine.model_runner import ModelRunner
+from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Batch
 from edgemoe.engine.sequence import Sequence
 from edgemoe.engine.streams import side_stream
@@ -49,6 +53,7 @@ from edgemoe.sampling_params import SamplingParams
 from edgemoe.tools.cache_sim import load_trace, synthetic_trace
 from edgemoe.tools.random_weights import PRESETS, hf_config
 
+PREFILL_REPS = 3  # warm prompts per length (their median is reported)
 GEOMETRIES = list(PRESETS)  # real ones fix their family; tiny and small are qwen2_moe (smoke runs)
 BLOCK_SIZE = 16
 
@@ -163,6 +168,49 @@ def prewarm(model: MoEForCausalLM, rows: torch.Tensor) -> None:
             m.load(row[m.layer].view(1, -1))
 
 
+def prefill_lengths(spec: str) -> list[int]:
+    try:
+        lengths = [int(n) for n in spec.split(",")]
+    except ValueError:
+        raise EdgeMoEError(f"--prefill {spec!r}: use comma-separated token counts, e.g. 512,4096 (0: skip)") from None
+    if min(lengths) < 0:
+        raise EdgeMoEError(f"--prefill {spec!r}: token counts must be >= 0")
+    return [n for n in lengths if n]
+
+
+def prefill_runs(runner: ModelRunner, lengths: list[int], warm_up: bool, cache=None, bw: dict | None = None) -> dict:
+    """The engine's start-up warm-up (`warmup_lengths` of the longest prompt, `ModelRunner.warm_up`, the expert cache
+    emptied after it, as `LLMEngine` does), timed; then per length a first prompt (the first request after start-up:
+    cold) and PREFILL_REPS more (warm: their median). Offloaded: the warm prompts' missed bytes and their PCIe time."""
+    device = runner.device
+    start = time.perf_counter()
+    if warm_up:
+        for n in warmup_lengths(max(lengths)):
+            runner.warm_up(n)
+        if cache is not None:
+            cache.reset()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    out = {"warmup_seconds": time.perf_counter() - start if warm_up else None, "runs": []}
+    for n in lengths:
+        first = prefill(runner, n)
+        before = int(cache.stats[:, 4].sum()) if cache is not None else 0
+        warm = sorted(prefill(runner, n) for _ in range(PREFILL_REPS))[PREFILL_REPS // 2]
+        run = {"tokens": n, "first_seconds": first, "seconds": warm, "tok_s": n / warm, "first_over_warm": first / warm}
+        if cache is not None:
+            missed = (int(cache.stats[:, 4].sum()) - before) // PREFILL_REPS
+            stream = missed / bw["h2d_bytes_per_s"] if bw["h2d_bytes_per_s"] else None
+            run |= {"bytes_missed": missed, "pcie_stream_seconds": stream}
+            run["pcie_stream_over_time"] = stream / warm if stream else None
+        out["runs"].append(run)
+        print(
+            f"prefill {n} tokens: {run['tok_s']:,.0f} tok/s warm ({warm * 1e3:.1f} ms), first prompt "
+            f"{first * 1e3:.1f} ms ({run['first_over_warm']:.2f}x warm)",
+            file=sys.stderr,
+        )
+    return out
+
+
 def prefill(runner: ModelRunner, tokens: int) -> float:
     """Seconds for one prompt of `tokens` random ids through the runner (the router picks experts; offloaded experts
     are made resident in waves)."""
@@ -189,11 +237,12 @@ def run_bench(a: argparse.Namespace) -> dict:
     per_run = a.warmup + a.steps + 2 + len(UPLOAD_VARIANTS) * (a.profile + 4)  # positions one decode() advances
     total_steps = 2 * per_run
     resident = a.moe_strategy == "resident"
-    positions = max(a.context, a.prefill) + total_steps + 1
+    lengths = prefill_lengths(a.prefill)
+    positions = max([a.context, *lengths]) + total_steps + 1
     model = build_model(a.geometry, a.layers, device, dtype, positions, resident, a.expert_dtype)
     cfg = model.config
     L, per_expert = sum(cfg.moe_layers), expert_bytes(model, dtype)
-    runner = make_runner(model, max(a.context, a.prefill) + total_steps)
+    runner = make_runner(model, max([a.context, *lengths]) + total_steps)
     kv = runner.kv
     dense = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".experts." not in n)
     embed = model.model.embed_tokens.weight
@@ -217,10 +266,8 @@ def run_bench(a: argparse.Namespace) -> dict:
         "runs": [],
     }
     if a.moe_strategy == "resident":
-        if a.prefill:
-            prefill(runner, 16)  # warm-up: kernel compilation, allocator
-            seconds = prefill(runner, a.prefill)
-            result["prefill"] = {"tokens": a.prefill, "seconds": seconds, "tok_s": a.prefill / seconds}
+        if lengths:
+            result["prefill"] = prefill_runs(runner, lengths, a.warmup_prefill)
         decode_runs(result, a, runner, None, trace, L * cfg.num_experts, "resident", bw, dense_read + kv_read)
         return settled(result, device, per_expert)
     sizes = (
@@ -234,20 +281,8 @@ def run_bench(a: argparse.Namespace) -> dict:
         slots = cache_slots(moe, cfg, 1, per_expert, room)
         for policy in a.moe_policy.split(","):
             cache = attach_expert_cache(model, slots, policy, True, device, dtype)
-            if a.prefill and not result.get("prefill"):
-                prefill(runner, 16)  # warm-up: kernel compilation, allocator
-                before = int(cache.stats[:, 4].sum())
-                seconds = prefill(runner, a.prefill)
-                missed = int(cache.stats[:, 4].sum()) - before
-                stream = missed / bw["h2d_bytes_per_s"] if bw["h2d_bytes_per_s"] else None
-                result["prefill"] = {
-                    "tokens": a.prefill,
-                    "seconds": seconds,
-                    "tok_s": a.prefill / seconds,
-                    "bytes_missed": missed,
-                    "pcie_stream_seconds": stream,
-                    "pcie_stream_over_time": stream / seconds if stream else None,
-                }
+            if lengths and not result.get("prefill"):
+                result["prefill"] = prefill_runs(runner, lengths, a.warmup_prefill, cache, bw)
             decode_runs(result, a, runner, cache, trace, slots, policy, bw, dense_read + kv_read)
             del cache
             model.apply(lambda m: m.attach(None) if isinstance(m, OffloadedExperts) else None)
@@ -502,8 +537,9 @@ def cmd_bench(a: argparse.Namespace) -> None:
                            "--vram-budget")  # fmt: skip
     if a.moe_strategy == "offload" and (a.moe_cache_fraction is None) == (a.vram_budget is None):
         raise EdgeMoEError("give one of --moe-cache-fraction or --vram-budget")
-    if a.steps < 2 or min(a.warmup, a.prewarm, a.prefill) < 0 or a.context < 1:
-        raise EdgeMoEError("--steps must be >= 2, --warmup, --prewarm and --prefill >= 0, --context >= 1")
+    if a.steps < 2 or min(a.warmup, a.prewarm) < 0 or a.context < 1:
+        raise EdgeMoEError("--steps must be >= 2, --warmup and --prewarm >= 0, --context >= 1")
+    prefill_lengths(a.prefill)
     if not set(a.mode.split(",")) <= {"eager", "graph"}:
         raise EdgeMoEError(f"--mode {a.mode!r}: use eager, graph or eager,graph")
     if a.expert_dtype != "auto" and a.expert_dtype.upper() not in QUANT_TYPES:

@@ -47,7 +47,7 @@ def test_bench_runs_on_a_tiny_geometry(tmp_path, capsys) -> None:
         assert r["tok_s"] > 0 and 0 <= r["hit_rate"] <= 1
         assert r["miss_bytes_per_token"] == r["misses_per_token"] * result["expert_bytes"]
     assert result["runs"][0]["misses_per_token"] > result["runs"][2]["misses_per_token"]
-    assert result["prefill"]["bytes_missed"] > 0
+    assert result["prefill"]["runs"][0]["bytes_missed"] > 0 and result["prefill"]["warmup_seconds"] > 0
 
     trace = tmp_path / "t.npy"
     quick = argv[:7] + ["--moe-cache-fraction", "1", "--moe-policy", "lru", "--prefill", "0", "--routing-trace"]
@@ -70,7 +70,9 @@ def test_resident_bench_counts_every_expert_as_read_and_none_as_missed(tmp_path,
     (run,) = result["runs"]
     assert run["policy"] == "resident" and run["slots"] == result["experts"] and run["fraction"] == 1
     assert run["hit_rate"] == 1 and run["misses_per_token"] == 0 and run["miss_bytes_per_token"] == 0
-    assert result["prefill"]["tok_s"] > 0
+    (prefill,) = result["prefill"]["runs"]
+    assert prefill["tokens"] == 16 and prefill["tok_s"] > 0 and prefill["first_seconds"] > 0
+    assert prefill["first_over_warm"] == prefill["first_seconds"] / prefill["seconds"]
     # HBM bytes per token as offloaded decode counts them with every expert cached (its cache counts the distinct
     # experts each layer-step reads): the same dense weights, KV and top_k experts per MoE layer
     offloaded = tmp_path / "offloaded.json"
@@ -153,3 +155,9 @@ def test_bounds_use_the_higher_bandwidth_of_the_two_measurements() -> None:
     assert runs[0]["bound_tok_s"] == 1 / bound and runs[0]["achieved_over_bound"] == 40.0 * bound
     assert "bound_tok_s" not in runs[1]
     assert not settle_bounds({"hbm_bytes_per_s": None, "h2d_bytes_per_s": None, "runs": []}, first)  # CPU
+
+
+def test_prefill_lengths_are_checked(capsys) -> None:
+    argv = ["bench", "--geometry", "tiny", "--device", "cpu", "--moe-strategy", "resident", "--prefill", "16,x"]
+    assert main(argv) == 2
+    assert "--prefill '16,x': use comma-separated token counts" in capsys.readouterr().err

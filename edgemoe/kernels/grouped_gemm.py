@@ -1,0 +1,205 @@
+"""Routed experts for prefill on CUDA: one grouped GEMM over every (token, expert) pair instead of a Python loop of
+two matmuls per expert. out[t] = sum_k weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x[t]) * w13[e, I:] @ x[t]),
+e = ids[t, k]. Its reference is `edgemoe.moe.experts.grouped_experts` (the loop); decode has its own GEMVs
+(`edgemoe.kernels.moe_gemv`).
+
+The pairs are sorted by expert on the device (a stable sort, then each expert's first sorted position by a binary
+search), and each expert's run of pairs is cut into tiles of BLOCK_M rows. How many tiles there are is known only on
+the device, so the grid is a bound that needs no host read: sum_e cdiv(n_e, BLOCK_M) <= cdiv(pairs, BLOCK_M) +
+(experts with pairs) <= cdiv(pairs, BLOCK_M) + min(experts, pairs); a program finds its tile's expert in a table
+(`tile_expert`, a binary search over the tiles' running count) and exits at once when it lies past the work.
+
+- gate_up, program (tile, column block): BLOCK_M pairs' rows of x gathered by token, times BLOCK_N gate columns and
+  the matching up columns of the tile's expert (two fp32 accumulators, `tl.dot`); the epilogue writes
+  h = silu(gate) * up [pairs, I] in x's dtype, in sorted order (down reads a tile's rows contiguously).
+- down, program (tile, column block): h's tile times BLOCK_N rows of w2, scaled by each pair's routing weight, into
+  the pair's own row of y [pairs, H] (original pair order).
+
+Then each token's top_k rows of y are summed in fp32 in pair order (`sum_pairs`): no atomics anywhere, so results
+are bitwise the same run to run. Each expert's pairs form the same tiles whichever bank rows they are read from and
+whichever other pairs the launch computes, so offloaded prefill (`OffloadedExperts`, experts made resident in waves,
+read from their slots) is bitwise the resident result. A pair whose row is -1 is skipped (its row of y is left as
+it was): how a wave leaves other waves' pairs alone.
+
+Blocks follow from the dtype alone (no autotuning, nothing specialised on the token count), so one compile serves
+every prompt length: the engine's warm-up compiles it. `benchmarks/grouped_gemm.py` times it against the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gate_up(
+    x, order, tile_expert, tile_first, starts, w13, h,
+    n_rows, H, inter, top_k, stride_x, stride_e, stride_r,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(inter, BLOCK_N)
+    tile, nb = pid // num_n, pid % num_n  # column blocks fastest: a tile's rows of x stay in L2
+    e = tl.load(tile_expert + tile)
+    if e >= n_rows:
+        return
+    row0 = tl.load(starts + e) + (tile - tl.load(tile_first + e)) * BLOCK_M
+    m = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] sorted positions
+    in_tile = m < tl.load(starts + e + 1)
+    tok = tl.load(order + m, mask=in_tile, other=0) // top_k
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    cols = n < inter
+    a_ptr = x + tok.to(tl.int64)[:, None] * stride_x + k[None, :]  # [BLOCK_M, BLOCK_K]
+    g_ptr = w13 + e.to(tl.int64) * stride_e + n[None, :] * stride_r + k[:, None]  # [BLOCK_K, BLOCK_N]
+    u_ptr = g_ptr + inter * stride_r
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptr + k0, mask=in_tile[:, None], other=0.0)
+            bmask = cols[None, :]
+        else:
+            ks = k0 + k < H
+            a = tl.load(a_ptr + k0, mask=in_tile[:, None] & ks[None, :], other=0.0)
+            bmask = ks[:, None] & cols[None, :]
+        acc_g = tl.dot(a, tl.load(g_ptr + k0, mask=bmask, other=0.0), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, tl.load(u_ptr + k0, mask=bmask, other=0.0), acc_u, input_precision=PRECISION)
+    out = acc_g * tl.sigmoid(acc_g) * acc_u
+    h_ptr = h + m.to(tl.int64)[:, None] * inter + n[None, :]
+    tl.store(h_ptr, out.to(h.dtype.element_ty), mask=in_tile[:, None] & cols[None, :])
+
+
+@triton.jit
+def _down(
+    h, order, weights, tile_expert, tile_first, starts, w2, y,
+    n_rows, H, inter, stride_e, stride_r, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(H, BLOCK_N)
+    tile, nb = pid // num_n, pid % num_n
+    e = tl.load(tile_expert + tile)
+    if e >= n_rows:
+        return
+    row0 = tl.load(starts + e) + (tile - tl.load(tile_first + e)) * BLOCK_M
+    m = row0 + tl.arange(0, BLOCK_M)
+    in_tile = m < tl.load(starts + e + 1)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    cols = n < H
+    a_ptr = h + m.to(tl.int64)[:, None] * inter + k[None, :]  # [BLOCK_M, BLOCK_K]
+    b_ptr = w2 + e.to(tl.int64) * stride_e + n[None, :] * stride_r + k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptr + k0, mask=in_tile[:, None], other=0.0)
+            bmask = cols[None, :]
+        else:
+            ks = k0 + k < inter
+            a = tl.load(a_ptr + k0, mask=in_tile[:, None] & ks[None, :], other=0.0)
+            bmask = ks[:, None] & cols[None, :]
+        acc = tl.dot(a, tl.load(b_ptr + k0, mask=bmask, other=0.0), acc, input_precision=PRECISION)
+    pair = tl.load(order + m, mask=in_tile, other=0)
+    wk = tl.load(weights + pair, mask=in_tile, other=0.0).to(tl.float32)
+    y_ptr = y + pair.to(tl.int64)[:, None] * stride_y + n[None, :]
+    tl.store(y_ptr, (acc * wk[:, None]).to(y.dtype.element_ty), mask=in_tile[:, None] & cols[None, :])
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Pairs per tile (both kernels), columns and reduction step of each kernel, warps and loop steps in flight."""
+
+    m: int
+    up_n: int
+    up_k: int
+    down_n: int
+    down_k: int
+    warps: int = 4
+    stages: int = 3
+
+
+@functools.cache
+def pick_blocks(dtype: torch.dtype) -> Blocks:
+    """64-pair tiles (one Hopper warpgroup MMA tall); gate_up 64 columns of gate and of up (two accumulators), down
+    128 columns; 64-wide reduction steps, 3 in flight (fp32: 2, twice the bytes per stage)."""
+    return Blocks(m=64, up_n=64, up_k=64, down_n=128, down_k=64, stages=2 if dtype == torch.float32 else 3)
+
+
+def schedule(rows: torch.Tensor, n_rows: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """rows: [pairs] bank row per pair (-1: skip) -> order [pairs] (pair indices by row, stable), starts [n_rows + 1]
+    (each row's first sorted position; the last: the end of the work), tile_expert [bound] (n_rows past the work),
+    tile_first [n_rows] (each row's first tile). Device ops only: no host synchronisation."""
+    device, pairs = rows.device, rows.numel()
+    key = torch.where(rows < 0, n_rows, rows)  # skipped pairs sort last, past every row's run
+    sorted_key, order = torch.sort(key, stable=True)
+    starts = torch.searchsorted(sorted_key, torch.arange(n_rows + 1, device=device))
+    tiles = (starts[1:] - starts[:-1] + block_m - 1) // block_m  # [n_rows]
+    tile_end = tiles.cumsum(0)
+    bound = triton.cdiv(pairs, block_m) + min(n_rows, pairs)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(bound, device=device), right=True)
+    return order, starts, tile_expert, tile_end - tiles
+
+
+def pair_outputs(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor | None = None,
+    blocks: Blocks | None = None,
+) -> torch.Tensor:
+    """x: [T, H]; rows: [T * K] the bank row of each pair (token t = pair // K; -1: skipped); weights: [T * K];
+    w13: [N, 2I, H] (gate rows, then up rows); w2: [N, H, I] -> out [T * K, H] in x's dtype: each computed pair's
+    expert output times its weight (skipped pairs' rows untouched; a fresh `out` leaves them uninitialised). The banks
+    may be any [N, ...] views contiguous in their last dim (a slot pool's)."""
+    (T, H), P, (N, two_i, _) = x.shape, rows.numel(), w13.shape
+    inter, K = two_i // 2, P // max(T, 1)
+    assert w13.shape[2] == H and w2.shape[1:] == (H, inter) and w13.stride(2) == 1 and w2.stride(2) == 1
+    assert P == T * K and x.dtype == w13.dtype == w2.dtype
+    if out is None:
+        out = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    assert out.shape == (P, H) and out.stride(1) == 1
+    if P == 0:
+        return out
+    b = blocks or pick_blocks(x.dtype)
+    x, weights = x if x.stride(1) == 1 else x.contiguous(), weights.contiguous()
+    order, starts, tile_expert, tile_first = schedule(rows.flatten(), N, b.m)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 as torch's matmul computes it (no TF32)
+    h = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # [pairs, I] in sorted order
+    tiles = tile_expert.numel()
+    _gate_up[(tiles * triton.cdiv(inter, b.up_n),)](
+        x, order, tile_expert, tile_first, starts, w13, h, N, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1),
+        b.m, b.up_n, b.up_k, H % b.up_k == 0, b.stages, precision, num_warps=b.warps,
+    )  # fmt: skip
+    _down[(tiles * triton.cdiv(H, b.down_n),)](
+        h, order, weights, tile_expert, tile_first, starts, w2, out, N, H, inter, w2.stride(0), w2.stride(1),
+        out.stride(0), b.m, b.down_n, b.down_k, inter % b.down_k == 0, b.stages, precision, num_warps=b.warps,
+    )  # fmt: skip
+    return out
+
+
+def sum_pairs(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """y: [T * K, H] pair outputs -> [T, H]: each token's K rows summed in fp32 (a fixed order), rounded once."""
+    return y.view(-1, top_k, y.shape[-1]).sum(dim=1, dtype=torch.float32).to(y.dtype)
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    blocks: Blocks | None = None,
+) -> torch.Tensor:
+    """x: [T, H]; ids, weights: [T, K]; w13: [N, 2I, H]; w2: [N, H, I] -> [T, H] in x's dtype (`grouped_experts`'
+    signature, SiLU only)."""
+    y = pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2, blocks=blocks)
+    return sum_pairs(y, ids.shape[1])

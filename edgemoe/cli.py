@@ -241,7 +241,7 @@ def _count_tokens(model: str | None, request: str | list[dict], chat: bool) -> i
 
 
 def _print_moe_stats(stats: dict) -> None:
-    cols = ("accesses", "hits", "misses", "evictions", "bytes_copied")
+    cols = ("accesses", "hits", "misses", "evictions", "bytes_copied", "cpu_computed")
     lines = [
         f"expert cache: {stats['slots']} slots, policy {stats['policy']}",
         "layer " + " ".join(f"{c:>12}" for c in cols),

@@ -30,8 +30,10 @@ class Ensured(NamedTuple):
     slots: torch.Tensor  # ids' shape: the pool slot of each (token, k)
     src: torch.Tensor  # [M] experts to copy (0 past `count`)
     dst: torch.Tensor  # [M] their slots (the scratch slot S past `count`)
-    count: torch.Tensor  # [] number of valid copy-list entries (the misses)
+    count: torch.Tensor  # [] number of valid copy-list entries (the misses copied)
     posted: bool = False  # the fused `ensure` already posted the list to the copy service
+    cpu: torch.Tensor | None = None  # [M] the misses left to the CPU, in expert order (0 past `cpu_count`)
+    cpu_count: torch.Tensor | None = None  # [] how many; their pairs' `slots` are -1
 
 
 class PostTarget(NamedTuple):

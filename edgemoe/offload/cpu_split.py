@@ -100,7 +100,9 @@ def resolve(
     if setting == "auto" and device.type != "cuda":
         _say("auto weighs the CPU against copies over PCIe, which a CPU device does not make: off")
         return None
-    pool = CpuExperts(threads)
+    # a CPU device's own work runs on torch's threads, which spin between ops and starve a second pool (measured on
+    # 2 cores: a job 200x slower), so there the calling thread computes alone
+    pool = CpuExperts(1 if device.type == "cpu" and threads is None else threads)
     if setting != "auto":
         cap = int(setting)
         _say(f"{pool.threads} threads ({pool.isa}), at most {cap} misses a layer-step on the CPU (manual)")

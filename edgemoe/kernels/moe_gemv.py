@@ -228,8 +228,8 @@ def fused_experts(
     x's dtype); w13: [N, 2I, H] (gate rows, then up rows); w2: [N, H, I] -> [T, H] in x's dtype. The weight banks
     may be any [N, ...] views contiguous in their last dim. `blocks` is for benchmarks/moe_gemv.py's sweep.
     `arrivals`: the miss copy launched just before is filling some of ids' slots; wait for those rows only.
-    `cpu_out` [T * K, H] fp32: the outputs of the pairs whose id is -1, computed on the CPU (`edgemoe.offload.cpu_split`),
-    weighted and summed over k in the same order as the others."""
+    `cpu_out` [T * K, H] fp32: the outputs of the pairs whose id is -1, computed on the CPU
+    (`edgemoe.offload.cpu_split`), weighted and summed over k in the same order as the others."""
     h = up_proj(x, ids, w13, blocks, arrivals, cpu=cpu_out is not None)
     return down_proj(h, ids, weights, w2, blocks, streamed=arrivals is not None, cpu_out=cpu_out)
 

@@ -89,16 +89,21 @@ def manual_table(cap: int, max_misses: int) -> list[int]:
 
 
 def resolve(
-    setting: str | int, layers: list, device: torch.device, top_k: int, threads: int | None = None
+    setting: str | int, layers: list, device: torch.device, top_k: int, graphs: bool, threads: int | None = None
 ) -> CpuSplit | None:
     """The split `--moe-cpu-compute` asks for over offloaded layers `layers` (`OffloadedExperts`), or None for none;
-    a line to stderr says what was chosen. `top_k`: a token's misses at most (the step `auto` checks)."""
+    a line to stderr says what was chosen. `top_k`: a token's misses at most (the step `auto` checks); `graphs`: decode
+    would replay CUDA graphs, which a split gives up (`refuses_graphs`): `auto` then keeps copy-only."""
     setting = str(setting)
     if setting == "off" or not layers:
         return None
     layout, experts = layers[0].layout, layers[0].num_experts
     if setting == "auto" and device.type != "cuda":
         _say("auto weighs the CPU against copies over PCIe, which a CPU device does not make: off")
+        return None
+    if setting == "auto" and graphs:
+        _say("off: the split runs in eager steps only, and replayed graphs copy faster than eager steps split (a "
+             "manual N decodes eagerly to try it)")  # fmt: skip
         return None
     # a CPU device's own work runs on torch's threads, which spin between ops and starve a second pool (measured on
     # 2 cores: a job 200x slower), so there the calling thread computes alone
@@ -127,7 +132,8 @@ def _describe(table: list[int]) -> str:
     if not any(table):
         return "none on the CPU (copy-only is faster)"
     first = next(m for m, n in enumerate(table) if n)
-    return f"from {first} misses a layer-step on, {table[first]} of {first} ... {table[-1]} of {len(table) - 1} on the CPU"
+    last = len(table) - 1
+    return f"from {first} misses a layer-step on: {table[first]} of {first} ... {table[last]} of {last} on the CPU"
 
 
 def _say(text: str) -> None:
@@ -211,4 +217,3 @@ def split_wins(layer, pool: CpuExperts, device: torch.device, misses: int, on_cp
     copy_only = _median([step(0) for _ in range(rounds)])
     split = _median([step(on_cpu) for _ in range(rounds)])
     return split < copy_only
-

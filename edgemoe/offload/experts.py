@@ -198,9 +198,11 @@ def attach_expert_cache(
     device: torch.device,
     dtype: torch.dtype,
     cpu_compute: str | int = "off",
+    graphs: bool = False,
 ) -> ExpertCache:
     """One cache and slot pool (S slots + a scratch slot, each an expert's row in the layers' `ExpertLayout`) for all
-    of `model`'s offloaded MoE layers; `cpu_compute`: `--moe-cpu-compute` (`edgemoe.offload.cpu_split.resolve`)."""
+    of `model`'s offloaded MoE layers; `cpu_compute`: `--moe-cpu-compute`, `graphs`: whether decode would replay CUDA
+    graphs (`edgemoe.offload.cpu_split.resolve`)."""
     cfg = model.config
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
     dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cfg.hidden_act)
@@ -212,5 +214,5 @@ def attach_expert_cache(
         m.attach(cache)
     if device.type == "cuda" and layers:
         cache.start_copy_service()
-    cache.cpu_split = cpu_split.resolve(cpu_compute, layers, device, cfg.top_k)
+    cache.cpu_split = cpu_split.resolve(cpu_compute, layers, device, cfg.top_k, graphs)
     return cache

@@ -25,4 +25,6 @@ python3 benchmarks/ensure.py --json "$out/ensure.json" | tail -12 || rc=1
 python3 benchmarks/paged_attention.py --json "$out/paged_attention.json" | tail -12 || rc=1
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-cache-fraction 0.25,0.5,1 --routing-trace synthetic \
   --mode graph --profile 4 --json "$out/bench_qwen3_8layers.json" | tail -12 || rc=1
+python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --vram-budget 4GiB --moe-policy lru --routing-trace synthetic \
+  --mode eager --moe-cpu-compute off,auto,128 --prefill 0 --json "$out/bench_qwen3_cpu_split.json" | tail -8 || rc=1
 exit $rc

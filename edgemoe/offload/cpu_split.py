@@ -15,7 +15,7 @@ typical step against copying it all and turns the split off unless it wins.
 
 Eager steps only: the host reads the step's CPU pairs right after `ensure` (a sync), computes them while the GPU
 copies the rest, and uploads the rows. Captured decode graphs cannot sync, so the engine decodes eagerly when a split
-is on (`refuses_graphs`).
+is on, and `auto` keeps copy-only where graphs would replay.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def resolve(
 ) -> CpuSplit | None:
     """The split `--moe-cpu-compute` asks for over offloaded layers `layers` (`OffloadedExperts`), or None for none;
     a line to stderr says what was chosen. `top_k`: a token's misses at most (the step `auto` checks); `graphs`: decode
-    would replay CUDA graphs, which a split gives up (`refuses_graphs`): `auto` then keeps copy-only."""
+    would replay CUDA graphs, which a split gives up: `auto` then keeps copy-only."""
     setting = str(setting)
     if setting == "off" or not layers:
         return None
@@ -140,11 +140,6 @@ def _say(text: str) -> None:
     print(f"edgemoe: cpu experts: {text}", file=sys.stderr)
 
 
-def refuses_graphs(split: CpuSplit | None) -> bool:
-    """Whether decode must run eagerly: the split reads each step's CPU pairs on the host."""
-    return split is not None
-
-
 # ---- measurement (CUDA) ----
 
 
@@ -157,6 +152,12 @@ def _copy_rows(layer, pool_row: torch.Tensor, experts: range) -> None:
         pool_row.copy_(layer.bank[e], non_blocking=True)
 
 
+def _fresh(layer, n: int, r: int) -> torch.Tensor:
+    """n experts of the bank, others each round, so that the CPU reads them from memory as a miss does, not from
+    its last-level cache."""
+    return (torch.arange(n) + r * n) % layer.num_experts
+
+
 def measure(layer, pool: CpuExperts, device: torch.device, top_k: int, rounds: int = 5) -> Costs:
     """Per-expert copy and CPU times and the per-layer-step cost, each taken while the other runs (both read host
     memory): copies of a layer's bank rows into a scratch row, the pool on one pair an expert, and the eager split's
@@ -166,9 +167,10 @@ def measure(layer, pool: CpuExperts, device: torch.device, top_k: int, rounds: i
     x = torch.randn(1, layer.layout.hidden)
     cpu_times, copy_times = [], []
     for n in (1, experts):
-        tokens, ids = torch.zeros(n, dtype=torch.long), torch.arange(n)
+        tokens = torch.zeros(n, dtype=torch.long)
         out = torch.empty(n, layer.layout.hidden)
-        for _ in range(rounds):
+        for r in range(rounds):
+            ids = _fresh(layer, n, r)
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -200,20 +202,19 @@ def split_wins(layer, pool: CpuExperts, device: torch.device, misses: int, on_cp
     as timed here (copies into a scratch row, the pool, the eager split's transfers)."""
     scratch = torch.empty(layer.layout.row, dtype=layer.layout.dtype, device=device)
     x = torch.randn(1, layer.layout.hidden, device=device)
-    tokens, ids = torch.zeros(on_cpu, dtype=torch.long), torch.arange(misses - on_cpu, misses) % layer.num_experts
-    out = torch.empty(on_cpu, layer.layout.hidden)
+    tokens, out = torch.zeros(on_cpu, dtype=torch.long), torch.empty(on_cpu, layer.layout.hidden)
 
-    def step(n: int) -> float:
+    def step(n: int, r: int) -> float:
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         xh = x.float().cpu()
         _copy_rows(layer, scratch, range(misses - n))
         if n:
-            pool.compute(layer.bank, layer.layout, xh, tokens, ids, out)
+            pool.compute(layer.bank, layer.layout, xh, tokens, _fresh(layer, n, r), out)
             x.copy_(out[:1].to(device))
         torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
-    copy_only = _median([step(0) for _ in range(rounds)])
-    split = _median([step(on_cpu) for _ in range(rounds)])
+    copy_only = _median([step(0, r) for r in range(rounds)])
+    split = _median([step(on_cpu, r) for r in range(rounds)])
     return split < copy_only

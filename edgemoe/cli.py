@@ -125,6 +125,12 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--moe-cache-fraction", help="comma-separated fractions of all experts to cache (a sweep)")
     b.add_argument("--vram-budget", help="size the cache from a device memory budget instead, e.g. 16GiB")
     b.add_argument("--moe-policy", default="lru,scored", help="comma-separated policies (default: lru,scored)")
+    b.add_argument(
+        "--moe-cpu-compute",
+        default="off",
+        help="comma-separated CPU splits of the misses, each a run: off (copy-only), auto, N (default: off); runs "
+        "with a split decode eagerly (--mode eager)",
+    )
     b.add_argument("--routing-trace", help="FILE (.npy from --record-routing) or 'synthetic' (default: the router)")
     b.add_argument("--steps", type=int, default=64, help="timed decode steps (default: 64)")
     b.add_argument("--warmup", type=int, default=32, help="decode steps before timing (default: 32)")
@@ -252,7 +258,7 @@ def _count_tokens(model: str | None, request: str | list[dict], chat: bool) -> i
 
 
 def _print_moe_stats(stats: dict) -> None:
-    cols = ("accesses", "hits", "misses", "evictions", "bytes_copied")
+    cols = ("accesses", "hits", "misses", "evictions", "bytes_copied", "cpu_computed")
     lines = [
         f"expert cache: {stats['slots']} slots, policy {stats['policy']}",
         "layer " + " ".join(f"{c:>12}" for c in cols),

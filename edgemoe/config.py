@@ -150,6 +150,12 @@ class ExpertCacheConfig:
         "checkpoint's experts quantized once at load, as the gguf package quantizes",
     )
     moe_collect_stats: bool = option(False, "offload: count accesses, hits, misses, evictions, bytes per layer")
+    moe_cpu_compute: str | int = option(
+        "off",
+        "offload: compute some missed experts of each decode step on the CPU beside the copy of the others: off, auto "
+        "(CUDA: measured at start-up; the split is never slower than copying every miss), or N (at most N misses a "
+        "layer-step on the CPU, for experiments)",
+    )
     record_routing: str | None = option(
         None, "save one sequence's routed expert ids of each decode step (.npy) for `edgemoe cache-sim`", metavar="FILE"
     )
@@ -176,6 +182,11 @@ class ExpertCacheConfig:
             raise EdgeMoEError(f"moe_cache_fraction must be in (0, 1], got {self.moe_cache_fraction!r}")
         if self.vram_budget is not None:
             parse_size(self.vram_budget)
+        cpu_compute = str(self.moe_cpu_compute)
+        if cpu_compute not in ("off", "auto") and not (cpu_compute.isdigit() and cpu_compute.isascii()):
+            raise EdgeMoEError(f"moe_cpu_compute must be off, auto or a number of misses >= 0, got {cpu_compute!r}")
+        if cpu_compute != "off" and self.moe_strategy != "offload":
+            raise EdgeMoEError("moe_cpu_compute computes missed experts: it needs moe_strategy offload")
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,10 @@ class LLMEngine:
             set_shared_expert_stream(self.model, side_stream(index))
         if self.device.type == "cuda" and config.warmup:
             self._warm_up()
-        if self.device.type == "cuda" and config.cuda_graphs:
+        split = self.expert_cache is not None and self.expert_cache.cpu_split is not None
+        if self.device.type == "cuda" and config.cuda_graphs and split:
+            print("edgemoe: cpu experts: decode runs eagerly (no CUDA graphs: the split syncs)", file=sys.stderr)
+        elif self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs()
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -219,7 +222,9 @@ class LLMEngine:
 
     def _attach_cache(self, moe: ExpertCacheConfig, slots: int, note: str = "") -> ExpertCache:
         cfg = self.model_config
-        cache = attach_expert_cache(self.model, slots, moe.moe_policy, moe.moe_collect_stats, self.device, self.dtype)
+        graphs, cpu = self.device.type == "cuda" and self.config.cuda_graphs, moe.moe_cpu_compute
+        cache = attach_expert_cache(self.model, slots, moe.moe_policy, moe.moe_collect_stats, self.device, self.dtype,
+                                    cpu, graphs)  # fmt: skip
         total, size = cfg.num_experts * sum(cfg.moe_layers), (slots + 1) * expert_bytes(self.model, self.dtype)
         print(
             f"edgemoe: expert cache: {slots} of {total} experts ({100 * slots / total:.1f} %), {size / MiB:.1f} MiB, "

@@ -3,10 +3,11 @@
 One program does the whole call, phase after phase, with a barrier wherever a phase reads what another thread of
 the program wrote to global memory: every slot's eviction key (an int64 that orders like the float64 key, NaN first
 as in torch.sort); which experts the ids name (marked in scratch with the new clock value, so the marks need no
-clearing: older marks are smaller, and `ExpertCache.reset` zeroes them with the clock); hits, misses and the copy
-list's experts; only if something misses, the `count` largest keys among the slots this call does not hit; the
-mapping update; the policy's update; stats. The keys of a pool of up to BLOCK_S slots stay in registers and the
-victims are taken from them one by one; larger pools keep their keys in scratch and per-block maxima in registers.
+clearing: older marks are smaller, and `ExpertCache.reset` zeroes them with the clock); hits, misses, the copy
+list's experts and the CPU split's (the last `cpu_take[misses]` misses); only if something is copied, the `count`
+largest keys among the slots this call does not hit; the mapping update; the policy's update; stats. The keys of a
+pool of up to BLOCK_S slots stay in registers and the victims are taken from them one by one; larger pools keep their
+keys in scratch and per-block maxima in registers.
 
 Two things shorten the decode step's critical path, which runs router -> ensure -> copy -> experts when a layer
 misses (docs/findings.md, "`ensure`"):
@@ -209,9 +210,10 @@ def _update_scored(freq, last, reuse, layer, needed, e, E: tl.constexpr, FREQ: t
 
 
 @triton.jit(do_not_specialize=["n_ids", "M", "layer", "expert_bytes"])
-def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_use, freq, last, reuse, keys,
-            need_mark, arrived, tick, mailbox, bank_a, bank_b, n_ids, M, layer, expert_bytes,
+def _ensure(ids, slots, src, dst, count_out, cpu, cpu_count_out, cpu_take, slot_of, owner, clock, stats, last_use,
+            freq, last, reuse, keys, need_mark, arrived, tick, mailbox, bank_a, bank_b, n_ids, M, layer, expert_bytes,
             L: tl.constexpr, E: tl.constexpr, S: tl.constexpr, SCORED: tl.constexpr, STATS: tl.constexpr,
+            NUM_STATS: tl.constexpr, SPLIT: tl.constexpr,
             FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr, REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr,
             BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr,
             BLOCKS_P2: tl.constexpr, POST: tl.constexpr, RING: tl.constexpr, MAX_ENTRIES: tl.constexpr,
@@ -238,12 +240,20 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
     row = tl.load(slot_of + layer * E + e, mask=in_e, other=-1)  # [BLOCK_E] before this call's updates
     hit = needed & (row >= 0)
     miss = needed & (row < 0)
-    count = tl.sum(miss.to(tl.int32), 0)
-    tl.store(src + tl.cumsum(miss.to(tl.int32), 0) - 1, e, mask=miss)  # misses in expert order
+    misses = tl.sum(miss.to(tl.int32), 0)
+    on_cpu = tl.zeros([], tl.int32)
+    if SPLIT:  # the CPU split's share of the misses
+        on_cpu = tl.load(cpu_take + misses).to(tl.int32)
+    count = misses - on_cpu  # copied: the first `count` misses in expert order, the rest to the CPU
+    rank = tl.cumsum(miss.to(tl.int32), 0) - 1
+    tl.store(src + rank, e, mask=miss & (rank < count))
+    tl.store(cpu + rank - count, e, mask=miss & (rank >= count))
     pad = (e >= count) & (e < M)
     tl.store(src + e, 0, mask=pad)
     tl.store(dst + e, S, mask=pad)
+    tl.store(cpu + e, 0, mask=(e >= on_cpu) & (e < M))
     tl.store(count_out, count)
+    tl.store(cpu_count_out, on_cpu)
     tl.store(arrived + e, 0, mask=e < M)  # the miss copy's arrival counters (edgemoe.kernels.miss_copy.Arrivals)
     if count > 0:
         _choose_victims(x, best, best_at, keys, dst, count, row, hit, S, BLOCK_S, NUM_BLOCKS, BLOCKS_P2)
@@ -261,25 +271,32 @@ def _ensure(ids, slots, src, dst, count_out, slot_of, owner, clock, stats, last_
     if SCORED:
         _update_scored(freq, last, reuse, layer, needed, e, E, FREQ, KEEP_FREQ, REUSE, KEEP_REUSE)
     else:
-        tl.store(last_use + tl.where(needed, row, S), now, mask=in_e)
+        tl.store(last_use + tl.where(needed & (row >= 0), row, S), now, mask=in_e)  # CPU experts: no slot
     if STATS:
         j = tl.arange(0, 8)
         add = tl.where(j == 0, tl.sum(needed.to(tl.int32), 0), tl.sum(hit.to(tl.int32), 0))
-        add = tl.where(j == 2, count, add)
+        add = tl.where(j == 2, misses, add)
         add = tl.where(j == 3, evictions, add)
+        add = tl.where(j == 5, on_cpu, add)
         add = tl.where(j == 4, count.to(tl.int64) * expert_bytes, add.to(tl.int64))
-        at = stats + layer * 5 + j
-        add += tl.load(at, mask=j < 5, other=0)
+        at = stats + layer * NUM_STATS + j
+        add += tl.load(at, mask=j < NUM_STATS, other=0)
         tl.debug_barrier()  # no thread reads a counter after another wrote it
-        tl.store(at, add, mask=j < 5)
+        tl.store(at, add, mask=j < NUM_STATS)
 
 
 def ensure_fused(
-    cache: CacheState, layer: int, ids: torch.Tensor, block_s: int | None = None, post: PostTarget | None = None
+    cache: CacheState,
+    layer: int,
+    ids: torch.Tensor,
+    block_s: int | None = None,
+    post: PostTarget | None = None,
+    cpu_take: torch.Tensor | None = None,
 ) -> Ensured:
     """`ExpertCache.ensure` in one launch (see the module docstring); `block_s` is for tests of several blocks.
     `post`: a copy service's mailbox (CUDA), to which the kernel posts a non-empty copy list itself once its victims
-    are chosen (`edgemoe.kernels.miss_copy.post_list`); the result is then `posted`."""
+    are chosen (`edgemoe.kernels.miss_copy.post_list`); the result is then `posted`. `cpu_take`: the CPU split's
+    table (`ExpertCache._ensure_torch`)."""
     L, E, S = cache.num_layers, cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     M = min(flat.numel(), E)  # the most misses this call can have
@@ -298,6 +315,8 @@ def ensure_fused(
     src = torch.empty(M, dtype=torch.long, device=flat.device)
     dst = torch.empty(M, dtype=torch.long, device=flat.device)
     count = torch.empty((), dtype=torch.long, device=flat.device)
+    cpu = torch.empty(M, dtype=torch.long, device=flat.device)
+    cpu_count = torch.empty((), dtype=torch.long, device=flat.device)
     block_s = min(block_s or BLOCK_S, triton.next_power_of_2(S))
     num_blocks = triton.cdiv(S, block_s)
     if post is not None:
@@ -305,10 +324,11 @@ def ensure_fused(
     target = post or PostTarget(cache.clock, cache.clock, 0, 0, 1, 1)  # unread without a post
     # fmt: off
     _ensure[(1,)](
-        flat, slots, src, dst, count, cache.slot_of, cache.owner, cache.clock, cache.stats, last_use, freq, last,
-        reuse, keys, need_mark, arrived, target.tick, target.mailbox, target.bank_a, target.bank_b,
-        flat.numel(), M, layer, cache.expert_bytes,
+        flat, slots, src, dst, count, cpu, cpu_count, count if cpu_take is None else cpu_take, cache.slot_of,
+        cache.owner, cache.clock, cache.stats, last_use, freq, last, reuse, keys, need_mark, arrived, target.tick,
+        target.mailbox, target.bank_a, target.bank_b, flat.numel(), M, layer, cache.expert_bytes,
         L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
+        NUM_STATS=cache.stats.shape[1], SPLIT=cpu_take is not None,
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
         BLOCKS_P2=triton.next_power_of_2(num_blocks), POST=post is not None, RING=target.ring,
@@ -317,4 +337,4 @@ def ensure_fused(
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,  # no FMA: torch rounds mul and add apart
     )
     # fmt: on
-    return Ensured(slots.view(ids.shape), src, dst, count, posted=post is not None)
+    return Ensured(slots.view(ids.shape), src, dst, count, posted=post is not None, cpu=cpu, cpu_count=cpu_count)

@@ -21,6 +21,10 @@ When the copy engine does the copy (`edgemoe.offload.copy_service`) there is no 
 posts the list itself and up follows it directly, so up waits for `ensure` (`Arrivals.after_ensure`) before it
 reads the slots, then for its entries as above.
 
+Pairs computed on the CPU (`cpu_out`; their id is -1: `edgemoe.offload.cpu_split`) read no weights: up leaves them
+out and down takes their fp32 outputs from `cpu_out` in place of its own, then weights and sums all pairs in k order
+as always.
+
 Grids and blocks follow from shapes alone (no autotuning), and nothing syncs with the host: CUDA-graph capturable
 once compiled. `benchmarks/moe_gemv.py` times it against `gathered_experts` and sweeps the block sizes.
 """
@@ -79,6 +83,7 @@ def _up(
     BLOCK_M: tl.constexpr,
     CACHE: tl.constexpr,
     PDL: tl.constexpr,
+    CPU: tl.constexpr,
 ):
     pair = tl.program_id(0)
     if STREAMED:  # no wait for the copy kernel: only for this pair's rows, if they are in its list
@@ -93,7 +98,10 @@ def _up(
         expert = tl.load(ids + pair).to(tl.int64)  # int64: slot * stride overflows int32 for real pools
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of gate; up's are inter rows further
     k = tl.arange(0, BLOCK_K)
-    rows = n < inter
+    if CPU:  # a pair computed on the CPU (slot -1): no rows to read, its h is unused
+        rows = n < tl.where(expert >= 0, inter, 0)
+    else:
+        rows = n < inter
     gate_ptr = w13 + expert * stride_e + n[:, None] * stride_r + k[None, :]  # [BLOCK_N, BLOCK_K]
     up_ptr = gate_ptr + inter * stride_r
     x_ptr = x + (pair // top_k).to(tl.int64) * stride_x + k
@@ -122,6 +130,7 @@ def _down(
     weights,
     w2,
     out,
+    cpu_out,
     H,
     inter,
     top_k,
@@ -135,6 +144,7 @@ def _down(
     STAGES: tl.constexpr,
     CACHE: tl.constexpr,
     PDL: tl.constexpr,
+    CPU: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     t = tl.program_id(0)
@@ -144,7 +154,11 @@ def _down(
     pairs = p < top_k
     pair = t * top_k + p
     expert = tl.load(ids + pair, mask=pairs, other=0).to(tl.int64)  # [BLOCK_P]
-    rows = pairs[:, None, None] & (n < H)[None, :, None]
+    if CPU:  # pairs computed on the CPU (id -1) read no weights: their outputs come from cpu_out
+        pairs_here = pairs & (expert >= 0)
+    else:
+        pairs_here = pairs
+    rows = pairs_here[:, None, None] & (n < H)[None, :, None]
     w_ptr = w2 + expert[:, None, None] * stride_e + n[None, :, None] * stride_r + k[None, None, :]
     h_ptr = h + pair[:, None] * inter + k[None, :]  # [BLOCK_P, BLOCK_K]
     acc = tl.zeros([BLOCK_P, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -159,7 +173,11 @@ def _down(
         w = tl.load(w_ptr + k0, mask=mask, other=0.0, cache_modifier=CACHE)
         acc += w.to(tl.float32) * hk.to(tl.float32)[:, None, :]
     wk = tl.load(weights + pair, mask=pairs, other=0.0).to(tl.float32)  # [BLOCK_P]
-    y = tl.sum(tl.sum(acc, axis=2) * wk[:, None], axis=0)  # [BLOCK_N]
+    yk = tl.sum(acc, axis=2)  # [BLOCK_P, BLOCK_N] each pair's output
+    if CPU:
+        from_cpu = (pairs & (expert < 0))[:, None] & (n < H)[None, :]
+        yk = tl.where(from_cpu, tl.load(cpu_out + pair[:, None].to(tl.int64) * H + n[None, :], mask=from_cpu), yk)
+    y = tl.sum(yk * wk[:, None], axis=0)  # [BLOCK_N] in k order
     tl.store(out + t * stride_o + n, y.to(out.dtype.element_ty), mask=n < H)
 
 
@@ -204,13 +222,16 @@ def fused_experts(
     w2: torch.Tensor,
     blocks: Blocks | None = None,
     arrivals: Arrivals | None = None,
+    cpu_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, H]; ids: [T, K] rows of w13/w2 (expert ids, or slots of an offload pool); weights: [T, K] (float32 or
     x's dtype); w13: [N, 2I, H] (gate rows, then up rows); w2: [N, H, I] -> [T, H] in x's dtype. The weight banks
     may be any [N, ...] views contiguous in their last dim. `blocks` is for benchmarks/moe_gemv.py's sweep.
-    `arrivals`: the miss copy launched just before is filling some of ids' slots; wait for those rows only."""
-    h = up_proj(x, ids, w13, blocks, arrivals)
-    return down_proj(h, ids, weights, w2, blocks, streamed=arrivals is not None)
+    `arrivals`: the miss copy launched just before is filling some of ids' slots; wait for those rows only.
+    `cpu_out` [T * K, H] fp32: the outputs of the pairs whose id is -1, computed on the CPU
+    (`edgemoe.offload.cpu_split`), weighted and summed over k in the same order as the others."""
+    h = up_proj(x, ids, w13, blocks, arrivals, cpu=cpu_out is not None)
+    return down_proj(h, ids, weights, w2, blocks, streamed=arrivals is not None, cpu_out=cpu_out)
 
 
 def up_proj(
@@ -219,8 +240,10 @@ def up_proj(
     w13: torch.Tensor,
     blocks: Blocks | None = None,
     arrivals: Arrivals | None = None,
+    cpu: bool = False,
 ) -> torch.Tensor:
-    """x: [T, H], ids: [T, K], w13: [N, 2I, H] -> h = silu(gate) * up [T * K, I] in x's dtype."""
+    """x: [T, H], ids: [T, K], w13: [N, 2I, H] -> h = silu(gate) * up [T * K, I] in x's dtype (`cpu`: ids -1 are
+    pairs computed on the CPU, left out)."""
     (T, H), K, inter = x.shape, ids.shape[1], w13.shape[1] // 2
     assert w13.shape[2] == H and w13.stride(2) == 1
     x, ids = x if x.stride(1) == 1 else x.contiguous(), ids.contiguous()
@@ -233,7 +256,7 @@ def up_proj(
         _up[(T * K, triton.cdiv(inter, b.up_n))](
             x, ids, w13, h, a.dst, a.count, a.counters, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1), M,
             b.up_n, b.up_k, H % b.up_k == 0, b.up_stages, arrivals is not None, a.after_ensure, a.chunks,
-            triton.next_power_of_2(max(M, 1)), _cache(arrivals is not None), num_warps=b.up_warps,
+            triton.next_power_of_2(max(M, 1)), _cache(arrivals is not None), CPU=cpu, num_warps=b.up_warps,
             **launch_args(x.device),
         )  # fmt: skip
     return h
@@ -251,18 +274,21 @@ def down_proj(
     w2: torch.Tensor,
     blocks: Blocks | None = None,
     streamed: bool = False,
+    cpu_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h: [T * K, I] from `up_proj`, ids and weights: [T, K], w2: [N, H, I] -> [T, H] in h's dtype. `streamed`:
-    up waited for the miss copy's rows, not for the copy kernel (read w2 at L2)."""
+    up waited for the miss copy's rows, not for the copy kernel (read w2 at L2). `cpu_out`: as `fused_experts`'."""
     (T, K), H, inter = ids.shape, w2.shape[1], w2.shape[2]
     assert h.shape == (T * K, inter) and h.is_contiguous() and w2.stride(2) == 1
     ids, weights = ids.contiguous(), weights.contiguous()
     out = torch.empty(T, H, dtype=h.dtype, device=h.device)
     if T:
         b = blocks or pick_blocks(H, inter)
+        if cpu_out is not None:
+            assert cpu_out.shape == (T * K, H) and cpu_out.dtype == torch.float32 and cpu_out.is_contiguous()
         _down[(T, triton.cdiv(H, b.down_n))](  # likewise tokens first
-            h, ids, weights, w2, out, H, inter, K, out.stride(0), w2.stride(0), w2.stride(1),
-            triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0, b.down_stages, _cache(streamed),
-            num_warps=b.down_warps, **launch_args(h.device),
+            h, ids, weights, w2, out, h if cpu_out is None else cpu_out, H, inter, K, out.stride(0), w2.stride(0),
+            w2.stride(1), triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0, b.down_stages,
+            _cache(streamed), CPU=cpu_out is not None, num_warps=b.down_warps, **launch_args(h.device),
         )  # fmt: skip
     return out

@@ -66,13 +66,16 @@ class EnsureReference:
             self.freq[layer, e] = freq[e] * (1 - self.freq_weight) + used * self.freq_weight
             self.last[layer, e] = used
 
-    def ensure(self, layer: int, ids: list[int]) -> dict:
+    def ensure(self, layer: int, ids: list[int], cpu_take: list[int] | None = None) -> dict:
         """-> {"hits", "misses": sorted expert lists, "copies": [(expert, slot, evicted (layer, expert) | None)],
-        "slots": the slot of each id}."""
+        "cpu": the misses computed on the CPU (the last cpu_take[len(misses)], no slot), "slots": the slot of each id
+        (-1: on the CPU)}. CPU experts count as used by the scored policy, and LRU has no slot to mark."""
         self.clock += 1
         needed = sorted(set(ids))
         hits = [e for e in needed if (layer, e) in self.slot_of]
         misses = [e for e in needed if (layer, e) not in self.slot_of]
+        n_cpu = cpu_take[len(misses)] if cpu_take else 0
+        copied, cpu = misses[: len(misses) - n_cpu], misses[len(misses) - n_cpu :]
         protected = {self.slot_of[layer, e] for e in hits}
 
         def rank(s: int) -> tuple:
@@ -82,7 +85,7 @@ class EnsureReference:
 
         victims = sorted(range(self.S), key=rank)
         copies = []
-        for e, s in zip(misses, victims):
+        for e, s in zip(copied, victims):
             old = self.owner[s]
             if old is not None:
                 del self.slot_of[old]
@@ -90,6 +93,8 @@ class EnsureReference:
             self.owner[s] = (layer, e)
             copies.append((e, s, old))
         for e in needed:
-            self.last_use[self.slot_of[layer, e]] = self.clock
+            if e not in cpu:
+                self.last_use[self.slot_of[layer, e]] = self.clock
         self._update_scored(layer, needed)
-        return {"hits": hits, "misses": misses, "copies": copies, "slots": [self.slot_of[layer, e] for e in ids]}
+        slots = [-1 if e in cpu else self.slot_of[layer, e] for e in ids]
+        return {"hits": hits, "misses": misses, "copies": copies, "cpu": cpu, "slots": slots}

@@ -19,7 +19,7 @@ import torch
 from edgemoe.offload.policies import KEY_MAX, POLICIES
 from edgemoe.offload.protocol import Arrivals, Ensured
 
-STAT_FIELDS = ("accesses", "hits", "misses", "evictions", "bytes_copied")
+STAT_FIELDS = ("accesses", "hits", "misses", "evictions", "bytes_copied", "cpu_computed")
 
 
 class ExpertCache:
@@ -57,6 +57,7 @@ class ExpertCache:
         self.w2: torch.Tensor | None = None  # [S + 1, ...] the rest
         self.copy_service = None  # a CopyService once `start_copy_service` ran (CUDA)
         self.prefill_stream = None  # an `edgemoe.offload.prefill_stream.PrefillStream` where the pool has 2E slots
+        self.cpu_split = None  # a CpuSplit (edgemoe.offload.cpu_split) when decode computes some misses on the CPU
         # the implementation, chosen once for the device: one Triton launch on CUDA, plain torch elsewhere
         if self.device.type == "cuda":
             from edgemoe.kernels.ensure import ensure_fused
@@ -98,25 +99,39 @@ class ExpertCache:
         """[L, E] view: slot of each (layer, expert), -1 where absent."""
         return self.slot_of[:-1].view(self.num_layers, self.num_experts)
 
-    def ensure(self, layer: int, ids: torch.Tensor, banks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Ensured:
+    def ensure(
+        self,
+        layer: int,
+        ids: torch.Tensor,
+        banks: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cpu_take: torch.Tensor | None = None,
+    ) -> Ensured:
         """Make every expert in `ids` (any shape, of MoE layer `layer`) resident, choosing victims by the policy.
 
         At most S distinct experts (callers split larger sets into waves). Updates mapping, policy state and
         stats; the copy list it returns must be applied (`copy_missing`) before the slots are read. `banks` (gate_up,
-        down): where the copies come from (None: bookkeeping only, as the cache simulator). CUDA: the fused Triton
-        kernel (one launch), which in a captured step posts the list to the copy service itself as soon as its victims
-        are chosen (`copy_missing` then has nothing left to do); elsewhere `_ensure_torch`."""
+        down): where the copies come from (None: bookkeeping only, as the cache simulator). `cpu_take` [>= M + 1]:
+        of m misses, the last `cpu_take[m]` in expert order are left to the CPU (see `_ensure_torch`). CUDA: the fused
+        Triton kernel (one launch), which in a captured step posts the list to the copy service itself as soon as its
+        victims are chosen (`copy_missing` then has nothing left to do); elsewhere `_ensure_torch`."""
         if self._ensure_impl is None:
-            return self._ensure_torch(layer, ids)
+            return self._ensure_torch(layer, ids, cpu_take)
         post = self.copy_service.target(banks) if banks is not None and self._posts() else None
-        return self._ensure_impl(self, layer, ids, post=post)
+        return self._ensure_impl(self, layer, ids, post=post, cpu_take=cpu_take)
 
-    def _ensure_torch(self, layer: int, ids: torch.Tensor) -> Ensured:
+    def _ensure_torch(self, layer: int, ids: torch.Tensor, cpu_take: torch.Tensor | None = None) -> Ensured:
         """`ensure` in plain torch: the CPU path, and the oracle of `edgemoe.kernels.ensure` (bitwise, state too).
 
         Make every expert in `ids` (any shape, of MoE layer `layer`) resident, choosing victims by the policy.
         At most S distinct experts (callers split larger sets into waves). Updates mapping, policy state and
-        stats; the copy list it returns must be applied (`copy_missing`) before the slots are read."""
+        stats; the copy list it returns must be applied (`copy_missing`) before the slots are read.
+
+        The CPU split (`cpu_take`, a table on the device: no host sync): of the m misses in expert order, the first
+        m - n are copied and the last n = cpu_take[m] are computed on the CPU. Those get no slot (their `slots` are
+        -1), evict nothing, and are listed in `cpu` / `cpu_count`; the policy counts them as used (the scored
+        policy's frequency and recency are of the routing, so an expert that keeps missing still ranks hot once it
+        is copied; LRU keeps recency per slot, so they leave no trace there); stats count them among the misses and
+        apart (`cpu_computed`), not among the bytes copied."""
         L, E, S = self.num_layers, self.num_experts, self.num_slots
         flat = ids.reshape(-1)
         M = min(flat.numel(), E)  # the most misses this call can have
@@ -131,11 +146,15 @@ class ExpertCache:
         keys = self.policy.keys(owner, self.clock, layer).clamp(max=KEY_MAX)  # [S]; free slots alone rank first
         keys = keys.masked_fill(owner < 0, float("inf")).masked_fill(protected[:S], float("-inf"))
         victims = torch.sort(keys, descending=True, stable=True).indices[:M]  # [M]
-        count = miss.sum()
-        rank = miss.cumsum(0) - 1  # [E] position of each miss in the copy list
+        misses = miss.sum()
+        on_cpu = torch.zeros_like(misses) if cpu_take is None else cpu_take[misses].to(misses.dtype)
+        count = misses - on_cpu  # the copy list's length
+        rank = miss.cumsum(0) - 1  # [E] position of each miss among the misses
         src = torch.zeros(M + 1, dtype=torch.long, device=flat.device)
         src.scatter_(0, torch.where(miss, rank, M), self._experts)
-        valid = torch.arange(M, device=flat.device) < count
+        positions = torch.arange(M, device=flat.device)
+        valid = positions < count
+        cpu = torch.where(positions < on_cpu, src[(count + positions).clamp(max=M)], 0)
         src = torch.where(valid, src[:M], 0)
         dst = torch.where(valid, victims, S)
         old = self.owner[dst]  # [M] evicted (layer, expert) keys, -1 for free or scratch
@@ -144,11 +163,11 @@ class ExpertCache:
         self.slot_of.scatter_(0, torch.where(evicted, old, L * E), -1)
         self.slot_of.scatter_(0, torch.where(valid, new, L * E), dst)
         self.owner.scatter_(0, dst, torch.where(valid, new, -1))
-        self.policy.update(layer, needed, torch.where(needed, row, S), self.clock)
+        self.policy.update(layer, needed, torch.where(needed & (row >= 0), row, S), self.clock)
         if self.collect_stats:
-            counts = torch.stack([needed.sum(), hit.sum(), count, evicted.sum(), count * self.expert_bytes])
-            self.stats[layer] += counts
-        return Ensured(row[flat].view(ids.shape), src, dst, count)
+            counts = [needed.sum(), hit.sum(), misses, evicted.sum(), count * self.expert_bytes, on_cpu]
+            self.stats[layer] += torch.stack(counts)
+        return Ensured(row[flat].view(ids.shape), src, dst, count, cpu=cpu, cpu_count=on_cpu)
 
     @property
     def arrival_counters(self) -> torch.Tensor | None:

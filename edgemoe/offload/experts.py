@@ -23,6 +23,7 @@ from torch import nn
 from edgemoe.config import ExpertCacheConfig, ModelConfig
 from edgemoe.engine.context import get_context
 from edgemoe.errors import EdgeMoEError
+from edgemoe.offload import cpu_split
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.layout import ExpertLayout
 from edgemoe.offload.prefill_stream import PrefillStream
@@ -37,7 +38,7 @@ class OffloadedExperts(nn.Module):
     def __init__(self, layer: int, bank: torch.Tensor, layout: ExpertLayout) -> None:
         super().__init__()
         self.layer, self.layout = layer, layout  # layer: index among MoE layers
-        self.bank = bank  # [E, row]: what streamed prefill copies, a layer at a time
+        self.bank = bank  # [E, row]: what streamed prefill copies a layer at a time, and the CPU split reads
         self.gate_up_proj, self.down_proj = layout.views(bank)  # dense: [E, 2I, H], [E, H, I] on the host
         self.banks = layout.copy_views(bank)  # what the miss copy reads
         self.num_experts = bank.shape[0]
@@ -60,12 +61,19 @@ class OffloadedExperts(nn.Module):
             return self._kernel_waves(x, ids, weights)
         gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
         if gathered and (pairs <= S or E <= S):
-            got = self.load(ids)
             if get_context().is_prefill:  # bitwise as resident
-                return self.layout.gathered(x, got.slots, weights, self.w13, self.w2)
+                return self.layout.gathered(x, self.load(ids).slots, weights, self.w13, self.w2)
+            split = self.cache.cpu_split
+            got = self.cache.ensure(self.layer, ids, self.banks, cpu_take=None if split is None else split.table)
+            on_cpu = None if split is None else split.pairs(ids, got.slots, x)  # a sync, before the copy starts
+            self.cache.copy_missing(got, *self.banks)
             if not self.layout.decode_waits:  # a plain-torch decode (a non-SiLU family on CUDA) reads every slot at
                 self.cache.await_copy(got)  # once: in a captured step, after the copy service's copy
-            return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=self.cache.arrivals(got))
+            arrivals = self.cache.arrivals(got)
+            if on_cpu is not None:  # computed while the GPU copies
+                cpu_out = split.compute(self.bank, self.layout, on_cpu, pairs, x.device)
+                return self.layout.decode_cpu(x, got.slots, weights, self.w13, self.w2, cpu_out, arrivals=arrivals)
+            return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=arrivals)
         if pairs <= E:
             return self._gathered_waves(x, ids, weights)
         return self._grouped_waves(x, ids, weights)
@@ -202,10 +210,18 @@ def cache_slots(moe: ExpertCacheConfig, cfg: ModelConfig, max_num_seqs: int, per
 
 
 def attach_expert_cache(
-    model: nn.Module, slots: int, policy: str, collect_stats: bool, device: torch.device, dtype: torch.dtype
+    model: nn.Module,
+    slots: int,
+    policy: str,
+    collect_stats: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    cpu_compute: str | int = "off",
+    graphs: bool = False,
 ) -> ExpertCache:
     """One cache and slot pool (S slots + a scratch slot, each an expert's row in the layers' `ExpertLayout`) for all
-    of `model`'s offloaded MoE layers."""
+    of `model`'s offloaded MoE layers; `cpu_compute`: `--moe-cpu-compute`, `graphs`: whether decode would replay CUDA
+    graphs (`edgemoe.offload.cpu_split.resolve`)."""
     cfg = model.config
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
     dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cfg.hidden_act)
@@ -219,4 +235,5 @@ def attach_expert_cache(
         cache.prefill_stream = PrefillStream(cache, [m.bank for m in sorted(layers, key=lambda m: m.layer)])
     if device.type == "cuda" and layers:
         cache.start_copy_service()
+    cache.cpu_split = cpu_split.resolve(cpu_compute, layers, device, cfg.top_k, graphs)
     return cache

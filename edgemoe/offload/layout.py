@@ -5,7 +5,8 @@ Storage is `[experts or slots, row]`: each row holds one expert's gate_up weight
 of memory, so a miss is one copy (`copy_service.c`). A layout gives
 - `views(joined)`: the gate_up and down views the expert kernels read (and the loader fills by name);
 - `copy_views(joined)`: the two halves the miss copy moves (rows of the same storage; the split may be any point);
-- `decode`: the decode function that reads `views` in place, and `dense_gate_up`/`dense_down` for prefill.
+- `decode`: the decode function that reads `views` in place, and `dense_gate_up`/`dense_down` for prefill;
+- `decode_cpu`: decode with some pairs' outputs computed on the CPU (`edgemoe.offload.cpu_split`).
 
 `ExpertLayout` keeps experts in the model's dtype; `QuantExpertLayout` keeps GGUF blocks (`edgemoe.layers.quant`) as
 stored, one format for gate_up and one for down. The layers of one model may use different formats (Q4_K_M files
@@ -41,6 +42,8 @@ class ExpertLayout:
         # (x, ids, weights, w13, w2, arrivals=) -> [T, H]
         self.decode: Callable = decode_reference if act == "silu" else partial(decode_reference, act=self.act)
         self.decode_waits = False  # whether `decode` waits for each copied expert itself (the kernels do)
+        # (x, slots, weights, w13, w2, cpu_out, arrivals=) -> [T, H]: `decode` with CPU pairs' rows
+        self.decode_cpu: Callable = self._decode_cpu_reference
 
     def use_kernels(self, device: torch.device) -> None:
         if self.act_name != "silu":  # the kernel computes SiLU
@@ -50,6 +53,7 @@ class ExpertLayout:
 
         self.decode, self.decode_waits = fused_experts, True
         self.pair_outputs = pair_outputs
+        self.decode_cpu = partial(_fused_cpu, fused_experts)
 
     @property
     def row_bytes(self) -> int:
@@ -67,6 +71,24 @@ class ExpertLayout:
 
     def copy_views(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.views(joined)
+
+    def _decode_cpu_reference(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+        cpu_out: torch.Tensor, arrivals=None,  # noqa: ANN001 - decode's
+    ) -> torch.Tensor:  # fmt: skip
+        """`decode` where pairs of slot -1 were computed on the CPU (`cpu_out` [T * K, H] fp32, their rows): every
+        other pair's output as `decode` computes it (itself, one pair a token, weight 1), the CPU's rounded to x's
+        dtype as those are, then the weighted sum over k of `gathered_experts`. Where no pair is on the CPU, the plain
+        reference's result bitwise."""
+        tokens, top_k = slots.shape
+        flat = slots.reshape(-1)
+        on_cpu = flat < 0  # [pairs]
+        scratch = torch.full_like(flat, w13.shape[0] - 1)  # a slot to read instead: the pool's scratch slot
+        xs = x.repeat_interleave(top_k, dim=0)  # [pairs, H]
+        ones = torch.ones(flat.numel(), 1, dtype=x.dtype, device=x.device)
+        out = self.decode(xs, torch.where(on_cpu, scratch, flat)[:, None], ones, w13, w2, arrivals=arrivals)
+        out = torch.where(on_cpu[:, None], cpu_out.to(out.dtype), out).view(tokens, top_k, -1)  # [T, K, H]
+        return (out * weights[:, :, None]).sum(dim=1)
 
     def dense_gate_up(self, w13: torch.Tensor) -> torch.Tensor:
         """gate_up rows of any leading shape, in the compute dtype (dense: themselves)."""
@@ -117,6 +139,7 @@ class QuantExpertLayout(ExpertLayout):
         self.copy_split = copy_split or self.split
         assert self.row >= self.used and 0 < self.copy_split < self.row
         self.decode, self.decode_waits = self._decode_reference, False
+        self.decode_cpu = self._decode_cpu_reference  # over `decode`, the kernel's too
 
     def use_kernels(self, device: torch.device) -> None:
         if self.act_name != "silu":  # the kernels compute SiLU
@@ -162,6 +185,14 @@ class QuantExpertLayout(ExpertLayout):
         flat = ids.flatten()
         pairs = torch.arange(flat.numel(), device=ids.device).view(tokens, top_k)
         return gathered_experts(x, pairs, weights, self.dense_gate_up(w13[flat]), self.dense_down(w2[flat]), self.act)
+
+
+def _fused_cpu(
+    fused: Callable, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    cpu_out: torch.Tensor, arrivals=None,  # noqa: ANN001 - decode's
+) -> torch.Tensor:  # fmt: skip
+    """The dense kernel's `decode_cpu`: the kernel reads CPU pairs' rows itself (`edgemoe.kernels.moe_gemv`)."""
+    return fused(x, slots, weights, w13, w2, arrivals=arrivals, cpu_out=cpu_out)
 
 
 def split_rows(joined: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from edgemoe.offload.expert_cache import ExpertCache
+from edgemoe.offload.expert_cache import STAT_FIELDS, ExpertCache
 from edgemoe.offload.layout import ExpertLayout
 
 
@@ -44,8 +44,8 @@ class PrefillStream:
         self.holds: list[int | None] = [None, None]  # per area: the layer copied into it during this step
         self.last_layer = -1  # the layer computed last: a layer at or before it starts a new step
         self._experts = torch.arange(self.E, device=cache.device)
-        E = self.E  # a streamed layer's stats: E accesses, E misses, every expert's bytes copied
-        self._layer_stats = torch.tensor([E, 0, E, 0, E * cache.expert_bytes], device=cache.device)
+        counts = {"accesses": self.E, "misses": self.E, "bytes_copied": self.E * cache.expert_bytes}
+        self._layer_stats = torch.tensor([counts.get(f, 0) for f in STAT_FIELDS], device=cache.device)  # a layer's
 
     @staticmethod
     def fits(cache: ExpertCache) -> bool:
@@ -103,7 +103,7 @@ class PrefillStream:
         c, L, E = self.cache, self.cache.num_layers, self.E
         owner = c.owner[area * E : (area + 1) * E]
         if c.collect_stats:
-            c.stats[layer, 3] += (owner >= 0).sum()
+            c.stats[layer, STAT_FIELDS.index("evictions")] += (owner >= 0).sum()
         c.slot_of.scatter_(0, torch.where(owner >= 0, owner, L * E), -1)  # L * E: the scratch entry
         c.slot_of[L * E] = -1
         owner.fill_(-1)

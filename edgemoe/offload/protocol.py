@@ -3,6 +3,9 @@ step posts that list to the copy service's mailbox, and how the expert GEMV wait
 
 Copy list (`Ensured`): `src [M]` experts, `dst [M]` their slots, `count []` valid entries; entries past `count`
 copy expert 0 into the scratch slot S, so no step needs a host-side length. M = min(ids, experts) <= slots.
+With the CPU split (`edgemoe.offload.cpu_split`) the last `cpu_count` misses in expert order are listed in `cpu [M]`
+instead: no slot (their pairs' `slots` are -1), computed on the host; the expert kernels read their fp32 rows. Eager
+steps only for now: nothing of them is posted to the mailbox.
 
 Mailbox (`PostTarget`): `RING` rows of pinned int64, each `[seq, n, bank_a, bank_b, src[MAX], dst[MAX]]`. A posting
 kernel (`edgemoe.kernels.miss_copy.post_list`) writes the row, fences at system scope, then stores `seq` = tick + 1
@@ -30,8 +33,10 @@ class Ensured(NamedTuple):
     slots: torch.Tensor  # ids' shape: the pool slot of each (token, k)
     src: torch.Tensor  # [M] experts to copy (0 past `count`)
     dst: torch.Tensor  # [M] their slots (the scratch slot S past `count`)
-    count: torch.Tensor  # [] number of valid copy-list entries (the misses)
+    count: torch.Tensor  # [] number of valid copy-list entries (the misses copied)
     posted: bool = False  # the fused `ensure` already posted the list to the copy service
+    cpu: torch.Tensor | None = None  # [M] the misses left to the CPU, in expert order (0 past `cpu_count`)
+    cpu_count: torch.Tensor | None = None  # [] how many; their pairs' `slots` are -1
 
 
 class PostTarget(NamedTuple):

@@ -320,4 +320,7 @@ class EngineLoop:
         # the counters live on the device: read them at most once a second while busy, and once more when idle
         if self._moe_stats_read is not None and (now - self._moe_stats_read >= 1 or not running):
             self._moe_stats_read = now
-            self.metrics.expert_cache_hit_rate().set(self.engine.moe_stats()["total"]["hit_rate"])
+            total = self.engine.moe_stats()["total"]
+            self.metrics.expert_cache_hit_rate().set(total["hit_rate"])
+            self.metrics.expert_cache_misses().labels("copy").set(total["misses"] - total["cpu_computed"])
+            self.metrics.expert_cache_misses().labels("cpu").set(total["cpu_computed"])

@@ -53,6 +53,7 @@ class Metrics:
             registry=r,
         )
         self._hit_rate: Gauge | None = None
+        self._misses: Gauge | None = None
         self.ready = Gauge("edgemoe_ready", "1 once the model is loaded and the server accepts requests", registry=r)
 
     def prefix_cache(self, queried: int, hits: int) -> None:
@@ -70,6 +71,14 @@ class Metrics:
             doc = "Expert-cache hits / accesses since start, all MoE layers (offload with --moe-collect-stats)"
             self._hit_rate = Gauge("edgemoe_expert_cache_hit_rate", doc, registry=self.registry)
         return self._hit_rate
+
+    def expert_cache_misses(self) -> Gauge:
+        """Created on first use, as the hit rate: misses since start, all MoE layers, by how they were served (copied
+        to the device, or computed on the CPU: --moe-cpu-compute)."""
+        if self._misses is None:
+            doc = "Expert-cache misses since start, all MoE layers, by how they were served (offload with stats)"
+            self._misses = Gauge("edgemoe_expert_cache_misses", doc, ["served"], registry=self.registry)
+        return self._misses
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -279,11 +279,14 @@ def run_bench(a: argparse.Namespace) -> dict:
         moe = ExpertCacheConfig(moe_strategy="offload", **{key: value})
         room = None if a.vram_budget is None else parse_size(a.vram_budget) - dense - kv_bytes
         slots = cache_slots(moe, cfg, 1, per_expert, room)
-        for policy in a.moe_policy.split(","):
-            cache = attach_expert_cache(model, slots, policy, True, device, dtype)
+        for policy, split in [(p, c) for p in a.moe_policy.split(",") for c in a.moe_cpu_compute.split(",")]:
+            cache = attach_expert_cache(model, slots, policy, True, device, dtype, split)
             if lengths and not result.get("prefill"):
                 result["prefill"] = prefill_runs(runner, lengths, a.warmup_prefill, cache, bw)
-            decode_runs(result, a, runner, cache, trace, slots, policy, bw, dense_read + kv_read)
+            label = policy if split == "off" else f"{policy}+cpu:{split}"
+            decode_runs(result, a, runner, cache, trace, slots, label, bw, dense_read + kv_read)
+            if cache.cpu_split is not None:
+                cache.cpu_split.close()
             del cache
             model.apply(lambda m: m.attach(None) if isinstance(m, OffloadedExperts) else None)
             if device.type == "cuda":
@@ -384,6 +387,8 @@ def decode(
             for _ in range(a.warmup):
                 dec.step()
             fn = dec.step
+            if mode == "graph" and getattr(cache, "cpu_split", None) is not None:
+                raise EdgeMoEError("the CPU split runs in eager steps only (--mode eager)")
             if mode == "graph":
                 fn = capture(dec.step).replay
             fn()
@@ -404,13 +409,14 @@ def decode(
         run["error"] = f"{type(exc).__name__}: {exc}"
         return run
     steps = a.steps  # calls since the stats were zeroed: timed()'s warm call + a.steps - 1 timed ones
-    accesses, hits, misses, _, copied = stats
+    accesses, hits, misses, _, copied, on_cpu = stats
     hbm = fixed_read + accesses / steps * per_expert
     miss_bytes = copied / steps
     run.update(
         tok_s=1 / seconds,
         hit_rate=hits / accesses if accesses else 0.0,
         misses_per_token=misses / steps,
+        cpu_misses_per_token=on_cpu / steps,
         miss_bytes_per_token=miss_bytes,
         hbm_bytes_per_token=hbm,
     )
@@ -444,7 +450,7 @@ def settle_bounds(result: dict, again: dict) -> bool:
 
 
 def resident_stats(model: MoEForCausalLM, trace: torch.Tensor | None, steps: int) -> list[float]:
-    """The cache's counters (accesses, hits, misses, evictions, bytes copied) for resident experts over `steps`
+    """The cache's counters (`STAT_FIELDS`: accesses, hits, misses, ...) for resident experts over `steps`
     steps at batch 1: every distinct (layer, expert) of a step is a hit; per step, top_k per MoE layer from the
     router, or the trace's mean distinct experts per row."""
     cfg = model.config
@@ -453,7 +459,7 @@ def resident_stats(model: MoEForCausalLM, trace: torch.Tensor | None, steps: int
     else:
         rows = trace.cpu().numpy()
         per_step = float(np.mean([sum(len(np.unique(layer)) for layer in row) for row in rows]))
-    return [steps * per_step, steps * per_step, 0, 0, 0]
+    return [steps * per_step, steps * per_step, 0, 0, 0, 0]
 
 
 def _row(r: dict) -> str:
@@ -468,7 +474,8 @@ def _row(r: dict) -> str:
     return (
         f"{r['policy']:>6}{overlap} {r['slots']:>6} slots ({r['fraction']:.0%}) {r['mode']:>5}: "
         f"{r['tok_s']:.1f} tok/s, "
-        f"hit rate {r['hit_rate']:.3f}, {r['miss_bytes_per_token'] / MiB:.1f} MiB missed/token{bound}"
+        f"hit rate {r['hit_rate']:.3f}, {r['miss_bytes_per_token'] / MiB:.1f} MiB copied/token, "
+        f"{r['cpu_misses_per_token']:.1f} misses/token on the CPU{bound}"
     )
 
 
@@ -548,6 +555,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
         raise EdgeMoEError(f"--shared-expert-overlap {a.shared_expert_overlap!r}: use on, off or off,on")
     if a.profile and (a.profile < 2 or "graph" not in a.mode.split(",")):
         raise EdgeMoEError("--profile N needs N >= 2 and --mode with graph (it records replayed graph steps)")
+    for split in a.moe_cpu_compute.split(","):
+        ExpertCacheConfig(moe_strategy=a.moe_strategy, moe_cpu_compute=split)  # one line for a bad value
     if a.dtype not in ("bfloat16", "float16", "float32"):
         raise EdgeMoEError(f"unknown dtype {a.dtype!r}: use bfloat16, float16 or float32")
     result = run_bench(a)

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from edgemoe.kernels.ensure import ensure_fused  # noqa: E402
 from edgemoe.kernels.miss_copy import copy_rows  # noqa: E402
+from edgemoe.offload.cpu_split import Costs, fit, manual_table  # noqa: E402
 from edgemoe.offload.expert_cache import ExpertCache, copy_rows_reference  # noqa: E402
 from edgemoe.offload.policies import POLICIES  # noqa: E402
 from tests.kernels import interpreter_only  # noqa: E402
@@ -25,21 +26,26 @@ def state(cache: ExpertCache) -> dict[str, torch.Tensor]:
     return {"slot_of": cache.slot_of, "owner": cache.owner, "clock": cache.clock, "stats": cache.stats, **tensors}
 
 
-def compare(want: ExpertCache, got: ExpertCache, trace: torch.Tensor, block_s: int) -> int:
-    """Feed `trace` [steps, layers, tokens, top_k] to both caches; -> the number of misses."""
+def compare(
+    want: ExpertCache, got: ExpertCache, trace: torch.Tensor, block_s: int, cpu_take: torch.Tensor | None = None
+) -> int:
+    """Feed `trace` [steps, layers, tokens, top_k] to both caches (with the CPU split's table `cpu_take`); -> the
+    number of misses."""
     misses = 0
     for step in trace:
         for layer, ids in enumerate(step):
             if got.arrival_counters is not None:
                 got.arrival_counters.fill_(-3)  # what the last miss copy left
-            a, b = want._ensure_torch(layer, ids), ensure_fused(got, layer, ids, block_s=block_s)
+            a = want._ensure_torch(layer, ids, cpu_take)
+            b = ensure_fused(got, layer, ids, block_s=block_s, cpu_take=cpu_take)
             assert (got.arrival_counters[: b.src.numel()] == 0).all()  # zeroed for the copy that follows
             assert not a.posted and not b.posted  # no copy service here
-            for field, x, y in zip(a._fields[:4], a[:4], b[:4], strict=True):
+            for field in ("slots", "src", "dst", "count", "cpu", "cpu_count"):
+                x, y = getattr(a, field), getattr(b, field)
                 assert x.dtype == y.dtype and torch.equal(x, y), (field, x, y)
             for name, x in state(want).items():
                 assert torch.equal(x, state(got)[name]), (name, layer, x, state(got)[name])
-            misses += int(a.count)
+            misses += int(a.count) + int(a.cpu_count)
     check_invariants(got)
     return misses
 
@@ -66,6 +72,20 @@ def test_fused_ensure_matches_torch(policy: str, collect_stats: bool, case: tupl
     misses = compare(want, got, trace, block_s)
     if S < L * E:
         assert misses > S, "small caches must evict"
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5]], ids=["E8-S4", "E60-S12-blocks", "E16-S20-blocks"])
+@pytest.mark.parametrize("split", ["cap1", "cap2", "all", "fitted"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_fused_ensure_cpu_split_matches_torch(policy: str, split: str, case: tuple) -> None:
+    """The CPU split's table: the last misses to the CPU (no slot, no eviction), stats counting them apart."""
+    L, E, S, tokens, top_k, skew, block_s = case
+    table = {"cap1": manual_table(1, E), "cap2": manual_table(2, E), "all": manual_table(E, E),
+             "fitted": fit(Costs(copy=1.0, cpu=0.8, overhead=1.5), E)}[split]  # fmt: skip
+    trace = random_trace(8, L, E, tokens, top_k, skew, seed=S)
+    want, got = (ExpertCache(L, E, S, policy, expert_bytes=1000) for _ in range(2))
+    compare(want, got, trace, block_s, torch.tensor(table, dtype=torch.int32))
+    assert int(got.stats[:, 5].sum()) > 0, "some misses were computed on the CPU"
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -128,3 +128,21 @@ def test_streamed_behind_the_miss_copy_is_bitwise_the_plain_kernel(misses: int) 
     if misses:  # the copied rows were read, not the old ones
         stale = fused_experts(x, ids, weights, w13, w2, SMALL)
         assert not torch.equal(got, stale)
+
+
+@pytest.mark.parametrize("blocks", [SMALL, None], ids=["small-blocks", "heuristic"])
+def test_cpu_pairs(blocks: Blocks | None) -> None:
+    """Pairs of id -1 take their outputs from `cpu_out` (fp32) and are weighted and summed over k in order: against
+    the layout's plain-torch `decode_cpu`, and bitwise the plain kernel where no pair is on the CPU."""
+    from edgemoe.offload.layout import ExpertLayout
+
+    x, ids, weights, w13, w2 = inputs(3, 4, hidden=37, inter=21, dtype=torch.float32, seed=5)
+    cpu_out = torch.randn(12, 37, device=DEVICE)
+    plain = fused_experts(x, ids, weights, w13, w2, blocks)
+    assert torch.equal(fused_experts(x, ids, weights, w13, w2, blocks, cpu_out=cpu_out), plain)
+    on_cpu = ids.clone()
+    on_cpu[0, 1] = on_cpu[2, 0] = on_cpu[2, 3] = -1
+    out = fused_experts(x, on_cpu, weights, w13, w2, blocks, cpu_out=cpu_out)
+    ref = ExpertLayout(37, 21, torch.float32)._decode_cpu_reference(x, on_cpu, weights, w13, w2, cpu_out)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[1], plain[1]), "a token without CPU pairs is computed as before"

@@ -360,8 +360,9 @@ def test_metric_counts_match_what_was_sent(http, client):
 
 
 def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
-    # experts offloaded with statistics on: /metrics then carries the expert-cache hit rate
-    flags = ("--moe-strategy", "offload", "--moe-cache-slots", "64", "--moe-collect-stats")
+    # experts offloaded with statistics on: /metrics then carries the expert-cache hit rate and the misses, copied and
+    # computed on the CPU (one a layer-step)
+    flags = ("--moe-strategy", "offload", "--moe-cache-slots", "64", "--moe-collect-stats", "--moe-cpu-compute", "1")
     server = ServerProcess(tmp_path, "--api-key", "s3cret", "--kv-cache-memory", "6MB", *flags)  # 52 KV blocks
     try:
         server.wait_ready()
@@ -381,6 +382,8 @@ def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
             text = http.get("/metrics", headers={"Authorization": "Bearer s3cret"}).text
             hit_rate = float(re.search(r"^edgemoe_expert_cache_hit_rate (\S+)$", text, re.M)[1])
             assert 0 < hit_rate < 1
+            for served in ("copy", "cpu"):
+                assert float(re.search(rf'^edgemoe_expert_cache_misses{{served="{served}"}} (\S+)$', text, re.M)[1]) > 0
 
             # fits the context (2048) but not the KV cache: refused before any SSE byte, naming max_tokens
             for stream in (False, True):

@@ -161,3 +161,18 @@ def test_prefill_lengths_are_checked(capsys) -> None:
     argv = ["bench", "--geometry", "tiny", "--device", "cpu", "--moe-strategy", "resident", "--prefill", "16,x"]
     assert main(argv) == 2
     assert "--prefill '16,x': use comma-separated token counts" in capsys.readouterr().err
+
+
+def test_bench_cpu_split(tmp_path) -> None:
+    """--moe-cpu-compute off,2: a copy-only run and a run with up to 2 misses a layer-step on the CPU, which copies
+    less; graph runs are refused with a split (CUDA only anyway)."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--geometry", "tiny", "--device", "cpu", "--dtype", "float32", "--moe-cache-fraction", "0.25",
+            "--moe-policy", "lru", "--moe-cpu-compute", "off,2", "--routing-trace", "synthetic", "--steps", "4",
+            "--warmup", "2", "--prefill", "0", "--context", "40", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["lru", "lru+cpu:2"]
+    assert runs[0]["cpu_misses_per_token"] == 0 < runs[1]["cpu_misses_per_token"]
+    assert runs[1]["miss_bytes_per_token"] < runs[0]["miss_bytes_per_token"]
+    assert main(argv[:-2] + ["--moe-cpu-compute", "most"]) == 2

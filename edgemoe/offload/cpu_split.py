@@ -1,0 +1,220 @@
+"""The CPU split (issue #34): of a decode step's missed experts, some are computed on the host (`CpuExperts`, from the
+layer's host bank) while the others are copied over PCIe, so a layer that misses much waits for the slower of the
+two instead of for every copy.
+
+The split is a table on the device, `table[m]` = how many of a layer-step's m misses go to the CPU, read by `ensure`
+without a host sync (`ExpertCache._ensure_torch` says which misses and how the policy and stats count them). A CPU
+pair has no slot (`slots` -1); the expert kernels take its unweighted output, fp32, from a [pairs, hidden] buffer
+instead of computing it, and weight and sum every pair in their usual order (`ExpertLayout.decode_cpu`).
+
+`--moe-cpu-compute`: `off`; N, at most N misses a layer-step (experiments); `auto`, the table fitted to costs
+measured at start-up (`measure`, CUDA): copy time per expert c, CPU time per expert p, a fixed cost per layer-step o,
+each taken while the other runs (both read host memory); of m misses n go to the CPU, the n that minimises
+max(c (m - n), o + p n), and none unless that is strictly below c m (`fit`). A last check times the split of a
+typical step against copying it all and turns the split off unless it wins.
+
+Eager steps only: the host reads the step's CPU pairs right after `ensure` (a sync), computes them while the GPU
+copies the rest, and uploads the rows. Captured decode graphs cannot sync, so the engine decodes eagerly when a split
+is on, and `auto` keeps copy-only where graphs would replay.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from edgemoe.offload.cpu_experts import CpuExperts
+from edgemoe.offload.layout import ExpertLayout
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What one layer-step's misses cost, in seconds (`measure`)."""
+
+    copy: float  # per expert copied host -> device
+    cpu: float  # per expert computed on the CPU
+    overhead: float  # per layer-step that computes any expert on the CPU
+
+
+def fit(costs: Costs, max_misses: int, cap: int | None = None) -> list[int]:
+    """table[m], m = 0..max_misses: the CPU's share n <= min(m, cap) of m misses that minimises
+    max(copy (m - n), overhead + cpu n); 0 unless strictly faster than copying all m (ties: the fewer on the CPU)."""
+    table = [0]
+    for m in range(1, max_misses + 1):
+        best, best_t = 0, costs.copy * m
+        for n in range(1, min(m, max_misses if cap is None else cap) + 1):
+            t = max(costs.copy * (m - n), costs.overhead + costs.cpu * n)
+            if t < best_t:
+                best, best_t = n, t
+        table.append(best)
+    return table
+
+
+class CpuSplit:
+    """The split table (`table` [max_misses + 1] int32 on `device`) and the pool that computes the CPU's pairs."""
+
+    def __init__(self, table: list[int], pool: CpuExperts, device: torch.device) -> None:
+        self.table = torch.tensor(table, dtype=torch.int32, device=device)
+        self.pool = pool
+
+    def pairs(self, ids: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The step's CPU pairs on the host (a sync): (pair index, token, expert) int64 [P] and x fp32 [T, H]; None
+        without any."""
+        flat = slots.reshape(-1).cpu()
+        pairs = (flat < 0).nonzero()[:, 0]
+        if not pairs.numel():
+            return None
+        top_k = ids.shape[-1]
+        return pairs, pairs // top_k, ids.reshape(-1).cpu()[pairs], x.detach().float().cpu().contiguous()
+
+    def compute(self, bank: torch.Tensor, layout: ExpertLayout, pairs: tuple[torch.Tensor, ...], total: int,
+                device: torch.device) -> torch.Tensor:  # fmt: skip
+        """[total, H] fp32 on `device`: each CPU pair's unweighted output in its row (zeros elsewhere)."""
+        index, tokens, experts, x = pairs
+        y = self.pool.compute(bank, layout, x, tokens, experts, torch.empty(len(index), layout.hidden))
+        out = torch.zeros(total, layout.hidden)
+        out[index] = y
+        return out.to(device)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def manual_table(cap: int, max_misses: int) -> list[int]:
+    """`--moe-cpu-compute N`: min(m, N) of m misses on the CPU."""
+    return [min(m, cap) for m in range(max_misses + 1)]
+
+
+def resolve(
+    setting: str | int, layers: list, device: torch.device, top_k: int, graphs: bool, threads: int | None = None
+) -> CpuSplit | None:
+    """The split `--moe-cpu-compute` asks for over offloaded layers `layers` (`OffloadedExperts`), or None for none;
+    a line to stderr says what was chosen. `top_k`: a token's misses at most (the step `auto` checks); `graphs`: decode
+    would replay CUDA graphs, which a split gives up: `auto` then keeps copy-only."""
+    setting = str(setting)
+    if setting == "off" or not layers:
+        return None
+    layout, experts = layers[0].layout, layers[0].num_experts
+    if setting == "auto" and device.type != "cuda":
+        _say("auto weighs the CPU against copies over PCIe, which a CPU device does not make: off")
+        return None
+    if setting == "auto" and graphs:
+        _say("off: the split runs in eager steps only, and replayed graphs copy faster than eager steps split (a "
+             "manual N decodes eagerly to try it)")  # fmt: skip
+        return None
+    # a CPU device's own work runs on torch's threads, which spin between ops and starve a second pool (measured on
+    # 2 cores: a job 200x slower), so there the calling thread computes alone
+    pool = CpuExperts(1 if device.type == "cpu" and threads is None else threads)
+    if setting != "auto":
+        cap = int(setting)
+        _say(f"{pool.threads} threads ({pool.isa}), at most {cap} misses a layer-step on the CPU (manual)")
+        return CpuSplit(manual_table(cap, experts), pool, device)
+    _say(f"measuring the CPU against the copy ({pool.threads} threads, {pool.isa}) ...")
+    costs = measure(layers[0], pool, device, top_k)
+    table = fit(costs, experts)
+    if any(table) and not split_wins(layers[0], pool, device, top_k, table[top_k]):
+        table = [0] * len(table)
+    what = _describe(table)
+    _say(
+        f"{layout.dtype if type(layout) is ExpertLayout else 'quantized'} experts: cpu {costs.cpu * 1e3:.3f} ms, copy "
+        f"{costs.copy * 1e3:.3f} ms an expert, {costs.overhead * 1e3:.3f} ms a layer-step -> {what}"
+    )
+    if not any(table):
+        pool.close()
+        return None
+    return CpuSplit(table, pool, device)
+
+
+def _describe(table: list[int]) -> str:
+    if not any(table):
+        return "none on the CPU (copy-only is faster)"
+    first = next(m for m, n in enumerate(table) if n)
+    last = len(table) - 1
+    return f"from {first} misses a layer-step on: {table[first]} of {first} ... {table[last]} of {last} on the CPU"
+
+
+def _say(text: str) -> None:
+    print(f"edgemoe: cpu experts: {text}", file=sys.stderr)
+
+
+# ---- measurement (CUDA) ----
+
+
+def _median(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+def _copy_rows(layer, pool_row: torch.Tensor, experts: range) -> None:
+    for e in experts:
+        pool_row.copy_(layer.bank[e], non_blocking=True)
+
+
+def _fresh(layer, n: int, r: int) -> torch.Tensor:
+    """n experts of the bank, others each round, so that the CPU reads them from memory as a miss does, not from
+    its last-level cache."""
+    return (torch.arange(n) + r * n) % layer.num_experts
+
+
+def measure(layer, pool: CpuExperts, device: torch.device, top_k: int, rounds: int = 5) -> Costs:
+    """Per-expert copy and CPU times and the per-layer-step cost, each taken while the other runs (both read host
+    memory): copies of a layer's bank rows into a scratch row, the pool on one pair an expert, and the eager split's
+    sync and row transfers. A few seconds at most."""
+    experts = min(8, layer.num_experts)
+    scratch = torch.empty(layer.layout.row, dtype=layer.layout.dtype, device=device)
+    x = torch.randn(1, layer.layout.hidden)
+    cpu_times, copy_times = [], []
+    for n in (1, experts):
+        tokens = torch.zeros(n, dtype=torch.long)
+        out = torch.empty(n, layer.layout.hidden)
+        for r in range(rounds):
+            ids = _fresh(layer, n, r)
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _copy_rows(layer, scratch, range(experts))
+            end.record()
+            t0 = time.perf_counter()
+            pool.compute(layer.bank, layer.layout, x, tokens, ids, out)
+            cpu_times.append((n, time.perf_counter() - t0))
+            end.synchronize()
+            copy_times.append(start.elapsed_time(end) / 1e3 / experts)
+    one = _median([t for n, t in cpu_times if n == 1])
+    many = _median([t for n, t in cpu_times if n == experts])
+    per_expert = (many - one) / (experts - 1) if experts > 1 else one
+    fixed = max(one - per_expert, 0.0)
+    rows = torch.empty(top_k, layer.layout.hidden, device=device)
+    sync = []
+    for _ in range(rounds):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        host = rows.float().cpu()
+        rows.copy_(host.to(device))
+        torch.cuda.synchronize(device)
+        sync.append(time.perf_counter() - t0)
+    return Costs(copy=_median(copy_times), cpu=max(per_expert, 1e-9), overhead=fixed + _median(sync))
+
+
+def split_wins(layer, pool: CpuExperts, device: torch.device, misses: int, on_cpu: int, rounds: int = 5) -> bool:
+    """Whether a layer-step of `misses` misses with `on_cpu` of them on the CPU ends sooner than copying them all,
+    as timed here (copies into a scratch row, the pool, the eager split's transfers)."""
+    scratch = torch.empty(layer.layout.row, dtype=layer.layout.dtype, device=device)
+    x = torch.randn(1, layer.layout.hidden, device=device)
+    tokens, out = torch.zeros(on_cpu, dtype=torch.long), torch.empty(on_cpu, layer.layout.hidden)
+
+    def step(n: int, r: int) -> float:
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        xh = x.float().cpu()
+        _copy_rows(layer, scratch, range(misses - n))
+        if n:
+            pool.compute(layer.bank, layer.layout, xh, tokens, _fresh(layer, n, r), out)
+            x.copy_(out[:1].to(device))
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    copy_only = _median([step(0, r) for r in range(rounds)])
+    split = _median([step(on_cpu, r) for r in range(rounds)])
+    return split < copy_only

@@ -26,6 +26,7 @@ python3 benchmarks/ensure.py --json "$out/ensure.json" | tail -12 || rc=1
 python3 benchmarks/paged_attention.py --json "$out/paged_attention.json" | tail -12 || rc=1
 python3 benchmarks/ple.py --json "$out/ple.json" 2>&1 | tail -16 || rc=1
 python3 benchmarks/prefill_stream.py --json "$out/prefill_stream.json" 2>&1 | tail -8 || rc=1
+python3 benchmarks/fair_prefill.py --json "$out/fair_prefill.json" 2>&1 | tail -2 || rc=1
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-cache-fraction 0.25,0.5,1 --routing-trace synthetic \
   --mode graph --profile 4 --json "$out/bench_qwen3_8layers.json" | tail -12 || rc=1
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-strategy resident --prefill 512,4096 \

@@ -12,6 +12,7 @@ import torch
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.tools.make_model import make_model
+from tests.step_logits import record_step_logits
 
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 SEEDS = range(5)  # x 4 families: 20 checkpoints
@@ -29,17 +30,7 @@ PROMPTS = [
 
 def step_logits(llm: LLM, prompts: list[str], max_tokens: int) -> dict[tuple[int, ...], torch.Tensor]:
     """Greedy generation -> {tokens a sequence held at a step: the logits it got there (float32, CPU)}."""
-    runner, seen = llm.engine.runner, {}
-    compute = runner.compute_logits
-
-    def record(batch):  # noqa: ANN001, ANN202 - the runner's signature
-        due, logits = compute(batch)
-        if logits is not None:
-            for i, row in zip(due, logits):
-                seen[tuple(batch.seqs[i].token_ids)] = row.float().cpu()
-        return due, logits
-
-    runner.compute_logits = record
+    seen = record_step_logits(llm)
     llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     return seen
 

@@ -10,6 +10,7 @@ import torch
 from edgemoe import LLM, SamplingParams
 from edgemoe.offload.prefill_stream import PrefillStream
 from edgemoe.tools.make_model import make_model
+from tests.step_logits import record_step_logits
 
 E, LAYERS = 8, 3  # the tiny preset: 8 experts a layer, 3 MoE layers
 PROMPTS = [
@@ -25,18 +26,8 @@ def folder(tmp_path_factory) -> str:
 
 
 def step_logits(llm: LLM, prompts: list[str]) -> dict[tuple[int, ...], torch.Tensor]:
-    """Greedy generation -> {tokens a sequence held at a step: its logits there}."""
-    runner, seen = llm.engine.runner, {}
-    compute = runner.compute_logits
-
-    def record(batch):  # noqa: ANN001, ANN202 - the runner's signature
-        due, logits = compute(batch)
-        if logits is not None:
-            for i, row in zip(due, logits):
-                seen[tuple(batch.seqs[i].token_ids)] = row.clone()
-        return due, logits
-
-    runner.compute_logits = record
+    """Greedy generation, each prompt alone then all together -> {tokens a sequence held at a step: its logits}."""
+    seen = record_step_logits(llm)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     for p in prompts:  # one after another: the second request's prefill meets what decode left in the cache
         llm.generate(p, params)
@@ -44,8 +35,9 @@ def step_logits(llm: LLM, prompts: list[str]) -> dict[tuple[int, ...], torch.Ten
     return seen
 
 
-@pytest.mark.parametrize("policy", ["lru", "scored"])
-def test_streamed_prefill_is_bitwise_resident(folder: str, policy: str, monkeypatch) -> None:
+def assert_streamed_is_resident(folder: str, monkeypatch, slots: int, **engine) -> LLM:  # noqa: ANN001
+    """Every step's logits with streamed prefill (a cache of `slots`) bitwise those of resident experts; the
+    streaming LLM. `engine`: the rest of both engines' options."""
     calls = []
     original = PrefillStream.run
 
@@ -54,15 +46,21 @@ def test_streamed_prefill_is_bitwise_resident(folder: str, policy: str, monkeypa
         return original(self, layer, *args)
 
     monkeypatch.setattr(PrefillStream, "run", spy)
-    common = dict(progress=False, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=16)
+    common = dict(progress=False, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=16, **engine)
     want = step_logits(LLM(folder, **common), PROMPTS)
-    llm = LLM(folder, moe_strategy="offload", moe_cache_slots=2 * E + 1, moe_policy=policy, **common)
+    llm = LLM(folder, moe_strategy="offload", moe_cache_slots=slots, **common)
     assert llm.engine.expert_cache.prefill_stream is not None
     got = step_logits(llm, PROMPTS)
-    assert calls and calls[:LAYERS] == list(range(LAYERS)), "prefill did not stream"
+    assert calls, "prefill did not stream"
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), f"logits differ at {len(key)} tokens"
+    return llm
+
+
+@pytest.mark.parametrize("policy", ["lru", "scored"])
+def test_streamed_prefill_is_bitwise_resident(folder: str, policy: str, monkeypatch) -> None:
+    llm = assert_streamed_is_resident(folder, monkeypatch, 2 * E + 1, moe_policy=policy)
     cache = llm.engine.expert_cache
     owner, slot_of = cache.owner[:-1].tolist(), cache.slot_of[:-1].tolist()
     assert all(owner[s] == k for k, s in enumerate(slot_of) if s >= 0)

@@ -10,28 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
 from edgemoe.engine.context import ForwardContext, set_context  # noqa: E402
 from edgemoe.kernels.grouped_gemm import Blocks, grouped_gemm, pair_outputs, pick_blocks, schedule  # noqa: E402
 from edgemoe.moe.experts import Experts, grouped_experts  # noqa: E402
+from tests.kernels.test_moe_gemv import loop_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = Blocks(m=16, up_n=16, up_k=16, down_n=16, down_k=16, warps=4, stages=1)
-
-
-def loop_reference(x, ids, weights, w13, w2) -> torch.Tensor:
-    """One (token, expert) at a time in float64."""
-    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
-    out = torch.zeros_like(x)
-    for t in range(ids.shape[0]):
-        for k in range(ids.shape[1]):
-            e = ids[t, k]
-            gate, up = (w13[e] @ x[t]).chunk(2)
-            out[t] += weights[t, k] * (w2[e] @ (F.silu(gate) * up))
-    return out
 
 
 def inputs(tokens: int, top_k: int, experts: int, hidden: int, inter: int, seed: int, ids: torch.Tensor | None = None):

@@ -51,7 +51,8 @@ def assert_streamed_is_resident(folder: str, monkeypatch, slots: int, **engine) 
     llm = LLM(folder, moe_strategy="offload", moe_cache_slots=slots, **common)
     assert llm.engine.expert_cache.prefill_stream is not None
     got = step_logits(llm, PROMPTS)
-    assert calls, "prefill did not stream"
+    layers = len(llm.engine.expert_cache.prefill_stream.banks)
+    assert calls[:layers] == list(range(layers)), "prefill did not stream every MoE layer in order"
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), f"logits differ at {len(key)} tokens"

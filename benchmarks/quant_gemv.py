@@ -11,7 +11,7 @@ reads its own random routing (one of `SETS`; ids top-k distinct per token) from 
 experts tiled: distinct addresses, 16x the L2), so repeated calls do not measure the L2 cache. Times are graph
 replays (as decode runs them), the eager figure adds Triton's launch overhead; `up` and `down` time each kernel
 alone, and `bf16` is `moe_gemv.fused_experts` on bf16 banks for comparison. `--sweep` times each kernel over block
-shapes (rows per program, warps, pipelining) and prints the fastest.
+shapes (rows per program, warps, pipelining, blocks per loop step) and prints the fastest.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def measure_bf16(tokens: int, hbm: float) -> dict:
 
 
 def sweep(q13: str, q2: str, tokens: int) -> dict:
-    """Each kernel's time alone (graph, us) per block shape, around the default step (256 weights)."""
+    """Each kernel's time alone (graph, us) per block shape: rows per program, warps, stages, blocks per loop step (the
+    default step, 256 weights, and 2x, 4x where the row has them)."""
     from edgemoe.kernels.quant_gemv import pick_blocks, quant_down_proj, quant_up_proj
     from edgemoe.layers.quant import quant_type
 
@@ -131,12 +132,15 @@ def sweep(q13: str, q2: str, tokens: int) -> dict:
         except Exception as e:  # a shape the compiler refuses (shared memory, registers): noted, the sweep goes on
             print(f"  {kernel} {name}: {type(e).__name__}: {str(e)[:100]}")
 
-    for n, warps, stages in itertools.product((8, 16, 32), (4, 8), (1, 2, 3)):
-        b = dataclasses.replace(d, up_n=n, up_warps=warps, up_stages=stages)
-        record("up", f"n{n}_w{warps}_s{stages}", lambda i, b=b: quant_up_proj(x[i], ids[i], w13, q13, INTER, H, b))
-    for n, warps, stages in itertools.product((1, 2, 4, 8), (2, 4, 8), (1, 2)):
-        b = dataclasses.replace(d, down_n=n, down_warps=warps, down_stages=stages)
-        key = f"n{n}_w{warps}_s{stages}"
+    up_steps = [d.up_blocks * m for m in (1, 2, 4) if d.up_blocks * m * quant_type(q13).block_weights <= H]
+    for n, warps, stages, nb in itertools.product((8, 16, 32), (4, 8), (1, 2), up_steps):
+        b = dataclasses.replace(d, up_n=n, up_warps=warps, up_stages=stages, up_blocks=nb)
+        key = f"n{n}_w{warps}_s{stages}_b{nb}"
+        record("up", key, lambda i, b=b: quant_up_proj(x[i], ids[i], w13, q13, INTER, H, b))
+    down_steps = [d.down_blocks * m for m in (1, 2, 4) if d.down_blocks * m * quant_type(q2).block_weights <= INTER]
+    for n, warps, stages, nb in itertools.product((2, 4, 8), (4, 8), (1, 2), down_steps):
+        b = dataclasses.replace(d, down_n=n, down_warps=warps, down_stages=stages, down_blocks=nb)
+        key = f"n{n}_w{warps}_s{stages}_b{nb}"
         record("down", key, lambda i, b=b: quant_down_proj(h[i], ids[i], weights[i], w2, q2, INTER, H, b))
     return out
 
@@ -172,7 +176,8 @@ def main() -> None:
                 s = r["sweep"] = sweep(q13, q2, tokens)
                 for kernel in ("up", "down"):
                     ranked = sorted(s[kernel], key=s[kernel].get)[:4]
-                    print(f"  sweep {kernel}: " + ", ".join(f"{c} {s[kernel][c]:.1f}" for c in ranked))
+                    default = f"{r[f'{kernel}_graph_us']:.1f} us with the default"
+                    print(f"  sweep {kernel} ({default}): " + ", ".join(f"{c} {s[kernel][c]:.1f}" for c in ranked))
             torch.cuda.empty_cache()
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))

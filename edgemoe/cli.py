@@ -123,7 +123,9 @@ def _add_bench_parser(sub) -> None:
         help="offload (default): experts in host banks behind a cache; resident: every expert on the device",
     )
     b.add_argument("--moe-cache-fraction", help="comma-separated fractions of all experts to cache (a sweep)")
-    b.add_argument("--vram-budget", help="size the cache from a device memory budget instead, e.g. 16GiB")
+    b.add_argument(
+        "--vram-budget", help="size the cache from device memory budgets instead (comma-separated: a sweep), e.g. 8GiB"
+    )
     b.add_argument("--moe-policy", default="lru,scored", help="comma-separated policies (default: lru,scored)")
     b.add_argument(
         "--moe-cpu-compute",

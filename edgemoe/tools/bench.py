@@ -273,11 +273,11 @@ def run_bench(a: argparse.Namespace) -> dict:
     sizes = (
         [("moe_cache_fraction", float(f)) for f in a.moe_cache_fraction.split(",")]
         if a.moe_cache_fraction
-        else [("vram_budget", a.vram_budget)]
+        else [("vram_budget", v) for v in a.vram_budget.split(",")]
     )
     for key, value in sizes:
         moe = ExpertCacheConfig(moe_strategy="offload", **{key: value})
-        room = None if a.vram_budget is None else parse_size(a.vram_budget) - dense - kv_bytes
+        room = None if key != "vram_budget" else parse_size(value) - dense - kv_bytes
         slots = cache_slots(moe, cfg, 1, per_expert, room)
         for policy, split in [(p, c) for p in a.moe_policy.split(",") for c in a.moe_cpu_compute.split(",")]:
             cache = attach_expert_cache(model, slots, policy, True, device, dtype, split)
@@ -547,6 +547,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
     if a.steps < 2 or min(a.warmup, a.prewarm) < 0 or a.context < 1:
         raise EdgeMoEError("--steps must be >= 2, --warmup and --prewarm >= 0, --context >= 1")
     prefill_lengths(a.prefill)
+    for budget in a.vram_budget.split(",") if a.vram_budget else ():
+        parse_size(budget)  # one line for a bad size
     if not set(a.mode.split(",")) <= {"eager", "graph"}:
         raise EdgeMoEError(f"--mode {a.mode!r}: use eager, graph or eager,graph")
     if a.expert_dtype != "auto" and a.expert_dtype.upper() not in QUANT_TYPES:

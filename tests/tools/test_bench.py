@@ -176,3 +176,14 @@ def test_bench_cpu_split(tmp_path) -> None:
     assert runs[0]["cpu_misses_per_token"] == 0 < runs[1]["cpu_misses_per_token"]
     assert runs[1]["miss_bytes_per_token"] < runs[0]["miss_bytes_per_token"]
     assert main(argv[:-2] + ["--moe-cpu-compute", "most"]) == 2
+
+
+def test_vram_budgets_sweep_one_model_a_run_each(tmp_path, capsys) -> None:
+    out = tmp_path / "budgets.json"
+    argv = ["bench", "--geometry", "tiny", "--device", "cpu", "--dtype", "float32", "--moe-policy", "lru"]
+    quick = ["--steps", "2", "--warmup", "0", "--prefill", "0", "--json", str(out)]
+    assert main(argv + ["--vram-budget", "7000KiB,7500KiB", *quick]) == 0
+    # the tiny model's dense weights and KV leave room for 21 of its 24 experts under the smaller budget
+    assert [r["slots"] for r in json.loads(out.read_text())["runs"]] == [21, 24]
+    assert main(argv + ["--vram-budget", "7000KiB,lots", *quick]) == 2
+    assert "cannot read size 'lots'" in capsys.readouterr().err

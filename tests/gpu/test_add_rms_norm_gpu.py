@@ -112,5 +112,6 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_is_bitwise_the_textbook_form(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager prefill and decode steps of the demo model on CUDA: the fused norms give the textbook form's hidden
-    states bit for bit."""
-    check_decoder_against_textbook(monkeypatch, device="cuda", dtype=dtype, cuda_graphs=False)
+    states bit for bit. Without the start-up warm-up: its dummy prompt keeps all its K/V in the one pad block, so its
+    attention reads whichever write landed there last (its output is thrown away), not a forward to compare."""
+    check_decoder_against_textbook(monkeypatch, device="cuda", dtype=dtype, cuda_graphs=False, warmup=False)

@@ -83,7 +83,7 @@ def test_decode_runs_it_without_pdl_with_the_separate_norms_tokens(monkeypatch: 
     fused = dense_gemv.norm_gemv
     monkeypatch.setattr(dense_gemv, "norm_gemv", lambda *a, **k: (calls.append(1), fused(*a, **k))[1])
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    llm = LLM(device="cuda", dtype="float32", progress=False, cuda_graphs=False)
+    llm = LLM(device="cuda", dtype="float32", progress=False, cuda_graphs=False, warmup=False)  # its 1-token prompt
     layers = llm.engine.runner.model.config.num_layers
     got = llm.generate(["ROMEO.\n"], greedy)[0].token_ids
     assert len(calls) == (0 if pdl else (layers - 1) * 23)  # 23 decode steps after the prefill's token

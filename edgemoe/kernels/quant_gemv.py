@@ -113,27 +113,29 @@ class QuantBlocks:
     down_stages: int = 1
 
 
-def _step_blocks(q: QuantType, n: int) -> int:
-    """Blocks per step: 256 weights of a row (a power of two of blocks), at most the row."""
-    return min(256 // q.block_weights, triton.next_power_of_2(n // q.block_weights))
+def _step_blocks(q: QuantType, n: int, weights: int = 256) -> int:
+    """Blocks per step: `weights` of a row (a power of two of blocks), at most the row."""
+    return min(max(weights // q.block_weights, 1), triton.next_power_of_2(n // q.block_weights))
 
 
 @functools.cache
 def pick_blocks(qtype_gate_up: QuantType, qtype_down: QuantType, hidden: int, inter: int) -> QuantBlocks:
-    """Up's fields depend on gate_up's format only, down's on down's. Not yet timed on a GPU: chosen from the
-    compiled sm_90 code at qwen3's shape (instructions per weight in the loop, registers, no layout conversions
-    through shared memory): up as the bf16 kernel (16 rows, 8 warps: 8.1 instructions per Q4_K weight, 78
-    registers); down 4 rows per program so that each h element loaded serves 4 rows (h is bf16, the weights ~4.5
-    bits), 8 warps (8.2 per Q4_K weight, where 2 rows over 4 warps converted layouts with 32 shuffles a step).
-    Triton 3.6 (the GPU image's) lays the same code out otherwise (Q4_K down: 12.2 per weight, its bytes through
-    shared memory to meet h's layout). `benchmarks/quant_gemv.py --sweep` times the alternatives."""
+    """Up's fields depend on gate_up's format only, down's on down's. Timed on the H200 at qwen3's shape, one token
+    (`benchmarks/quant_gemv.py --sweep`, 2026-12-03: rows per program, warps, stages, blocks a step): up keeps 16 rows
+    over 8 warps (Q4_K 13.8 us, the next shape 16.9), except Q8_0, whose 32-byte runs want 8 rows over 4 warps and
+    1,024 weights a step (35.7 -> 20.6 us); down runs on 4 warps (Q6_K 8 rows and two stages: 16.5 -> 11.7 us; Q8_0 4
+    rows: 14.8 -> 11.2 us). Formats not swept take the nearest measured shape (the K formats Q6_K's rows, the 32-weight
+    blocks Q8_0's). Why they are not faster: docs/findings.md, "Quantized expert GEMV"."""
+    k_down = qtype_down.name in ("Q4_K", "Q5_K", "Q6_K")
+    q8_up = qtype_gate_up.name == "Q8_0"
     return QuantBlocks(
-        up_n=min(16, triton.next_power_of_2(inter)),
-        up_blocks=_step_blocks(qtype_gate_up, hidden),
-        up_warps=8,
-        down_n=min(4, triton.next_power_of_2(hidden)),
+        up_n=min(8 if q8_up else 16, triton.next_power_of_2(inter)),
+        up_blocks=_step_blocks(qtype_gate_up, hidden, 1024 if q8_up else 256),
+        up_warps=4 if q8_up else 8,
+        down_n=min(8 if k_down else 4, triton.next_power_of_2(hidden)),
         down_blocks=_step_blocks(qtype_down, inter),
-        down_warps=8,
+        down_warps=4,
+        down_stages=2 if k_down else 1,
     )
 
 

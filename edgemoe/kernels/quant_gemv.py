@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from edgemoe.kernels.moe_gemv import _await_rows
-from edgemoe.kernels.pdl import launch_args, prefetch_rows_l2, wait_for_inputs
+from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 from edgemoe.kernels.quant_decode import ALIGN, GROUPS, decode_step
 from edgemoe.layers.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
 from edgemoe.offload.protocol import Arrivals
@@ -47,7 +47,6 @@ def _up(
     QTYPE: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, L: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr, STAGES: tl.constexpr, STREAMED: tl.constexpr, AFTER_ENSURE: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, CACHE: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if STREAMED:  # as moe_gemv's up: no wait for the copy kernel, only for this pair's rows if listed
@@ -64,7 +63,6 @@ def _up(
     half = tl.arange(0, 2)  # 0: gate, 1: up
     row = half[:, None] * inter + tl.minimum(n, inter - 1)[None, :]  # [2, BLOCK_N], the ragged end clamped
     rows = w13 + (expert * stride_e + row.to(tl.int64) * stride_r) * UNIT  # [2, BLOCK_N] row starts (bytes)
-    _prefetch(rows, PREFETCH)
     vec = x + (pair // top_k).to(tl.int64) * stride_x + tl.zeros([1, 1], dtype=tl.int64)  # [1, 1] x's row
     acc = tl.zeros([2, BLOCK_N, G, L], dtype=tl.float32)  # reduced once after the loop
     for blk in tl.range(0, nblk, NB, num_stages=STAGES):
@@ -80,7 +78,7 @@ def _down(
     h, ids, weights, w2, out, H, inter, top_k, nblk, stride_o, stride_e, stride_r,
     QTYPE: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, CACHE: tl.constexpr, UNIT: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(PDL)
     t = tl.program_id(0)
@@ -91,7 +89,6 @@ def _down(
     expert = tl.load(ids + pair).to(tl.int64)  # [BLOCK_P]
     row = tl.minimum(n, H - 1)[None, :].to(tl.int64)
     rows = w2 + (expert[:, None] * stride_e + row * stride_r) * UNIT  # [BLOCK_P, BLOCK_N] row starts (bytes)
-    _prefetch(rows, PREFETCH)
     vec = h + (pair * inter).to(tl.int64)[:, None]  # [BLOCK_P, 1] each pair's h
     acc = tl.zeros([BLOCK_P, BLOCK_N, G, L], dtype=tl.float32)
     for blk in tl.range(0, nblk, NB, num_stages=STAGES):
@@ -100,15 +97,6 @@ def _down(
     r = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_P, BLOCK_N]
     y = tl.sum(tl.where(pairs[:, None], r * wk[:, None], 0.0), axis=0)  # [BLOCK_N]
     tl.store(out + t * stride_o + n, y.to(out.dtype.element_ty), mask=n < H)
-
-
-@triton.jit
-def _prefetch(rows, NBYTES: tl.constexpr):
-    """Ask L2 for the program's rows (`rows` their first bytes) at its start, NBYTES from each row's 16-byte aligned
-    start (0: nothing; sm_90+): the loop's later steps then read L2, not HBM, and every program's requests are in
-    flight at once instead of one step's at a time."""
-    if NBYTES:
-        prefetch_rows_l2(rows.to(tl.int64) & -16, tl.full(rows.shape, NBYTES, tl.int32))
 
 
 @dataclass(frozen=True)
@@ -188,12 +176,6 @@ def _strides(w: torch.Tensor, rows: int, q: QuantType, n: int) -> tuple[int, int
     return w.stride(0) // unit, w.stride(1) // unit, unit
 
 
-def _prefetch_bytes(launch: dict, q: QuantType, n: int) -> int:
-    """Bytes of each row a program asks L2 for (`_prefetch`): the row's, rounded down to 16 (from its aligned start,
-    within the row or the one before it); none without PDL, which marks the GPUs that have the request (sm_90+)."""
-    return row_bytes(q, n) // 16 * 16 if launch["PDL"] else 0
-
-
 def quant_up_proj(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -216,13 +198,11 @@ def quant_up_proj(
         a = arrivals or Arrivals(ids, ids, ids, 1)  # unread unless streamed
         M, nblk = a.dst.numel(), hidden // q.block_weights
         groups, lanes = GROUPS[q.name]
-        launch = launch_args(x.device)
         _up[(T * K, triton.cdiv(inter, b.up_n))](
             x, ids, w13, h, a.dst, a.count, a.counters, inter, K, nblk, x.stride(0), stride_e, stride_r, M,
             int(q.ggml_type), b.up_blocks, groups * b.up_blocks, lanes, b.up_n, nblk % b.up_blocks == 0, b.up_stages,
             arrivals is not None, a.after_ensure, a.chunks, triton.next_power_of_2(max(M, 1)),
-            ".cg" if arrivals is not None else "", unit, num_warps=b.up_warps, **launch, PREFETCH=_prefetch_bytes(
-                launch, q, hidden),
+            ".cg" if arrivals is not None else "", unit, num_warps=b.up_warps, **launch_args(x.device),
         )  # fmt: skip
     return h
 
@@ -250,12 +230,11 @@ def quant_down_proj(
         b = blocks or pick_blocks(q, q, hidden, inter)
         nblk = inter // q.block_weights
         groups, lanes = GROUPS[q.name]
-        launch = launch_args(h.device)
         _down[(T, triton.cdiv(hidden, b.down_n))](
             h, ids, weights, w2, out, hidden, inter, K, nblk, out.stride(0), stride_e, stride_r,
             int(q.ggml_type), b.down_blocks, groups * b.down_blocks, lanes, triton.next_power_of_2(K), b.down_n,
             nblk % b.down_blocks == 0, b.down_stages, ".cg" if streamed else "", unit, num_warps=b.down_warps,
-            **launch, PREFETCH=_prefetch_bytes(launch, q, inter),
+            **launch_args(h.device),
         )  # fmt: skip
     return out
 

@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--format", default="hf", choices=("hf", "gguf"), help="hf (folder) or gguf (OUT/model.gguf)")
     mk.add_argument(
         "--expert-dtype",
-        help="gguf experts: bf16, f16, f32, q8_0, q4_0, mxfp4, q4_k, q5_k, q6_k, q4_k_m (Q4_K, down Q6_K) or mixed "
-        "(layers alternate Q4_K, Q8_0); default: --dtype",
+        help="gguf experts: bf16, f16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, mxfp4, q4_k, q5_k, q6_k, q4_k_m (Q4_K, down "
+        "Q6_K), mixed (layers alternate Q4_K, Q8_0) or tq2_0 (one the kernels do not read); default: --dtype",
     )
     mk.add_argument("--seed", type=int, default=0)
     add_serve_parser(sub, _engine_flags)
@@ -172,7 +172,8 @@ def _add_bench_parser(sub) -> None:
     b.add_argument(
         "--expert-dtype",
         default="auto",
-        help="routed experts as GGUF blocks: q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4 (random valid blocks); auto: --dtype",
+        help="routed experts as GGUF blocks: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, mxfp4 (random valid "
+        "blocks); auto: --dtype",
     )
     b.add_argument("--json", type=Path, help="write the results here")
     b.add_argument("--plot", type=Path, help="PNG of tok/s against cache size (needs matplotlib)")

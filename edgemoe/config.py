@@ -118,7 +118,7 @@ def parse_size(text: str | int) -> int:
 
 
 MOE_STRATEGIES = ("resident", "offload")
-EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4")
+EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
 GRAPH_UPLOADS = ("auto", "capture", "none")
 PLE_BACKENDS = ("gpu", "host", "disk")  # edgemoe/layers/ple.py, ple_disk.py
 PLE_SYNCS = ("host", "wait")  # edgemoe/layers/ple_wait.py

@@ -20,10 +20,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# format -> (groups per block, lanes): Q4_0/MXFP4 a block's 16 nibble bytes; Q8_0 its 32 int8; Q4_K/Q5_K the 4 runs
-# of 32 nibble bytes (2 sub-blocks each); Q6_K 8 runs of 16 (a scale per 16 weights)
+# format -> (groups per block, lanes): the 32-weight nibble formats a block's 16 nibble bytes; Q8_0 its 32 int8;
+# Q4_K/Q5_K the 4 runs of 32 nibble bytes (2 sub-blocks each); Q6_K 8 runs of 16 (a scale per 16 weights)
 GROUPS: dict[str, tuple[int, int]] = {
     "Q4_0": (1, 16),
+    "Q4_1": (1, 16),
+    "Q5_0": (1, 16),
+    "Q5_1": (1, 16),
     "Q8_0": (1, 32),
     "MXFP4": (1, 16),
     "Q4_K": (4, 32),
@@ -31,7 +34,8 @@ GROUPS: dict[str, tuple[int, int]] = {
     "Q6_K": (8, 16),
 }
 # bytes every block start must be aligned to (the widest scalar the step loads from a block)
-ALIGN: dict[str, int] = {"Q4_0": 2, "Q8_0": 2, "MXFP4": 1, "Q4_K": 4, "Q5_K": 4, "Q6_K": 2}
+ALIGN: dict[str, int] = {"Q4_0": 2, "Q8_0": 2, "MXFP4": 1, "Q4_K": 4, "Q5_K": 4, "Q6_K": 2, "Q4_1": 4, "Q5_0": 2,
+                         "Q5_1": 4}  # fmt: skip
 
 
 @triton.jit
@@ -96,6 +100,32 @@ def _q4_0(acc, rows, vec, blk, nblk, NB: tl.constexpr, EVEN: tl.constexpr, CACHE
     pos = b[:, None] * 32 + tl.arange(0, 16)[None, :]
     acc += _affine(d, -8 * d, _unit(q & 15, 4), 4) * _vec(vec, pos, ok, EVEN, VCACHE)
     return acc + _affine(d, -8 * d, _unit(q >> 4, 4), 4) * _vec(vec, pos + 16, ok, EVEN, VCACHE)
+
+
+@triton.jit
+def _q451(
+    acc, rows, vec, blk, nblk, FIVE: tl.constexpr, MIN: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr,
+    EVEN: tl.constexpr, CACHE: tl.constexpr, VCACHE: tl.constexpr,
+):  # fmt: skip
+    """Q4_1 (MIN, BITS 4), Q5_0 (FIVE, BITS 5) and Q5_1 (both): Q4_0's nibbles after a header of d (and m) (and the
+    fifth bits)."""
+    b, ok = _blocks(blk, nblk, NB, 1, EVEN)
+    head = 4 if MIN else 2
+    base = rows[:, :, None] + (b * (head + (4 if FIVE else 0) + 16))[None, None, :]  # [A, B, G]
+    d = _f16(base, CACHE)
+    q = _lanes(base + head + (4 if FIVE else 0), 16, CACHE)  # [A, B, G, 16]
+    lo, hi = q & 15, q >> 4
+    if FIVE:  # bit j of the little-endian word: weight j's fifth bit (two halves: Q5_0's word is 2-aligned)
+        bits = tl.load((base + head).to(tl.pointer_type(tl.uint16)), cache_modifier=CACHE).to(tl.int32) | (
+            tl.load((base + head + 2).to(tl.pointer_type(tl.uint16)), cache_modifier=CACHE).to(tl.int32) << 16
+        )
+        lane = tl.arange(0, 16)[None, None, None, :]
+        lo |= ((bits[:, :, :, None] >> lane) & 1) << 4
+        hi |= ((bits[:, :, :, None] >> (lane + 16)) & 1) << 4
+    m = _f16(base + 2, CACHE) if MIN else -16.0 * d  # Q5_0: d (q - 16)
+    pos = b[:, None] * 32 + tl.arange(0, 16)[None, :]
+    acc += _affine(d, m, _unit(lo, BITS), BITS) * _vec(vec, pos, ok, EVEN, VCACHE)
+    return acc + _affine(d, m, _unit(hi, BITS), BITS) * _vec(vec, pos + 16, ok, EVEN, VCACHE)
 
 
 @triton.jit
@@ -202,6 +232,12 @@ def decode_step(
     type id; CACHE, VCACHE: the weight and vec loads' cache modifiers."""
     if QTYPE == 2:
         acc = _q4_0(acc, rows, vec, blk, nblk, NB, EVEN, CACHE, VCACHE)
+    elif QTYPE == 3:
+        acc = _q451(acc, rows, vec, blk, nblk, False, True, 4, NB, EVEN, CACHE, VCACHE)
+    elif QTYPE == 6:
+        acc = _q451(acc, rows, vec, blk, nblk, True, False, 5, NB, EVEN, CACHE, VCACHE)
+    elif QTYPE == 7:
+        acc = _q451(acc, rows, vec, blk, nblk, True, True, 5, NB, EVEN, CACHE, VCACHE)
     elif QTYPE == 8:
         acc = _q8_0(acc, rows, vec, blk, nblk, NB, EVEN, CACHE, VCACHE)
     elif QTYPE == 39:

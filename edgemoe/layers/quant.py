@@ -5,6 +5,10 @@ A row of n weights is n / block_weights blocks of block_bytes each, back to back
 uint8 [..., row_bytes]. Layouts of one block (little-endian; "f16" an IEEE half, sub-blocks of 32 weights):
 
 - Q4_0 (32 in 18 B): f16 d, 16 B of nibbles; byte j holds weight j (low nibble) and j + 16 (high). w = d (q - 8).
+- Q4_1 (32 in 20 B): f16 d, f16 m, Q4_0's nibbles. w = d q + m.
+- Q5_0 (32 in 22 B): f16 d, 4 B of fifth bits (a little-endian uint32: bit j belongs to weight j), Q4_0's nibbles.
+  w = d (q - 16).
+- Q5_1 (32 in 24 B): f16 d, f16 m, Q5_0's fifth bits and nibbles. w = d q + m.
 - Q8_0 (32 in 34 B): f16 d, 32 int8 q. w = d q.
 - MXFP4 (32 in 17 B): E8M0 exponent e, nibbles as Q4_0 of E2M1 values (sign, 2-bit exponent, 1-bit mantissa).
   w = 2^(e - 127) e2m1(q), computed as gguf does: the table of doubled E2M1 values times 2^(e - 128).
@@ -42,11 +46,12 @@ class QuantType:
 # name -> GGML type id, weights and bytes per block: gguf's GGMLQuantizationType and GGML_QUANT_SIZES (the tests
 # compare them), written out so that the decode path needs no gguf (the GPU machines' image lacks it)
 _FORMATS = {"Q4_0": (2, 32, 18), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
-            "Q6_K": (14, 256, 210), "MXFP4": (39, 32, 17)}  # fmt: skip
+            "Q6_K": (14, 256, 210), "MXFP4": (39, 32, 17), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
+            "Q5_1": (7, 32, 24)}  # fmt: skip
 QUANT_TYPES: dict[str, QuantType] = {name: QuantType(name, *spec) for name, spec in _FORMATS.items()}
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 = QUANT_TYPES.values()
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, Q4_1, Q5_0, Q5_1 = QUANT_TYPES.values()
 # the types gguf has a quantizer for (the K types have only dequantizers there)
-QUANTIZABLE = (Q4_0, Q8_0, MXFP4)
+QUANTIZABLE = (Q4_0, Q8_0, MXFP4, Q4_1, Q5_0, Q5_1)
 # E2M1 values doubled, indexed by the nibble (sign bit 3), as gguf's table (its -0 entry is +0)
 _E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 QuantLike = QuantType | int | str  # a format, its GGML type (a gguf.GGMLQuantizationType or its id) or its name
@@ -121,6 +126,28 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 18] -> [..., blocks
     return d[..., None] * q.float()
 
 
+def _q4_1(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 20] -> [..., blocks, 32]
+    d, m = _f16(b[..., 0], b[..., 1]), _f16(b[..., 2], b[..., 3])
+    return d[..., None] * _nibbles(b[..., 4:]).flatten(-2).float() + m[..., None]  # two roundings, as gguf's
+
+
+def _q5(b: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 5-bit quants [..., blocks, 32] (int32) from the fifth bits' 4 bytes and the nibbles after them."""
+    qh = b[..., :4].to(torch.int64)
+    bits = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)  # [..., blocks]
+    fifth = (bits[..., None] >> torch.arange(32, device=b.device)) & 1  # [..., blocks, 32]
+    return (_nibbles(b[..., 4:]).flatten(-2).to(torch.int64) | (fifth << 4)).to(torch.int32)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 22] -> [..., blocks, 32]
+    return _f16(b[..., 0], b[..., 1])[..., None] * (_q5(b[..., 2:]) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 24] -> [..., blocks, 32]
+    d, m = _f16(b[..., 0], b[..., 1]), _f16(b[..., 2], b[..., 3])
+    return d[..., None] * _q5(b[..., 4:]).float() + m[..., None]
+
+
 def _q8_0(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 34] -> [..., blocks, 32]
     return _f16(b[..., 0], b[..., 1])[..., None] * b[..., 2:].view(torch.int8).float()
 
@@ -163,7 +190,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 210] -> [..., block
     return (ds[..., None] * q.unflatten(-1, (16, 16)).float()).flatten(-2)
 
 
-_DEQUANTIZE = {"Q4_0": _q4_0, "Q8_0": _q8_0, "MXFP4": _mxfp4, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DEQUANTIZE = {"Q4_0": _q4_0, "Q8_0": _q8_0, "MXFP4": _mxfp4, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+               "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1}  # fmt: skip
 
 
 def dequantize(raw: torch.Tensor, qtype: QuantLike, n: int) -> torch.Tensor:
@@ -174,11 +202,12 @@ def dequantize(raw: torch.Tensor, qtype: QuantLike, n: int) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, qtype: QuantLike) -> torch.Tensor:
     """w: [..., n] (any float dtype) -> uint8 [..., row_bytes(qtype, n)] on w's device, by gguf's own quantizer (in
-    numpy on the CPU: for loading, not for the decode path). Q4_0, Q8_0 and MXFP4 only: gguf has none for the K
-    types (`random_blocks` makes valid ones)."""
+    numpy on the CPU: for loading, not for the decode path). Not the K types: gguf has no quantizer for them
+    (`random_blocks` makes valid ones)."""
     q = quant_type(qtype)
     if q not in QUANTIZABLE:
-        raise NotImplementedError(f"gguf has no {q.name} quantizer (quantizable: Q4_0, Q8_0, MXFP4)")
+        names = ", ".join(t.name for t in QUANTIZABLE)
+        raise NotImplementedError(f"gguf has no {q.name} quantizer (quantizable: {names})")
     row_bytes(q, w.shape[-1])  # checks n
     import gguf  # a dependency, but only loading needs it
 
@@ -218,6 +247,11 @@ def random_blocks(
         if q.name == "Q4_0":  # gguf's quantizer stores d = max / -8: either sign
             d = torch.where(torch.rand(*blocks, generator=g) < 0.5, -d, d)
         parts = [_f16_bytes(d), randbytes(q.block_bytes - 2)]
+    elif q.name in ("Q4_1", "Q5_0", "Q5_1"):  # q uniform in [0, 2^b): std 0.29 2^b; Q5_0 centred, Q4_1/Q5_1 by m
+        levels = 16 if q.name == "Q4_1" else 32
+        d = std / (0.29 * levels) * uniform()
+        scale = [_f16_bytes(d)] if q.name == "Q5_0" else [_f16_bytes(d), _f16_bytes(-d * (levels - 1) / 2)]
+        parts = [*scale, randbytes(q.block_bytes - 2 * len(scale))]
     elif q.name == "MXFP4":  # 5.85: the RMS of E2M1 (doubled) values
         e = 128 + round(math.log2(std / 5.85)) + torch.randint(-1, 2, blocks, generator=g)
         parts = [e.clamp(2, 254).to(torch.uint8)[..., None], randbytes(16)]

@@ -39,7 +39,10 @@ EXPERT_DTYPES = {
     "bf16": gguf.LlamaFileType.MOSTLY_BF16,
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,  # a format the expert kernels do not read: loaded as dense experts
+    "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,  # llama.cpp's Q4_K where rows are not whole 256-weight blocks
+    "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,  # and its Q5_K there
+    "tq2_0": gguf.LlamaFileType.MOSTLY_TQ2_0,  # a format the expert kernels do not read: loaded as dense experts
     "mxfp4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
     "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S,
     "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_S,

@@ -80,7 +80,8 @@ def test_quantize_bitwise_as_gguf(q: quant.QuantType) -> None:
     expected = gguf.quants.quantize(w.to(torch.bfloat16).float().numpy(), q.ggml_type)
     assert torch.equal(raw, torch.from_numpy(expected))
     back = dequantize(raw, q, 128)
-    bound = {"Q8_0": 0.01, "Q4_0": 0.12, "MXFP4": 0.15}[q.name]  # measured 0.005, 0.087, 0.116
+    # measured 0.005, 0.087, 0.116, 0.078, 0.042, 0.038
+    bound = {"Q8_0": 0.01, "Q4_0": 0.12, "MXFP4": 0.15, "Q4_1": 0.11, "Q5_0": 0.06, "Q5_1": 0.055}[q.name]
     assert ((back - w).norm() / w.norm()).item() < bound
 
 
@@ -101,7 +102,7 @@ def test_row_bytes_and_errors() -> None:
     with pytest.raises(ValueError, match="unsupported"):
         quant_type(gguf.GGMLQuantizationType.IQ4_XS)
     with pytest.raises(ValueError, match="unsupported"):
-        quant_type(3)  # Q4_1
+        quant_type(10)  # Q2_K
     with pytest.raises(ValueError, match="expected uint8"):
         dequantize(torch.zeros(2, 143, dtype=torch.uint8), "Q4_K", 256)
     with pytest.raises(ValueError, match="expected uint8"):

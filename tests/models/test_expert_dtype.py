@@ -40,7 +40,7 @@ def with_gguf_experts(hf, expert_dtype: str):
     return model
 
 
-@pytest.mark.parametrize("expert_dtype", ["q8_0", "q4_0", "mxfp4"])
+@pytest.mark.parametrize("expert_dtype", ["q8_0", "q4_0", "mxfp4", "q5_1"])
 @pytest.mark.parametrize("case", CASES)
 def test_quantized_experts_match_transformers_on_the_same_blocks(tiny_checkpoint, case: str, expert_dtype: str) -> None:
     folder, hf = tiny_checkpoint(case, "fused")

@@ -63,7 +63,9 @@ def transformers_greedy(path: Path, llm: LLM, batch: list[list[int]]) -> list[li
         ("qwen3_moe", "tiny-k", "q4_k_m"),  # gate/up Q4_K, down Q6_K
         ("qwen3_moe", "tiny-k", "q5_k"),
         ("qwen3_moe", "tiny-k", "mixed"),  # layers alternate Q4_K and Q8_0
-        ("qwen3_moe", "tiny", "q5_0"),  # a format the kernels do not read: experts made dense at load
+        ("qwen3_moe", "tiny", "q5_0"),  # llama.cpp's stand-ins for Q4_K / Q5_K in rows not of 256-weight blocks
+        ("qwen3_moe", "tiny", "q5_1"),
+        ("qwen3_moe", "tiny-k", "tq2_0"),  # a format the kernels do not read: experts made dense at load
         ("qwen2_moe", "tiny", "q8_0"),  # a shared expert beside the routed ones
         ("qwen2_moe", "tiny-k", "q4_k_m"),
     ],
@@ -75,7 +77,7 @@ def test_greedy_matches_transformers(tmp_path_factory, family: str, size: str, e
     ours = [o.token_ids for o in llm.generate(batch, GREEDY)]
     assert ours == transformers_greedy(path, llm, batch)
     assert len({t for ids in ours for t in ids}) > 6, "degenerate model: the comparison would prove little"
-    if expert_dtype not in ("f32", "q5_0"):  # experts kept as stored: the file's blocks, byte for byte
+    if expert_dtype not in ("f32", "tq2_0"):  # experts kept as stored: the file's blocks, byte for byte
         reader = gguf.GGUFReader(path)
         stored = {t.name: np.asarray(t.data) for t in reader.tensors}
         experts = llm.engine.model.model.layers[0].mlp.experts

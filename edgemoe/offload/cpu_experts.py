@@ -33,9 +33,10 @@ from edgemoe.offload.layout import ExpertLayout, QuantExpertLayout
 
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 KERNELS = SOURCE.with_name("cpu_experts_kernels.h")  # included by SOURCE
+JOB = SOURCE.with_name("cpu_experts_job.h")  # included by SOURCE and copy_service.c
 DENSE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # dtype -> GGML type id, the C file's format ids
 ACT_IDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # edgemoe.layers.mlp.ACTIVATIONS' names -> the C file's ids
-_ERRORS = {
+ERRORS = {
     1: "an unsupported weight format",
     2: "shapes that do not fit the bank's rows",
     3: "a token or expert index out of range",
@@ -71,7 +72,7 @@ def build(march: str = "native") -> ctypes.CDLL:
     """cpu_experts.c built for `-march={march}`: "native" is the engine's; the tests also build "x86-64-v3" (the
     AVX2 path) and "x86-64" (plain C)."""
     flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-pthread"]
-    key = KERNELS.read_bytes() + (_cpu_key() if march == "native" else b"")
+    key = KERNELS.read_bytes() + JOB.read_bytes() + (_cpu_key() if march == "native" else b"")
     lib = build_library(SOURCE, f"cpu-experts-{march}", "the CPU expert executor", flags, key, libs=("-lm",))
     lib.edgemoe_cpu_experts_create.argtypes, lib.edgemoe_cpu_experts_create.restype = [ctypes.c_int], ctypes.c_void_p
     lib.edgemoe_cpu_experts_destroy.argtypes, lib.edgemoe_cpu_experts_destroy.restype = [ctypes.c_void_p], None
@@ -142,7 +143,7 @@ class CpuExperts:
     @property
     def c_entry(self) -> tuple[int, int]:
         """(address of `int edgemoe_cpu_experts_run(pool, const edgemoe_cpu_job *)`, the pool) for a C caller; it
-        returns 0 or an error code (`_ERRORS`). Valid until `close`."""
+        returns 0 or an error code (`ERRORS`). Valid until `close`."""
         self._check_open()
         return ctypes.cast(self.lib.edgemoe_cpu_experts_run, ctypes.c_void_p).value, self.handle
 
@@ -176,7 +177,7 @@ class CpuExperts:
         self._check_open()
         err = self.lib.edgemoe_cpu_experts_run(self.handle, ctypes.byref(job))
         if err:
-            raise EdgeMoEError(f"CPU experts: {_ERRORS.get(err, f'error {err}')}")
+            raise EdgeMoEError(f"CPU experts: {ERRORS.get(err, f'error {err}')}")
 
     def compute(
         self, bank: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,

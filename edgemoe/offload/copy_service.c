@@ -172,7 +172,7 @@ static void serve_cpu(edgemoe_copy_service *s, volatile int64_t *row, int64_t at
       s->error = s->copy(s->cpu_out + (uint64_t)(lo * H * (int64_t)sizeof(float)), s->cpu_rows + lo * H,
                          (size_t)bytes, s->stream);
   }
-  int err = s->write(s->stream, s->cpu_done, (uint64_t)seq, 0);
+  int err = s->cpu_done ? s->write(s->stream, s->cpu_done, (uint64_t)seq, 0) : 0; /* 0: never attached, none wait */
   if (err && !s->error) s->error = err;
 }
 

@@ -168,8 +168,9 @@ class CopyService:
         self.cpu.fill(self._state)
 
     def detach_cpu(self) -> None:
-        """No more CPU pairs (a list with some is then an error the GPU is still released from)."""
-        self._state.cpu_run, self._state.cpu_pool, self.cpu = None, None, None
+        """Forget the executor (before it is closed): a list with CPU pairs is then an error, its flag still written
+        (the buffers stay)."""
+        self._state.cpu_run = self._state.cpu_pool = None
 
     def cpu_wait(self, count: torch.Tensor) -> CpuWait:
         """What the readers of a captured step's CPU rows wait on; `count`: its `Ensured.cpu_count`."""
@@ -245,9 +246,10 @@ class _CpuSection:
         self, pool: CpuExperts, layers: list[tuple[torch.Tensor, ExpertLayout]], max_tokens: int, max_pairs: int,
         device: torch.device,
     ) -> None:  # fmt: skip
+        if max_pairs < 1 or max_tokens < 1 or not layers:
+            raise EdgeMoEError(f"a service with CPU pairs needs room for them, not {max_pairs} pairs, {max_tokens} rows "
+                               f"and {len(layers)} layers")  # fmt: skip
         hidden = layers[0][1].hidden
-        if max_pairs < 1 or max_tokens < 1:
-            raise EdgeMoEError(f"a service with CPU pairs needs room for them, not {max_pairs} pairs, {max_tokens} rows")
         pin = device.type == "cuda"
         self.pool, self.hidden, self.max_tokens = pool, hidden, max_tokens
         self.x = torch.zeros(RING, max_tokens, hidden, pin_memory=pin)  # written by the posting kernel

@@ -247,8 +247,8 @@ class _CpuSection:
         device: torch.device,
     ) -> None:  # fmt: skip
         if max_pairs < 1 or max_tokens < 1 or not layers:
-            raise EdgeMoEError(f"a service with CPU pairs needs room for them, not {max_pairs} pairs, {max_tokens} rows "
-                               f"and {len(layers)} layers")  # fmt: skip
+            raise EdgeMoEError(f"a service with CPU pairs needs room for them, not {max_pairs} pairs, {max_tokens} "
+                               f"rows and {len(layers)} layers")  # fmt: skip
         hidden = layers[0][1].hidden
         pin = device.type == "cuda"
         self.pool, self.hidden, self.max_tokens = pool, hidden, max_tokens

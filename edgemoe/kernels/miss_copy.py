@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
-from edgemoe.offload.protocol import CPU_HEADER, HEADER, CpuWait
+from edgemoe.offload.protocol import CPU_HEADER, HEADER, CpuWait, PostTarget
 
 _HEADER = tl.constexpr(HEADER)  # a jitted function reads only constexpr globals
 _CPU_HEADER = tl.constexpr(CPU_HEADER)
@@ -276,3 +276,22 @@ def await_cpu_rows(wait: CpuWait) -> None:
     """The stream waits until the copy service has put this layer-step's CPU rows in `wait.rows` (none to wait for
     when it has no CPU pairs): for readers that do not wait themselves (one program, no host sync)."""
     _await_cpu_rows[(1,)](wait.count, wait.done, wait.seq, num_warps=1, **launch_args(wait.done.device))
+
+
+@triton.jit
+def _post_cpu_probe(tick, mailbox, ids, x, cpu_x, H, max_tokens, count, RING: tl.constexpr, MAX: tl.constexpr,
+                    WIDTH: tl.constexpr, BLOCK_X: tl.constexpr):  # fmt: skip
+    mail, seq = claim_row(tick, mailbox, RING, WIDTH)
+    tl.store(mail + 1, 0)  # no copies
+    r = tl.arange(0, 2)
+    n = tl.load(count)
+    experts = tl.load(ids + r, mask=r < 1, other=0)
+    write_cpu_list(mail, seq, 0, n, experts, r < n, r, ids, 1, 1, x, H, cpu_x, H, max_tokens, MAX, RING, 2, BLOCK_X)
+    publish_row(mail, seq)
+
+
+def post_cpu_probe(target: PostTarget, expert: torch.Tensor, x: torch.Tensor, count: torch.Tensor) -> None:
+    """A mailbox row of MoE layer 0 with no copies and `count` ([] int64, 0 or 1) CPU pairs: one token, routed to
+    `expert` ([1] int64), over x [1, H] (`edgemoe.offload.cpu_split.measure`'s round trip)."""
+    _post_cpu_probe[(1,)](target.tick, target.mailbox, expert, x, target.cpu_x, x.shape[1], target.cpu_x.shape[1],
+                          count, target.ring, target.max_entries, target.width, 1024, num_warps=4)  # fmt: skip

@@ -100,3 +100,29 @@ def test_posted_rows_carry_the_cpu_pairs_and_x() -> None:
                 assert int(service.cpu.done) == (tick + 1 if c else int(service.cpu.done))
                 rows_seen += len(on_cpu)
     assert posts and rows_seen
+
+
+def test_the_round_trip_probe_posts_one_cpu_pair_or_none() -> None:
+    """`post_cpu_probe` (what `auto` times with graphs): a row of layer 0 without copies, with one CPU pair (token 0,
+    the given expert, over x) or none; served by the C loop, the pair's row is the executor's."""
+    from edgemoe.kernels.miss_copy import post_cpu_probe
+
+    g = torch.Generator().manual_seed(3)
+    layout = ExpertLayout(H, INTER, torch.float32)
+    bank = torch.randn(E, layout.row, generator=g) * 0.3
+    pools = layout.copy_views(layout.empty(S + 1))
+    gpu = Served([])
+    service = CopyService(pools, torch.zeros(E, dtype=torch.long), 1, E, group=0, driver=gpu, max_pairs=2)
+    gpu.service = service
+    x, expert = torch.randn(1, H, generator=g), torch.tensor([5])
+    with CpuExperts(1) as cpu_pool:
+        service.attach_cpu(cpu_pool, [(bank, layout)], 1)
+        for n in (1, 0, 1):
+            service.cpu.rows.fill_(float("nan"))
+            post_cpu_probe(service.target(layout.copy_views(bank)), expert, x, torch.tensor(n))
+            row = service.mailbox[(int(service.tick) - 1) % RING]
+            assert row[1] == 0 and row[HEADER + 2 * E : HEADER + 2 * E + 4].tolist() == [0, n, 1, 1]
+            service.serve()
+            want = cpu_pool.compute(bank, layout, x, torch.tensor([0]), expert, torch.empty(1, H))
+            assert torch.equal(service.cpu.rows[:1], want) == bool(n)
+        assert int(service.cpu.done) == 3 and service.cpu_timings[0] == 2

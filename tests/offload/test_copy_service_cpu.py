@@ -195,3 +195,23 @@ def test_attach_checks_room_and_detach_forgets_the_pool(pool: CpuExperts) -> Non
     assert not gpu.service._state.cpu_run
     with pytest.raises(EdgeMoEError, match="needs room"):
         make(lambda banks, layers, g: [], pool)[0].service.attach_cpu(pool, [], 0)
+
+
+def test_resolve_attaches_the_pool_and_close_detaches_it(pool: CpuExperts) -> None:
+    """`resolve` with a copy service (graphs): the pool serves the service's CPU pairs from the layers' banks; closing
+    the split detaches it before the pool stops."""
+    from edgemoe.offload.cpu_split import resolve
+
+    gpu, _, _, layers = make(lambda banks, layers, g: [], None, cases=("fp32", "fp32"))
+
+    class Layer:  # what resolve reads of an OffloadedExperts
+        def __init__(self, i: int) -> None:
+            self.layer, (self.bank, self.layout), self.num_experts = i, layers[i], E
+
+    split = resolve(2, [Layer(0), Layer(1)], torch.device("cpu"), TOP_K, True, service=gpu.service,
+                    max_tokens=MAX_TOKENS)  # fmt: skip
+    assert split.table.tolist()[:4] == [0, 1, 2, 2] and not split.fitted and split.service is gpu.service
+    assert gpu.service._state.cpu_run and gpu.service.cpu.x.shape == (RING, MAX_TOKENS, 200)
+    assert gpu.service._state.cpu_layers == 2
+    split.close()
+    assert not gpu.service._state.cpu_run

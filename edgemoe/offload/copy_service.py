@@ -10,6 +10,10 @@ Only captured steps post (the fused `ensure` itself, as soon as its victims are 
 keep the SM copy, since their thread runs ahead of the GPU launching kernels and cannot also serve it. The services
 a capture posted to become that graph's replay hooks (`recording_posts`, registered with
 `edgemoe.engine.cuda_graphs`), so each replay serves them.
+
+With the CPU split (`attach_cpu`), a list may also carry pairs that the host computes: after queueing the list's
+copies, the serving thread runs the CPU expert executor on them through its C entry point, copies their rows to the
+device buffer the expert kernels read and sets the flag they wait on (`edgemoe.offload.protocol.CpuWait`).
 """
 
 from __future__ import annotations

@@ -400,9 +400,13 @@ def decode(
                 cache.stats.zero_()
             service = getattr(cache, "copy_service", None)
             served_before = service.host_timings if service is not None else None
+            cpu_before = service.cpu_timings if service is not None else None
             seconds = timed(fn, dec.device, a.steps - 1)  # per step; the stats cover its warm call too
             if service is not None:  # what serving the copy lists cost the host, a list (graph runs post)
                 run["copy_service"] = service.host_timings.since(served_before)
+                lists, ns = (now - then for now, then in zip(service.cpu_timings, cpu_before))
+                # lists with CPU pairs (the split's): µs from seeing each to its rows' flag queued
+                run["copy_service"].update(cpu_lists=lists, cpu_list_us=ns / lists / 1e3 if lists else None)
             stats = resident_stats(model, dec.trace, a.steps) if cache is None else cache.stats.sum(0).tolist()
             if dec.device.type == "cuda":
                 run["peak_vram_bytes"] = torch.cuda.max_memory_allocated(dec.device)

@@ -31,11 +31,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from edgemoe.offload.cpu_experts import CpuExperts
 from edgemoe.offload.layout import ExpertLayout
+
+if TYPE_CHECKING:
+    from edgemoe.offload.copy_service import CopyService
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ class CpuSplit:
     replayed steps is still due (`check_replayed`)."""
 
     def __init__(
-        self, table: list[int], pool: CpuExperts, device: torch.device, service=None, fitted: bool = False,  # noqa: ANN001
+        self, table: list[int], pool: CpuExperts, device: torch.device, service: CopyService | None = None,
+        fitted: bool = False,
     ) -> None:  # fmt: skip
         self.table = torch.tensor(table, dtype=torch.int32, device=device)
         self.pool, self.service, self.fitted = pool, service, fitted
@@ -128,7 +133,7 @@ def manual_table(cap: int, max_misses: int) -> list[int]:
 
 def resolve(
     setting: str | int, layers: list, device: torch.device, top_k: int, graphs: bool, threads: int | None = None,
-    service=None, max_tokens: int = 1,  # noqa: ANN001 - a CopyService (CUDA)
+    service: CopyService | None = None, max_tokens: int = 1,
 ) -> CpuSplit | None:  # fmt: skip
     """The split `--moe-cpu-compute` asks for over offloaded layers `layers` (`OffloadedExperts`, in MoE-layer order),
     or None for none; a line to stderr says what was chosen. `top_k`: a token's misses at most (the step `auto`
@@ -200,7 +205,9 @@ def _fresh(layer, n: int, r: int) -> torch.Tensor:
     return (torch.arange(n) + r * n) % layer.num_experts
 
 
-def measure(layer, pool: CpuExperts, device: torch.device, top_k: int, rounds: int = 5, service=None) -> Costs:  # noqa: ANN001
+def measure(
+    layer, pool: CpuExperts, device: torch.device, top_k: int, rounds: int = 5, service: CopyService | None = None
+) -> Costs:
     """Per-expert copy and CPU times and the per-layer-step cost, each taken while the other runs (both read host
     memory): copies of a layer's bank rows into a scratch row, the pool on one pair an expert, and the eager split's
     sync and row transfers, or with a copy service (graphs) its round trip (`round_trip`). A few seconds at most."""
@@ -265,7 +272,7 @@ def split_wins(layer, pool: CpuExperts, device: torch.device, misses: int, on_cp
     return split < copy_only
 
 
-def round_trip(service, layer, rounds: int = 5) -> float:  # noqa: ANN001 - a CopyService, an OffloadedExperts
+def round_trip(service: CopyService, layer, rounds: int = 5) -> float:
     """Seconds a replayed list with one CPU pair (MoE layer 0's `layer`) takes beyond one with none: the post with
     its x, the serving thread's pass over it, the executor, the row's copy and flag, the GPU's wait. A small graph of
     the probe's post and the wait, replayed with the pair's count set on the device to 1 and to 0 alternately."""

@@ -34,6 +34,7 @@ from tests.step_logits import record_step_logits
 
 GREEDY = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
 PROMPTS = ["To be, or not to be, that is the question:", "Of Man's first disobedience"]
+ID_PROMPTS = [[5, 17, 300, 41], [9, 8, 7, 6, 5, 4, 3, 2, 100, 200, 300]]  # a random GGUF's (tests/gpu/test_gguf_gpu.py)
 LOGITS_RTOL = 5e-4
 
 
@@ -148,7 +149,7 @@ def test_quantized_experts_split_in_graphs(tmp_path) -> None:
     for n in ("off", 1, 2):
         llm = LLM(path, device="cuda", dtype="float32", progress=False, max_num_seqs=1, moe_strategy="offload",
                   moe_cache_slots=2, moe_collect_stats=True, moe_cpu_compute=n)  # fmt: skip
-        runs[n] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        runs[n] = [o.token_ids for o in llm.generate(ID_PROMPTS, GREEDY)]
         if n != "off":
             assert llm.moe_stats()["total"]["cpu_computed"] > 0 and served_cpu_lists(llm) > 0
     assert runs[1] == runs["off"] and runs[2] == runs["off"]

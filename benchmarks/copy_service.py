@@ -74,10 +74,10 @@ def capture(k, body) -> torch.cuda.CUDAGraph:
 
 @triton.jit
 def _post(src, dst, count, tick, mailbox, bank_a, bank_b, M, RING: tl.constexpr, MAX: tl.constexpr,
-          BLOCK_M: tl.constexpr):  # fmt: skip
+          WIDTH: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     n = tl.load(count)
     if n > 0:  # the engine never posts an empty list either
-        post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, tl.arange(0, BLOCK_M), RING, MAX)
+        post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, tl.arange(0, BLOCK_M), RING, MAX, WIDTH)
 
 
 def post(service: CopyService, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, banks) -> None:
@@ -85,7 +85,7 @@ def post(service: CopyService, src: torch.Tensor, dst: torch.Tensor, count: torc
     as a kernel of its own: the list here comes from the host, not from an `ensure`."""
     t = service.target(banks)
     M = src.numel()
-    _post[(1,)](src, dst, count, t.tick, t.mailbox, t.bank_a, t.bank_b, M, t.ring, t.max_entries,
+    _post[(1,)](src, dst, count, t.tick, t.mailbox, t.bank_a, t.bank_b, M, t.ring, t.max_entries, t.width,
                 triton.next_power_of_2(M), num_warps=1)  # fmt: skip
 
 

@@ -32,5 +32,5 @@ python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-cache-fractio
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-strategy resident --prefill 512,4096 \
   --mode graph --steps 16 --warmup 8 --json "$out/bench_qwen3_8layers_prefill.json" 2>&1 | grep -E "^prefill|tok_s" | tail -8 || rc=1
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --vram-budget 4GiB --moe-policy lru --routing-trace synthetic \
-  --mode eager --moe-cpu-compute off,auto,128 --prefill 0 --json "$out/bench_qwen3_cpu_split.json" | tail -8 || rc=1
+  --mode graph --moe-cpu-compute off,auto,128 --prefill 0 --json "$out/bench_qwen3_cpu_split.json" | tail -8 || rc=1
 exit $rc

@@ -133,10 +133,7 @@ class LLMEngine:
             set_shared_expert_stream(self.model, side_stream(index))
         if self.device.type == "cuda" and config.warmup:
             self._warm_up()
-        split = self.expert_cache is not None and self.expert_cache.cpu_split is not None
-        if self.device.type == "cuda" and config.cuda_graphs and split:
-            print("edgemoe: cpu experts: decode runs eagerly (no CUDA graphs: the split syncs)", file=sys.stderr)
-        elif self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs()
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -215,6 +212,9 @@ class LLMEngine:
     def _capture_graphs(self) -> None:
         sizes = default_batch_sizes(self.config.max_num_seqs)
         self.runner.capture_graphs(sizes, self.config.graph_upload, self.config.graph_warm_replay)
+        split = None if self.expert_cache is None else self.expert_cache.cpu_split
+        if split is not None and split.fitted:  # `auto`'s last word: the split against copy-only, replayed
+            split.check_replayed(lambda: self.runner.graphs.replay(sizes[0]), self.expert_cache.reset)
         if self.expert_cache is not None:
             self.expert_cache.reset()  # capture's warm-up steps are not the user's: start empty, as eager does
         if self.recorder is not None:
@@ -224,7 +224,7 @@ class LLMEngine:
         cfg = self.model_config
         graphs, cpu = self.device.type == "cuda" and self.config.cuda_graphs, moe.moe_cpu_compute
         cache = attach_expert_cache(self.model, slots, moe.moe_policy, moe.moe_collect_stats, self.device, self.dtype,
-                                    cpu, graphs)  # fmt: skip
+                                    cpu, graphs, self.config.max_num_seqs)  # fmt: skip
         total, size = cfg.num_experts * sum(cfg.moe_layers), (slots + 1) * expert_bytes(self.model, self.dtype)
         print(
             f"edgemoe: expert cache: {slots} of {total} experts ({100 * slots / total:.1f} %), {size / MiB:.1f} MiB, "

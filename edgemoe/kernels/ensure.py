@@ -22,9 +22,11 @@ misses (docs/findings.md, "`ensure`"):
   of being ranked last first.
 - In a step that hands its copies to the copy service (a captured step, given the banks by `ExpertCache.ensure`)
   the kernel posts the list to the service's mailbox itself as soon as the victims are chosen
-  (`edgemoe.kernels.miss_copy.post_list`), so the host's copies start while the mapping, policy and stats updates
-  still run, and no post kernel follows. The expert GEMV then waits for this kernel before it reads the slots
-  (`Arrivals.after_ensure`).
+  (`edgemoe.kernels.miss_copy.post_list`'s parts), so the host's copies start while the mapping, policy and stats
+  updates still run, and no post kernel follows. The expert GEMV then waits for this kernel before it reads the
+  slots (`Arrivals.after_ensure`). With the CPU split the same row carries the CPU's misses, the step's routed ids
+  and its x (fp32, beside the mailbox): a list with CPU misses is posted even when nothing is copied, and the host
+  computes them once the copies are queued (`edgemoe.offload.protocol`).
 
 `ExpertCache._ensure_torch` is its oracle: the returned tensors and every state tensor are bitwise identical
 (tests/kernels run the kernel under Triton's interpreter, tests/gpu compiled). Float64 steps follow torch's order,
@@ -40,10 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-from edgemoe.kernels.miss_copy import post_list
+from edgemoe.kernels.miss_copy import claim_row, publish_row, write_cpu_list, write_list
 from edgemoe.kernels.pdl import launch_args, prefetch_l2, use_pdl, wait_for_inputs
 from edgemoe.offload.policies import KEY_MAX, LRU, EvictionPolicy, Scored
-from edgemoe.offload.protocol import Ensured, PostTarget
+from edgemoe.offload.protocol import HEADER, Ensured, PostTarget
 
 
 class CacheState(Protocol):
@@ -67,8 +69,10 @@ class CacheState(Protocol):
 # (docs/findings.md, "Every slot's key before the wait"); smaller pools take one step of next_power_of_2(S)
 BLOCK_S = 4096
 BLOCK_N = 256  # ids per step
+BLOCK_X = 1024  # elements of x per step of its post (the CPU split's)
 NUM_WARPS = 8
 
+_HEADER = tl.constexpr(HEADER)
 _KEY_MAX = tl.constexpr(KEY_MAX)
 _ORD_MAX = tl.constexpr(2**63 - 1)  # ordered NaN
 _TAKEN = tl.constexpr(-(2**63))  # below every ordered key: a slot already chosen, or past S
@@ -209,14 +213,16 @@ def _update_scored(freq, last, reuse, layer, needed, e, E: tl.constexpr, FREQ: t
     tl.store(last + layer * E + e, used, mask=inside)
 
 
-@triton.jit(do_not_specialize=["n_ids", "M", "layer", "expert_bytes"])
+@triton.jit(do_not_specialize=["n_ids", "M", "layer", "expert_bytes", "stride_x", "H", "max_tokens", "top_k"])
 def _ensure(ids, slots, src, dst, count_out, cpu, cpu_count_out, cpu_take, slot_of, owner, clock, stats, last_use,
             freq, last, reuse, keys, need_mark, arrived, tick, mailbox, bank_a, bank_b, n_ids, M, layer, expert_bytes,
+            x, stride_x, cpu_x, H, max_tokens, top_k,
             L: tl.constexpr, E: tl.constexpr, S: tl.constexpr, SCORED: tl.constexpr, STATS: tl.constexpr,
             NUM_STATS: tl.constexpr, SPLIT: tl.constexpr,
             FREQ: tl.constexpr, KEEP_FREQ: tl.constexpr, REUSE: tl.constexpr, KEEP_REUSE: tl.constexpr,
             BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, NUM_BLOCKS: tl.constexpr,
             BLOCKS_P2: tl.constexpr, POST: tl.constexpr, RING: tl.constexpr, MAX_ENTRIES: tl.constexpr,
+            WIDTH: tl.constexpr, POST_CPU: tl.constexpr, BLOCK_X: tl.constexpr,
             PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
     # Before the wait, while the router runs: only what earlier calls of this kernel wrote (see the docstring)
     if PREFETCH:  # the layer's state (8-byte entries) into L2 for the phases after the wait
@@ -225,8 +231,8 @@ def _ensure(ids, slots, src, dst, count_out, cpu, cpu_count_out, cpu_take, slot_
             prefetch_l2(freq + layer * E, E * 8)
             prefetch_l2(last + layer * E, E * 8)
     now = tl.load(clock) + 1
-    x, best, best_at = _key_pass(keys, owner, last_use, freq, last, reuse, now, layer, L, E, S, SCORED, BLOCK_S,
-                                 NUM_BLOCKS, BLOCKS_P2)  # fmt: skip
+    keys_x, best, best_at = _key_pass(keys, owner, last_use, freq, last, reuse, now, layer, L, E, S, SCORED,
+                                      BLOCK_S, NUM_BLOCKS, BLOCKS_P2)  # fmt: skip
     wait_for_inputs(PDL)
     tl.debug_barrier()  # every thread has read the clock before it moves
     tl.store(clock, now)
@@ -256,10 +262,18 @@ def _ensure(ids, slots, src, dst, count_out, cpu, cpu_count_out, cpu_take, slot_
     tl.store(cpu_count_out, on_cpu)
     tl.store(arrived + e, 0, mask=e < M)  # the miss copy's arrival counters (edgemoe.kernels.miss_copy.Arrivals)
     if count > 0:
-        _choose_victims(x, best, best_at, keys, dst, count, row, hit, S, BLOCK_S, NUM_BLOCKS, BLOCKS_P2)
-        if POST:  # the list is final: to the copy service now, so the host's copies start during the phases below
+        _choose_victims(keys_x, best, best_at, keys, dst, count, row, hit, S, BLOCK_S, NUM_BLOCKS, BLOCKS_P2)
+    if POST:  # the list is final: to the copy service now, so the host's copies start during the phases below
+        if (count > 0) | (on_cpu > 0):
             tl.debug_barrier()  # every thread's stores of src and dst first
-            post_list(src, dst, count.to(tl.int64), tick, mailbox, bank_a, bank_b, M, e, RING, MAX_ENTRIES)
+            mail, seq = claim_row(tick, mailbox, RING, WIDTH)
+            write_list(mail, src, dst, count.to(tl.int64), bank_a, bank_b, M, e, MAX_ENTRIES)
+            if POST_CPU:  # the CPU's experts, the step's ids and its x, for the host to compute them
+                write_cpu_list(mail, seq, layer, on_cpu, e, miss & (rank >= count), rank - count, ids, n_ids, top_k,
+                               x, stride_x, cpu_x, H, max_tokens, MAX_ENTRIES, RING, BLOCK_N, BLOCK_X)  # fmt: skip
+            else:
+                tl.store(mail + _HEADER + 2 * MAX_ENTRIES + 1, 0)  # no CPU pairs
+            publish_row(mail, seq)
     tl.debug_barrier()
     evictions = _evict_and_map(slot_of, owner, src, dst, e, count, M, layer, L, E, S)
     tl.debug_barrier()
@@ -292,11 +306,13 @@ def ensure_fused(
     block_s: int | None = None,
     post: PostTarget | None = None,
     cpu_take: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
 ) -> Ensured:
     """`ExpertCache.ensure` in one launch (see the module docstring); `block_s` is for tests of several blocks.
     `post`: a copy service's mailbox (CUDA), to which the kernel posts a non-empty copy list itself once its victims
     are chosen (`edgemoe.kernels.miss_copy.post_list`); the result is then `posted`. `cpu_take`: the CPU split's
-    table (`ExpertCache._ensure_torch`)."""
+    table (`ExpertCache._ensure_torch`); with a post, a list with CPU misses is posted too (even with no copies),
+    with the step's ids and `x` [tokens, hidden] (the MoE input the CPU computes them from)."""
     L, E, S = cache.num_layers, cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     M = min(flat.numel(), E)  # the most misses this call can have
@@ -322,17 +338,29 @@ def ensure_fused(
     if post is not None:
         assert M <= post.max_entries, "a copy list longer than the mailbox row"
     target = post or PostTarget(cache.clock, cache.clock, 0, 0, 1, 1)  # unread without a post
+    post_cpu = post is not None and cpu_take is not None
+    if post_cpu:  # the step's CPU pairs go to the service too: its ids and x with them
+        tokens, top_k = (1, flat.numel()) if ids.dim() < 2 else (flat.numel() // ids.shape[-1], ids.shape[-1])
+        assert post.cpu_x is not None, "a split posted to a copy service without CPU pairs"
+        assert x is not None and x.shape[0] == tokens and x.stride(-1) == 1, "the CPU pairs' x: [tokens, hidden]"
+        assert flat.numel() <= post.max_pairs and tokens <= post.cpu_x.shape[1], "more pairs than the mailbox holds"
+    else:
+        x, top_k = flat, 1  # unread
+    cpu_x = target.cpu_x if post_cpu else flat
     # fmt: off
     _ensure[(1,)](
         flat, slots, src, dst, count, cpu, cpu_count, count if cpu_take is None else cpu_take, cache.slot_of,
         cache.owner, cache.clock, cache.stats, last_use, freq, last, reuse, keys, need_mark, arrived, target.tick,
         target.mailbox, target.bank_a, target.bank_b, flat.numel(), M, layer, cache.expert_bytes,
+        x, x.stride(0) if post_cpu else 0, cpu_x, x.shape[-1] if post_cpu else 0,
+        cpu_x.shape[1] if post_cpu else 0, top_k,
         L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
         NUM_STATS=cache.stats.shape[1], SPLIT=cpu_take is not None,
         FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
         BLOCKS_P2=triton.next_power_of_2(num_blocks), POST=post is not None, RING=target.ring,
-        MAX_ENTRIES=target.max_entries, PREFETCH=use_pdl(flat.device) and E % 2 == 0,
+        MAX_ENTRIES=target.max_entries, WIDTH=target.width, POST_CPU=post_cpu, BLOCK_X=BLOCK_X,
+        PREFETCH=use_pdl(flat.device) and E % 2 == 0,
         **launch_args(flat.device),  # (prefetch: sm_90+, 16-byte multiples of int64 entries)
         num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,  # no FMA: torch rounds mul and add apart
     )

@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
-from edgemoe.offload.protocol import HEADER
+from edgemoe.offload.protocol import CPU_HEADER, HEADER, CpuWait, PostTarget
 
 _HEADER = tl.constexpr(HEADER)  # a jitted function reads only constexpr globals
+_CPU_HEADER = tl.constexpr(CPU_HEADER)
 
 BLOCK = 4096  # elements per work item: 8 KiB of bf16
 # programs of the persistent grid per SM: P x BLOCK bytes in flight cover PCIe's latency; beside the expert GEMV,
@@ -183,22 +184,69 @@ def _fence_system(x):
 
 
 @triton.jit
-def post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, r, RING: tl.constexpr, MAX: tl.constexpr):
-    """The copy list src, dst [M] (n > 0 valid entries) and the banks' addresses into the mailbox's next row, then
-    the row's sequence number (tick + 1, stored back to tick). `r`: an arange over at least M positions. The calling
-    program's own stores of src and dst must be behind a barrier. Also `edgemoe.kernels.ensure`'s, which posts its
-    list itself as soon as the victims are chosen."""
+def claim_row(tick, mailbox, RING: tl.constexpr, WIDTH: tl.constexpr):
+    """-> (the mailbox's next row, its sequence number tick + 1), the number stored back to tick."""
     seq = tl.load(tick) + 1
     tl.debug_barrier()  # every thread has read the tick before it moves
     tl.store(tick, seq)
-    row = mailbox + ((seq - 1) % RING) * (_HEADER + 2 * MAX)
+    return mailbox + ((seq - 1) % RING) * WIDTH, seq
+
+
+@triton.jit
+def write_list(row, src, dst, n, bank_a, bank_b, M, r, MAX: tl.constexpr):
+    """The copy list src, dst [M] (n valid entries) and the banks' addresses into mailbox row `row`. `r`: an arange
+    over at least M positions."""
     tl.store(row + 1, n)
     tl.store(row + 2, bank_a)
     tl.store(row + 3, bank_b)
-    tl.store(row + 4 + r, tl.load(src + r, mask=r < M), mask=r < M)
-    tl.store(row + 4 + MAX + r, tl.load(dst + r, mask=r < M), mask=r < M)
+    tl.store(row + _HEADER + r, tl.load(src + r, mask=r < M), mask=r < M)
+    tl.store(row + _HEADER + MAX + r, tl.load(dst + r, mask=r < M), mask=r < M)
+
+
+@triton.jit
+def write_cpu_list(row, seq, layer, count, experts, listed, at, ids, n_ids, top_k, x, stride_x, cpu_x, H, max_tokens,
+                   MAX: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):  # fmt: skip
+    """The CPU section of mailbox row `row` (edgemoe.offload.protocol): the layer, `count` experts the CPU computes
+    (`experts` where `listed`, at positions `at`), the step's routed ids [n_ids] (top_k a token); and, when count > 0,
+    the step's x [n_ids // top_k, H] (row stride `stride_x`) as fp32 into the row's part of cpu_x [RING, max_tokens,
+    H]."""
+    c = row + _HEADER + 2 * MAX
+    tl.store(c, layer)
+    tl.store(c + 1, count)
+    tl.store(c + 2, n_ids)
+    tl.store(c + 3, top_k)
+    tl.store(c + _CPU_HEADER + at, experts, mask=listed)
+    for n0 in range(0, n_ids, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(c + _CPU_HEADER + MAX + n, tl.load(ids + n, mask=n < n_ids), mask=n < n_ids)
+    if count > 0:
+        xs = cpu_x + ((seq - 1) % RING) * max_tokens * H
+        total = n_ids // top_k * H
+        for i0 in range(0, total, BLOCK_X):
+            i = i0 + tl.arange(0, BLOCK_X)
+            v = tl.load(x + (i // H).to(tl.int64) * stride_x + i % H, mask=i < total, other=0.0)
+            tl.store(xs + i, v.to(tl.float32), mask=i < total)
+
+
+@triton.jit
+def publish_row(row, seq):
+    """After every thread's stores of the row (and of its x): a system-scope fence, then `seq` into the row's first
+    field: the host reads the row once it changes."""
     tl.debug_barrier()
-    tl.store(row, _fence_system(seq))  # the sequence number last: the host reads the row once it changes
+    tl.store(row, _fence_system(seq))
+
+
+@triton.jit
+def post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, r, RING: tl.constexpr, MAX: tl.constexpr,
+              WIDTH: tl.constexpr):  # fmt: skip
+    """The copy list src, dst [M] (n > 0 valid entries) and the banks' addresses into the mailbox's next row (WIDTH
+    fields: `edgemoe.offload.protocol.row_width`), with no CPU pairs, then the row's sequence number (tick + 1, stored
+    back to tick). `r`: an arange over at least M positions. The calling program's own stores of src and dst must be
+    behind a barrier."""
+    row, seq = claim_row(tick, mailbox, RING, WIDTH)
+    write_list(row, src, dst, n, bank_a, bank_b, M, r, MAX)
+    tl.store(row + _HEADER + 2 * MAX + 1, 0)  # the CPU section's count
+    publish_row(row, seq)
 
 
 @triton.jit
@@ -213,3 +261,37 @@ def _await_copy_list(count, arrived, CHUNKS: tl.constexpr, PDL: tl.constexpr):
 def await_copy_list(count: torch.Tensor, arrived: torch.Tensor, chunks: int) -> None:
     """The stream waits until the first `count` entries' counters reached `chunks` (one program, no host sync)."""
     _await_copy_list[(1,)](count, arrived, chunks, num_warps=1, **launch_args(count.device))
+
+
+@triton.jit
+def _await_cpu_rows(count, done, seq, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    if tl.load(count) > 0:
+        want = tl.load(seq)
+        while tl.atomic_add(done, 0, sem="acquire", scope="gpu") < want:
+            pass
+
+
+def await_cpu_rows(wait: CpuWait) -> None:
+    """The stream waits until the copy service has put this layer-step's CPU rows in `wait.rows` (none to wait for
+    when it has no CPU pairs): for readers that do not wait themselves (one program, no host sync)."""
+    _await_cpu_rows[(1,)](wait.count, wait.done, wait.seq, num_warps=1, **launch_args(wait.done.device))
+
+
+@triton.jit
+def _post_cpu_probe(tick, mailbox, ids, x, cpu_x, H, max_tokens, count, RING: tl.constexpr, MAX: tl.constexpr,
+                    WIDTH: tl.constexpr, BLOCK_X: tl.constexpr):  # fmt: skip
+    mail, seq = claim_row(tick, mailbox, RING, WIDTH)
+    tl.store(mail + 1, 0)  # no copies
+    r = tl.arange(0, 2)
+    n = tl.load(count)
+    experts = tl.load(ids + r, mask=r < 1, other=0)
+    write_cpu_list(mail, seq, 0, n, experts, r < n, r, ids, 1, 1, x, H, cpu_x, H, max_tokens, MAX, RING, 2, BLOCK_X)
+    publish_row(mail, seq)
+
+
+def post_cpu_probe(target: PostTarget, expert: torch.Tensor, x: torch.Tensor, count: torch.Tensor) -> None:
+    """A mailbox row of MoE layer 0 with no copies and `count` ([] int64, 0 or 1) CPU pairs: one token, routed to
+    `expert` ([1] int64), over x [1, H] (`edgemoe.offload.cpu_split.measure`'s round trip)."""
+    _post_cpu_probe[(1,)](target.tick, target.mailbox, expert, x, target.cpu_x, x.shape[1], target.cpu_x.shape[1],
+                          count, target.ring, target.max_entries, target.width, 1024, num_warps=4)  # fmt: skip

@@ -22,8 +22,9 @@ posts the list itself and up follows it directly, so up waits for `ensure` (`Arr
 reads the slots, then for its entries as above.
 
 Pairs computed on the CPU (`cpu_out`; their id is -1: `edgemoe.offload.cpu_split`) read no weights: up leaves them
-out and down takes their fp32 outputs from `cpu_out` in place of its own, then weights and sums all pairs in k order
-as always.
+out and down takes their fp32 outputs from `cpu_out` (at L2) in place of its own, then weights and sums all pairs in k
+order as always. In a captured step the copy service fills `cpu_out` while the kernels run: a down program whose
+token has a CPU pair acquires the service's flag (`CpuWait`) after its own pairs' sums, before it reads those rows.
 
 Grids and blocks follow from shapes alone (no autotuning), and nothing syncs with the host: CUDA-graph capturable
 once compiled. `benchmarks/moe_gemv.py` times it against `gathered_experts` and sweeps the block sizes.
@@ -40,7 +41,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
-from edgemoe.offload.protocol import Arrivals
+from edgemoe.offload.protocol import Arrivals, CpuWait
 
 
 @triton.jit
@@ -131,6 +132,8 @@ def _down(
     w2,
     out,
     cpu_out,
+    cpu_done,
+    cpu_seq,
     H,
     inter,
     top_k,
@@ -145,6 +148,7 @@ def _down(
     CACHE: tl.constexpr,
     PDL: tl.constexpr,
     CPU: tl.constexpr,
+    CPU_WAIT: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     t = tl.program_id(0)
@@ -175,8 +179,15 @@ def _down(
     wk = tl.load(weights + pair, mask=pairs, other=0.0).to(tl.float32)  # [BLOCK_P]
     yk = tl.sum(acc, axis=2)  # [BLOCK_P, BLOCK_N] each pair's output
     if CPU:
-        from_cpu = (pairs & (expert < 0))[:, None] & (n < H)[None, :]
-        yk = tl.where(from_cpu, tl.load(cpu_out + pair[:, None].to(tl.int64) * H + n[None, :], mask=from_cpu), yk)
+        on_cpu = pairs & (expert < 0)
+        if CPU_WAIT:  # a captured step: the copy service puts the rows in, then writes the flag (CpuWait)
+            if tl.sum(on_cpu.to(tl.int32), 0) > 0:
+                want = tl.load(cpu_seq, cache_modifier=".cg")
+                while tl.atomic_add(cpu_done, 0, sem="acquire", scope="gpu") < want:
+                    pass
+        from_cpu = on_cpu[:, None] & (n < H)[None, :]
+        rows = tl.load(cpu_out + pair[:, None].to(tl.int64) * H + n[None, :], mask=from_cpu, cache_modifier=".cg")
+        yk = tl.where(from_cpu, rows, yk)
     y = tl.sum(yk * wk[:, None], axis=0)  # [BLOCK_N] in k order
     tl.store(out + t * stride_o + n, y.to(out.dtype.element_ty), mask=n < H)
 
@@ -223,15 +234,18 @@ def fused_experts(
     blocks: Blocks | None = None,
     arrivals: Arrivals | None = None,
     cpu_out: torch.Tensor | None = None,
+    cpu_wait: CpuWait | None = None,
 ) -> torch.Tensor:
     """x: [T, H]; ids: [T, K] rows of w13/w2 (expert ids, or slots of an offload pool); weights: [T, K] (float32 or
     x's dtype); w13: [N, 2I, H] (gate rows, then up rows); w2: [N, H, I] -> [T, H] in x's dtype. The weight banks
     may be any [N, ...] views contiguous in their last dim. `blocks` is for benchmarks/moe_gemv.py's sweep.
     `arrivals`: the miss copy launched just before is filling some of ids' slots; wait for those rows only.
     `cpu_out` [T * K, H] fp32: the outputs of the pairs whose id is -1, computed on the CPU
-    (`edgemoe.offload.cpu_split`), weighted and summed over k in the same order as the others."""
+    (`edgemoe.offload.cpu_split`), weighted and summed over k in the same order as the others. `cpu_wait`: in a
+    captured step those rows arrive from the copy service during the kernels; down waits for them (its programs
+    whose token has a CPU pair, once their own pairs are summed)."""
     h = up_proj(x, ids, w13, blocks, arrivals, cpu=cpu_out is not None)
-    return down_proj(h, ids, weights, w2, blocks, streamed=arrivals is not None, cpu_out=cpu_out)
+    return down_proj(h, ids, weights, w2, blocks, streamed=arrivals is not None, cpu_out=cpu_out, cpu_wait=cpu_wait)
 
 
 def up_proj(
@@ -275,9 +289,11 @@ def down_proj(
     blocks: Blocks | None = None,
     streamed: bool = False,
     cpu_out: torch.Tensor | None = None,
+    cpu_wait: CpuWait | None = None,
 ) -> torch.Tensor:
     """h: [T * K, I] from `up_proj`, ids and weights: [T, K], w2: [N, H, I] -> [T, H] in h's dtype. `streamed`:
-    up waited for the miss copy's rows, not for the copy kernel (read w2 at L2). `cpu_out`: as `fused_experts`'."""
+    up waited for the miss copy's rows, not for the copy kernel (read w2 at L2). `cpu_out`, `cpu_wait`: as
+    `fused_experts`'."""
     (T, K), H, inter = ids.shape, w2.shape[1], w2.shape[2]
     assert h.shape == (T * K, inter) and h.is_contiguous() and w2.stride(2) == 1
     ids, weights = ids.contiguous(), weights.contiguous()
@@ -286,9 +302,11 @@ def down_proj(
         b = blocks or pick_blocks(H, inter)
         if cpu_out is not None:
             assert cpu_out.shape == (T * K, H) and cpu_out.dtype == torch.float32 and cpu_out.is_contiguous()
+        flag, seq = (ids, ids) if cpu_wait is None else (cpu_wait.done, cpu_wait.seq)  # unread without a wait
         _down[(T, triton.cdiv(H, b.down_n))](  # likewise tokens first
-            h, ids, weights, w2, out, h if cpu_out is None else cpu_out, H, inter, K, out.stride(0), w2.stride(0),
-            w2.stride(1), triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0, b.down_stages,
-            _cache(streamed), CPU=cpu_out is not None, num_warps=b.down_warps, **launch_args(h.device),
+            h, ids, weights, w2, out, h if cpu_out is None else cpu_out, flag, seq, H, inter, K, out.stride(0),
+            w2.stride(0), w2.stride(1), triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0,
+            b.down_stages, _cache(streamed), CPU=cpu_out is not None, CPU_WAIT=cpu_wait is not None,
+            num_warps=b.down_warps, **launch_args(h.device),
         )  # fmt: skip
     return out

@@ -21,13 +21,25 @@
  * layout), an entry is one copy of both; otherwise two (what a copy costs the copy engine besides its bytes:
  * benchmarks/copy_service.py, host_joined against host_rows).
  *
- * Mailbox row (int64): seq, count, bank_a, bank_b, src[max_entries], dst[max_entries]. CUDA is reached through
- * driver entry points the Python side passes in (libcuda's own), so this file needs no CUDA headers.
- * Built and loaded by edgemoe/offload/copy_service.py.
+ * The CPU split (edgemoe.offload.cpu_split): a list may also name pairs (token, expert) that the host computes. Once
+ * its copies are queued (they cross PCIe meanwhile), the serving thread runs the CPU expert executor on them
+ * (cpu_experts.c, through its C entry point: a pool of threads that does no driver calls, so the one-thread rule
+ * above holds), over the x rows the posting kernel wrote beside the mailbox; it puts each pair's output at its pair's
+ * row of a pinned buffer, queues one copy of those rows to the device buffer the expert kernels read, and then a
+ * stream write of the list's sequence number into a device flag on which they wait (the same stream order as the
+ * arrival counters). A list with CPU pairs is posted even when it copies nothing.
+ *
+ * Mailbox row (int64): seq, count, bank_a, bank_b, src[max_entries], dst[max_entries], then the CPU section: layer,
+ * cpu_count, pairs, top_k, cpu[max_entries] (the experts the CPU computes), ids[max_pairs] (the step's routed ids,
+ * pair p = token p / top_k). CUDA is reached through driver entry points the Python side passes in (libcuda's own),
+ * so this file needs no CUDA headers. Built and loaded by edgemoe/offload/copy_service.py.
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
+
+#include "cpu_experts_job.h"
 
 typedef int (*memcpy_fn)(uint64_t dst, const void *src, size_t bytes, void *stream);  /* cuMemcpyHtoDAsync */
 typedef int (*write_fn)(void *stream, uint64_t addr, uint64_t value, unsigned flags); /* cuStreamWriteValue64 */
@@ -43,6 +55,7 @@ typedef struct { /* CUmemcpyAttributes */
 
 #define CUDA_ERROR_NOT_READY 600
 #define MAX_GROUP 64
+#define CPU_BAD_LIST 100 /* a CPU section the service cannot serve: no executor attached, or fields out of range */
 
 typedef struct {
   volatile int64_t *mailbox;
@@ -66,6 +79,19 @@ typedef struct {
    * the return of its first copy call (the first copy is queued), and to the end of its last counter write (all
    * queued); and the event queries of the poll loop */
   int64_t first_ns, issue_ns, queries;
+  /* the CPU split (see above); cpu_run NULL: none attached */
+  edgemoe_cpu_run_fn cpu_run;
+  void *cpu_pool;
+  const edgemoe_cpu_job *cpu_jobs; /* [cpu_layers] each MoE layer's bank and formats; x, pairs, ids, out set here */
+  int64_t cpu_layers, max_pairs, max_tokens, hidden;
+  const float *cpu_x;   /* pinned [ring, max_tokens, hidden]: each mailbox row's x, written by the posting kernel */
+  float *cpu_rows;      /* pinned [max_pairs, hidden]: each CPU pair's output at its pair's row */
+  float *cpu_scratch;   /* [max_pairs, hidden]: the executor's outputs, one row a CPU pair */
+  int64_t *cpu_pairs;   /* [3, max_pairs]: each CPU pair's index, token and expert */
+  uint64_t cpu_out;     /* device address [max_pairs, hidden] fp32: where cpu_rows are copied */
+  uint64_t cpu_done;    /* device address, int64: the sequence number of the last list whose CPU rows are in */
+  int cpu_error;        /* the executor's first error code (or CPU_BAD_LIST), 0 if none */
+  int64_t cpu_lists, cpu_ns; /* lists with CPU pairs served; host time from seeing each to its flag's write queued */
 } edgemoe_copy_service;
 
 static int64_t now_ns(void) {
@@ -116,8 +142,42 @@ static void serve_list(edgemoe_copy_service *s, volatile int64_t *row, int64_t s
   }
 }
 
+/* The CPU section of the list in `row` (ring row `at`, sequence number `seq`): its pairs computed, their rows copied
+ * to the device, then the flag. The flag is written even after an error, so the GPU never waits forever. */
+static void serve_cpu(edgemoe_copy_service *s, volatile int64_t *row, int64_t at, int64_t seq) {
+  volatile int64_t *c = row + 4 + 2 * s->max_entries, *cpu = c + 4, *ids = c + 4 + s->max_entries;
+  int64_t layer = c[0], n = c[1], pairs = c[2], top_k = c[3], found = 0, H = s->hidden;
+  int fits = s->cpu_run && layer >= 0 && layer < s->cpu_layers && n >= 0 && n <= s->max_entries && pairs >= 0 &&
+             pairs <= s->max_pairs && top_k >= 1 && pairs % top_k == 0 && pairs / top_k <= s->max_tokens;
+  if (!fits && !s->cpu_error) s->cpu_error = CPU_BAD_LIST;
+  int64_t *index = s->cpu_pairs, *tokens = index + s->max_pairs, *experts = tokens + s->max_pairs;
+  for (int64_t p = 0; fits && p < pairs; ++p) {
+    int64_t e = ids[p];
+    for (int64_t j = 0; j < n; ++j)
+      if (cpu[j] == e) {
+        index[found] = p, tokens[found] = p / top_k, experts[found++] = e;
+        break;
+      }
+  }
+  if (found) {
+    edgemoe_cpu_job job = s->cpu_jobs[layer];
+    job.x = s->cpu_x + at * s->max_tokens * H, job.tokens = pairs / top_k, job.pairs = found;
+    job.token_ids = tokens, job.expert_ids = experts, job.out = s->cpu_scratch;
+    int err = s->cpu_run(s->cpu_pool, &job);
+    if (err && !s->cpu_error) s->cpu_error = err;
+    for (int64_t k = 0; k < found; ++k) /* each output to its pair's row (garbage after an error: flagged above) */
+      memcpy(s->cpu_rows + index[k] * H, s->cpu_scratch + k * H, (size_t)H * sizeof(float));
+    int64_t lo = index[0], bytes = (index[found - 1] - lo + 1) * H * (int64_t)sizeof(float);
+    if (!s->error) /* one copy from the first pair's row to the last: the rows between are never read */
+      s->error = s->copy(s->cpu_out + (uint64_t)(lo * H * (int64_t)sizeof(float)), s->cpu_rows + lo * H,
+                         (size_t)bytes, s->stream);
+  }
+  int err = s->cpu_done ? s->write(s->stream, s->cpu_done, (uint64_t)seq, 0) : 0; /* 0: never attached, none wait */
+  if (err && !s->error) s->error = err;
+}
+
 /* Serve posted lists in order until `event` (recorded after the replay) has completed. Returns the first CUDA
- * error (of a copy, a counter write or the event query), 0 if none. */
+ * error (of a copy, a counter or flag write, or the event query), 0 if none; the executor's are in `cpu_error`. */
 int edgemoe_copy_service_serve(edgemoe_copy_service *s, void *event) {
   for (;;) {
     volatile int64_t *row = s->mailbox + (s->served % s->ring) * s->width;
@@ -126,6 +186,10 @@ int edgemoe_copy_service_serve(edgemoe_copy_service *s, void *event) {
       __sync_synchronize(); /* the row's fields after its sequence number */
       serve_list(s, row, seen);
       s->issue_ns += now_ns() - seen;
+      if (row[4 + 2 * s->max_entries + 1]) { /* CPU pairs, after the copies are queued */
+        serve_cpu(s, row, s->served % s->ring, s->served + 1);
+        s->cpu_lists += 1, s->cpu_ns += now_ns() - seen;
+      }
       s->served += 1;
       continue;
     }

@@ -10,6 +10,10 @@ Only captured steps post (the fused `ensure` itself, as soon as its victims are 
 keep the SM copy, since their thread runs ahead of the GPU launching kernels and cannot also serve it. The services
 a capture posted to become that graph's replay hooks (`recording_posts`, registered with
 `edgemoe.engine.cuda_graphs`), so each replay serves them.
+
+With the CPU split (`attach_cpu`), a list may also carry pairs that the host computes: after queueing the list's
+copies, the serving thread runs the CPU expert executor on them through its C entry point, copies their rows to the
+device buffer the expert kernels read and sets the flag they wait on (`edgemoe.offload.protocol.CpuWait`).
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ import torch
 from edgemoe.engine.cuda_graphs import add_capture_hook
 from edgemoe.errors import EdgeMoEError
 from edgemoe.offload.c_library import build_library
-from edgemoe.offload.protocol import HEADER, RING, PostTarget
+from edgemoe.offload.cpu_experts import ERRORS, JOB, CpuExperts, Job
+from edgemoe.offload.layout import ExpertLayout
+from edgemoe.offload.protocol import RING, CpuWait, PostTarget, row_width
 
 SOURCE = Path(__file__).with_name("copy_service.c")
+CPU_BAD_LIST = 100  # copy_service.c's code for a CPU section it cannot serve
 BATCH_GROUP = 2  # entries a batched copy call covers (each group's counters written after it): docs/findings.md
 _RECORDERS: list[list[CopyService]] = []  # open `recording_posts` blocks
 
@@ -64,14 +71,19 @@ class _Service(ctypes.Structure):
         ("chunks", ctypes.c_uint64), ("stream", ctypes.c_void_p), ("copy", ctypes.c_void_p),
         ("write", ctypes.c_void_p), ("query", ctypes.c_void_p), ("batch", ctypes.c_void_p), ("group", ctypes.c_int64),
         ("served", ctypes.c_int64), ("error", ctypes.c_int), ("first_ns", ctypes.c_int64), ("issue_ns", ctypes.c_int64),
-        ("queries", ctypes.c_int64),
+        ("queries", ctypes.c_int64), ("cpu_run", ctypes.c_void_p), ("cpu_pool", ctypes.c_void_p),
+        ("cpu_jobs", ctypes.c_void_p), ("cpu_layers", ctypes.c_int64), ("max_pairs", ctypes.c_int64),
+        ("max_tokens", ctypes.c_int64), ("hidden", ctypes.c_int64), ("cpu_x", ctypes.c_void_p),
+        ("cpu_rows", ctypes.c_void_p), ("cpu_scratch", ctypes.c_void_p), ("cpu_pairs", ctypes.c_void_p),
+        ("cpu_out", ctypes.c_uint64), ("cpu_done", ctypes.c_uint64), ("cpu_error", ctypes.c_int),
+        ("cpu_lists", ctypes.c_int64), ("cpu_ns", ctypes.c_int64),
     ]  # fmt: skip
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
     """copy_service.c as a shared library, built once per source version into the temporary directory."""
-    lib = build_library(SOURCE, "copy-service", "the copy service", ["-O2"])
+    lib = build_library(SOURCE, "copy-service", "the copy service", ["-O2"], key=JOB.read_bytes())
     lib.edgemoe_copy_service_serve.argtypes = [ctypes.POINTER(_Service), ctypes.c_void_p]
     return lib
 
@@ -129,12 +141,13 @@ class CopyService:
         max_entries: int,
         group: int = BATCH_GROUP,
         driver: Driver | None = None,
+        max_pairs: int = 0,
     ) -> None:
         device = pools[0].device
         self.driver = driver or Driver(device)
-        self.max_entries = max_entries
+        self.max_entries, self.max_pairs, self.device = max_entries, max_pairs, device
         self.mailbox = torch.zeros(
-            (RING, HEADER + 2 * max_entries), dtype=torch.int64, pin_memory=device.type == "cuda"
+            (RING, row_width(max_entries, max_pairs)), dtype=torch.int64, pin_memory=device.type == "cuda"
         )
         self.tick = torch.zeros((), dtype=torch.int64, device=device)  # lists posted so far
         self.counters, self.chunks = counters, chunks
@@ -145,10 +158,27 @@ class CopyService:
         self._state = _Service(
             self.mailbox.data_ptr(), RING, self.mailbox.shape[1], max_entries, pools[0].data_ptr(),
             pools[1].data_ptr(), *rows, *self.strides, joined, counters.data_ptr(), chunks, self.driver.stream.value,
-            copy, write, query, batch if group > 0 else None, group, 0, 0,
+            copy, write, query, batch if group > 0 else None, group, 0, 0, 0, 0, 0, None, None, None, 0, max_pairs,
         )  # fmt: skip
         self._keep = pools  # the service copies into them
+        self.cpu: _CpuSection | None = None  # once `attach_cpu` ran
         library()  # built now: a missing C compiler fails the engine's start, not its first decode step
+
+    def attach_cpu(self, pool: CpuExperts, layers: list[tuple[torch.Tensor, ExpertLayout]], max_tokens: int) -> None:
+        """Serve lists with CPU pairs from now on (see copy_service.c): `pool` computes them from `layers`' banks
+        (bank [experts, row] and layout of each MoE layer, in order), for steps of at most `max_tokens` tokens
+        (max_tokens x top_k <= max_pairs). Before any capture that posts them."""
+        self.cpu = _CpuSection(pool, layers, max_tokens, self.max_pairs, self.device)
+        self.cpu.fill(self._state)
+
+    def detach_cpu(self) -> None:
+        """Forget the executor (before it is closed): a list with CPU pairs is then an error, its flag still written
+        (the buffers stay)."""
+        self._state.cpu_run = self._state.cpu_pool = None
+
+    def cpu_wait(self, count: torch.Tensor) -> CpuWait:
+        """What the readers of a captured step's CPU rows wait on; `count`: its `Ensured.cpu_count`."""
+        return CpuWait(self.cpu.rows, self.cpu.done, self.tick, count)
 
     @property
     def joined(self) -> bool:
@@ -165,7 +195,9 @@ class CopyService:
         for copies from `banks`; the caller launches that kernel next (it counts as a post, as `post` does)."""
         self._check(banks)
         self._record()
-        return PostTarget(self.tick, self.mailbox, banks[0].data_ptr(), banks[1].data_ptr(), RING, self.max_entries)
+        cpu_x = None if self.cpu is None else self.cpu.x
+        return PostTarget(self.tick, self.mailbox, banks[0].data_ptr(), banks[1].data_ptr(), RING, self.max_entries,
+                          self.max_pairs, cpu_x)  # fmt: skip
 
     def _record(self) -> None:
         for posted in _RECORDERS:
@@ -189,6 +221,10 @@ class CopyService:
         err = library().edgemoe_copy_service_serve(ctypes.byref(self._state), self.driver.event())
         if err:
             raise EdgeMoEError(f"the expert copy service failed with CUDA error {err}")
+        if self._state.cpu_error:
+            code = self._state.cpu_error
+            why = "a list it cannot serve" if code == CPU_BAD_LIST else ERRORS.get(code, f"error {code}")
+            raise EdgeMoEError(f"the expert copy service's CPU experts failed: {why}")
 
     @property
     def served(self) -> int:
@@ -199,6 +235,46 @@ class CopyService:
         """What serving has cost the host so far (sums; differences of two readings cover the calls between)."""
         st = self._state
         return HostTimings(st.served, st.first_ns, st.issue_ns, st.queries)
+
+    @property
+    def cpu_timings(self) -> tuple[int, int]:
+        """(lists with CPU pairs served, host ns from seeing each to its flag's write queued), sums so far."""
+        return self._state.cpu_lists, self._state.cpu_ns
+
+
+class _CpuSection:
+    """The host and device buffers of a service's CPU pairs (copy_service.c's `cpu_*` fields) and the executor's
+    per-layer jobs."""
+
+    def __init__(
+        self, pool: CpuExperts, layers: list[tuple[torch.Tensor, ExpertLayout]], max_tokens: int, max_pairs: int,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        if max_pairs < 1 or max_tokens < 1 or not layers:
+            raise EdgeMoEError(f"a service with CPU pairs needs room for them, not {max_pairs} pairs, {max_tokens} "
+                               f"rows and {len(layers)} layers")  # fmt: skip
+        hidden = layers[0][1].hidden
+        pin = device.type == "cuda"
+        self.pool, self.hidden, self.max_tokens = pool, hidden, max_tokens
+        self.x = torch.zeros(RING, max_tokens, hidden, pin_memory=pin)  # written by the posting kernel
+        self.host_rows = torch.zeros(max_pairs, hidden, pin_memory=pin)
+        self.scratch = torch.zeros(max_pairs, hidden)
+        self.pairs = torch.zeros(3, max_pairs, dtype=torch.int64)
+        self.rows = torch.zeros(max_pairs, hidden, device=device)
+        self.done = torch.zeros((), dtype=torch.int64, device=device)
+        none, empty = torch.zeros(0, dtype=torch.int64), torch.zeros(0, hidden)
+        jobs = [pool.job(bank, layout, self.x[0], none, none, empty) for bank, layout in layers]
+        if any(layout.hidden != hidden for _, layout in layers):
+            raise EdgeMoEError("the layers' experts differ in hidden size")
+        self.jobs = (Job * len(jobs))(*jobs)
+        self._keep = jobs  # their tensors (the banks)
+
+    def fill(self, st: _Service) -> None:
+        st.cpu_run, st.cpu_pool = self.pool.c_entry
+        st.cpu_jobs, st.cpu_layers = ctypes.addressof(self.jobs), len(self.jobs)
+        st.max_tokens, st.hidden = self.max_tokens, self.hidden
+        st.cpu_x, st.cpu_rows, st.cpu_scratch = self.x.data_ptr(), self.host_rows.data_ptr(), self.scratch.data_ptr()
+        st.cpu_pairs, st.cpu_out, st.cpu_done = self.pairs.data_ptr(), self.rows.data_ptr(), self.done.data_ptr()
 
 
 @contextlib.contextmanager

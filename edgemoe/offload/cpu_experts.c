@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "cpu_experts_job.h"
 #include "cpu_experts_kernels.h"
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -39,26 +40,6 @@ INLINE void cpu_relax(void) {
 }
 
 /* ---- the job and the pool ---- */
-
-/* One layer's pairs (edgemoe.offload.cpu_experts.Job mirrors it). A C caller fills one per call; the pool keeps no
- * pointer into it after `edgemoe_cpu_experts_run` returns. */
-typedef struct {
-  const float *x;              /* [tokens, hidden] fp32, contiguous */
-  int64_t tokens;              /* rows of x: token ids must be below */
-  const uint8_t *bank;         /* expert e's row at bank + e * row_stride: gate_up [2 inter rows], then down */
-  int64_t experts;             /* rows of the bank: expert ids must be below */
-  int64_t row_stride;          /* bytes */
-  int64_t down_offset;         /* bytes from a row's start to its down weights */
-  int32_t gate_up_format;      /* a GGML type id (F32 ... MXFP4 above) */
-  int32_t down_format;
-  int32_t act;                 /* ACT_SILU or ACT_GELU_TANH */
-  int32_t reserved;
-  int64_t hidden, inter;
-  int64_t pairs;
-  const int64_t *token_ids;    /* [pairs]: the pair's row of x */
-  const int64_t *expert_ids;   /* [pairs]: the pair's expert */
-  float *out;                  /* [pairs, hidden] fp32, contiguous: each pair's unweighted output */
-} edgemoe_cpu_job;
 
 typedef struct {
   int64_t expert, n, pairs[MAXX];

@@ -8,7 +8,8 @@ ISA): weights dequantized to fp32 as they are read (dense bf16/fp16/fp32, Q8_0, 
 gate_up and down may differ, as in Q4_K_M files), activations kept in fp32, results bitwise the same at any thread
 count. It is compiled at first use like the copy service (`c_library`), with -O3 -march=native since it runs where it
 is built: AVX-512, else AVX2 + FMA + F16C, else plain C (`CpuExperts.isa`). A C loop can call it without Python
-(`CpuExperts.c_entry` and `job`).
+(`CpuExperts.c_entry` and `job`; the struct in `cpu_experts_job.h`): the copy service's serve loop does, for the CPU
+split of replayed decode steps.
 
 AMX and AVX512_BF16 are not used: both multiply bf16 by bf16, which would round the activations to bf16, and the
 bf16 case is bound by memory, not arithmetic. Measured (benchmarks/cpu_experts.py, 2-core AVX-512 + AMX dev VM, 8
@@ -33,9 +34,10 @@ from edgemoe.offload.layout import ExpertLayout, QuantExpertLayout
 
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 KERNELS = SOURCE.with_name("cpu_experts_kernels.h")  # included by SOURCE
+JOB = SOURCE.with_name("cpu_experts_job.h")  # included by SOURCE and copy_service.c
 DENSE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # dtype -> GGML type id, the C file's format ids
 ACT_IDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # edgemoe.layers.mlp.ACTIVATIONS' names -> the C file's ids
-_ERRORS = {
+ERRORS = {
     1: "an unsupported weight format",
     2: "shapes that do not fit the bank's rows",
     3: "a token or expert index out of range",
@@ -71,7 +73,7 @@ def build(march: str = "native") -> ctypes.CDLL:
     """cpu_experts.c built for `-march={march}`: "native" is the engine's; the tests also build "x86-64-v3" (the
     AVX2 path) and "x86-64" (plain C)."""
     flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-pthread"]
-    key = KERNELS.read_bytes() + (_cpu_key() if march == "native" else b"")
+    key = KERNELS.read_bytes() + JOB.read_bytes() + (_cpu_key() if march == "native" else b"")
     lib = build_library(SOURCE, f"cpu-experts-{march}", "the CPU expert executor", flags, key, libs=("-lm",))
     lib.edgemoe_cpu_experts_create.argtypes, lib.edgemoe_cpu_experts_create.restype = [ctypes.c_int], ctypes.c_void_p
     lib.edgemoe_cpu_experts_destroy.argtypes, lib.edgemoe_cpu_experts_destroy.restype = [ctypes.c_void_p], None
@@ -142,7 +144,7 @@ class CpuExperts:
     @property
     def c_entry(self) -> tuple[int, int]:
         """(address of `int edgemoe_cpu_experts_run(pool, const edgemoe_cpu_job *)`, the pool) for a C caller; it
-        returns 0 or an error code (`_ERRORS`). Valid until `close`."""
+        returns 0 or an error code (`ERRORS`). Valid until `close`."""
         self._check_open()
         return ctypes.cast(self.lib.edgemoe_cpu_experts_run, ctypes.c_void_p).value, self.handle
 
@@ -176,7 +178,7 @@ class CpuExperts:
         self._check_open()
         err = self.lib.edgemoe_cpu_experts_run(self.handle, ctypes.byref(job))
         if err:
-            raise EdgeMoEError(f"CPU experts: {_ERRORS.get(err, f'error {err}')}")
+            raise EdgeMoEError(f"CPU experts: {ERRORS.get(err, f'error {err}')}")
 
     def compute(
         self, bank: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,

@@ -7,27 +7,39 @@ without a host sync (`ExpertCache._ensure_torch` says which misses and how the p
 pair has no slot (`slots` -1); the expert kernels take its unweighted output, fp32, from a [pairs, hidden] buffer
 instead of computing it, and weight and sum every pair in their usual order (`ExpertLayout.decode_cpu`).
 
+Two ways the rows are made, the same arithmetic (the same executor, the same sum):
+- replayed decode graphs: the captured `ensure` posts the step's CPU misses, routed ids and x to the copy service's
+  mailbox with its copy list (`edgemoe.offload.protocol`); the thread that replayed the graph computes them once the
+  copies are queued, copies the rows to the device and sets a flag the expert kernels wait on (`copy_service.c`). No
+  host sync inside the step.
+- eager steps: the host reads the step's CPU pairs right after `ensure` (a sync, `CpuSplit.pairs`), computes them
+  while the GPU copies the rest, and uploads the rows.
+
 `--moe-cpu-compute`: `off`; N, at most N misses a layer-step (experiments); `auto`, the table fitted to costs
 measured at start-up (`measure`, CUDA): copy time per expert c, CPU time per expert p, a fixed cost per layer-step o,
 each taken while the other runs (both read host memory); of m misses n go to the CPU, the n that minimises
-max(c (m - n), o + p n), and none unless that is strictly below c m (`fit`). A last check times the split of a
-typical step against copying it all and turns the split off unless it wins.
-
-Eager steps only: the host reads the step's CPU pairs right after `ensure` (a sync), computes them while the GPU
-copies the rest, and uploads the rows. Captured decode graphs cannot sync, so the engine decodes eagerly when a split
-is on, and `auto` keeps copy-only where graphs would replay.
+max(c (m - n), o + p n), and none unless that is strictly below c m (`fit`). o is what a split step pays beyond its
+pairs: with graphs, the mailbox round trip (a posted list with one CPU pair against one with none, replayed), else the
+eager sync and row transfers. A last check times a typical step split against copied and turns the split off unless
+it wins: with graphs, replayed decode steps that miss every expert with the table as fitted and zeroed (the table is a
+device tensor: no recapture; `check_replayed`, once the engine has captured its graphs), else `split_wins`.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from edgemoe.offload.cpu_experts import CpuExperts
 from edgemoe.offload.layout import ExpertLayout
+
+if TYPE_CHECKING:
+    from edgemoe.offload.copy_service import CopyService
 
 
 @dataclass(frozen=True)
@@ -54,11 +66,16 @@ def fit(costs: Costs, max_misses: int, cap: int | None = None) -> list[int]:
 
 
 class CpuSplit:
-    """The split table (`table` [max_misses + 1] int32 on `device`) and the pool that computes the CPU's pairs."""
+    """The split table (`table` [max_misses + 1] int32 on `device`) and the pool that computes the CPU's pairs; with
+    a copy service (CUDA), the pool is attached to it for replayed steps. `fitted`: an `auto` table whose check on
+    replayed steps is still due (`check_replayed`)."""
 
-    def __init__(self, table: list[int], pool: CpuExperts, device: torch.device) -> None:
+    def __init__(
+        self, table: list[int], pool: CpuExperts, device: torch.device, service: CopyService | None = None,
+        fitted: bool = False,
+    ) -> None:  # fmt: skip
         self.table = torch.tensor(table, dtype=torch.int32, device=device)
-        self.pool = pool
+        self.pool, self.service, self.fitted = pool, service, fitted
 
     def pairs(self, ids: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The step's CPU pairs on the host (a sync): (pair index, token, expert) int64 [P] and x fp32 [T, H]; None
@@ -79,7 +96,33 @@ class CpuSplit:
         out[index] = y
         return out.to(device)
 
+    def check_replayed(self, step: Callable[[], object], reset: Callable[[], None], rounds: int = 7) -> bool:
+        """Time replayed decode steps (`step`) that miss every expert (`reset` empties the cache before each) with the
+        table as fitted and zeroed, alternately; keep the table only if its median is lower (else zero it), say
+        which. -> whether the split stays on."""
+        fitted, zeros = self.table.clone(), torch.zeros_like(self.table)
+        times: dict[str, list[float]] = {"copy-only": [], "split": []}
+        for _ in range(rounds):
+            for name, table in (("copy-only", zeros), ("split", fitted)):
+                self.table.copy_(table)
+                reset()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - t0)
+        copy_only, split = _median(times["copy-only"]), _median(times["split"])
+        keep = split < copy_only
+        self.table.copy_(fitted if keep else zeros)
+        self.fitted = False
+        verdict = "keeps the split" if keep else "turns the split off"
+        _say(f"replayed steps missing every expert: copy-only {copy_only * 1e3:.3f} ms, split {split * 1e3:.3f} ms "
+             f"-> {verdict}")  # fmt: skip
+        return keep
+
     def close(self) -> None:
+        if self.service is not None:
+            self.service.detach_cpu()
         self.pool.close()
 
 
@@ -89,11 +132,14 @@ def manual_table(cap: int, max_misses: int) -> list[int]:
 
 
 def resolve(
-    setting: str | int, layers: list, device: torch.device, top_k: int, graphs: bool, threads: int | None = None
-) -> CpuSplit | None:
-    """The split `--moe-cpu-compute` asks for over offloaded layers `layers` (`OffloadedExperts`), or None for none;
-    a line to stderr says what was chosen. `top_k`: a token's misses at most (the step `auto` checks); `graphs`: decode
-    would replay CUDA graphs, which a split gives up: `auto` then keeps copy-only."""
+    setting: str | int, layers: list, device: torch.device, top_k: int, graphs: bool, threads: int | None = None,
+    service: CopyService | None = None, max_tokens: int = 1,
+) -> CpuSplit | None:  # fmt: skip
+    """The split `--moe-cpu-compute` asks for over offloaded layers `layers` (`OffloadedExperts`, in MoE-layer order),
+    or None for none; a line to stderr says what was chosen. `top_k`: a token's misses at most (the step `auto`
+    checks); `graphs`: decode would replay CUDA graphs (what `auto` measures: the mailbox round trip; its last check
+    then waits for the graphs, `CpuSplit.check_replayed`); `service`: the cache's copy service, which computes the
+    pairs of replayed steps (steps of at most `max_tokens` tokens)."""
     setting = str(setting)
     if setting == "off" or not layers:
         return None
@@ -101,31 +147,32 @@ def resolve(
     if setting == "auto" and device.type != "cuda":
         _say("auto weighs the CPU against copies over PCIe, which a CPU device does not make: off")
         return None
-    if setting == "auto" and graphs:
-        _say("off: the split runs in eager steps only, and replayed graphs copy faster than eager steps split (a "
-             "manual N decodes eagerly to try it)")  # fmt: skip
-        return None
     # a CPU device's own work runs on torch's threads, which spin between ops and starve a second pool (measured on
     # 2 cores: a job 200x slower), so there the calling thread computes alone
     pool = CpuExperts(1 if device.type == "cpu" and threads is None else threads)
+    if service is not None:
+        service.attach_cpu(pool, [(m.bank, m.layout) for m in layers], max_tokens)
     if setting != "auto":
         cap = int(setting)
         _say(f"{pool.threads} threads ({pool.isa}), at most {cap} misses a layer-step on the CPU (manual)")
-        return CpuSplit(manual_table(cap, experts), pool, device)
+        return CpuSplit(manual_table(cap, experts), pool, device, service)
     _say(f"measuring the CPU against the copy ({pool.threads} threads, {pool.isa}) ...")
-    costs = measure(layers[0], pool, device, top_k)
+    costs = measure(layers[0], pool, device, top_k, service=service if graphs else None)
     table = fit(costs, experts)
-    if any(table) and not split_wins(layers[0], pool, device, top_k, table[top_k]):
+    if any(table) and not graphs and not split_wins(layers[0], pool, device, top_k, table[top_k]):
         table = [0] * len(table)
-    what = _describe(table)
+    what = _describe(table) + (" (checked on replayed steps once captured)" if graphs and any(table) else "")
+    per_step = "mailbox round trip" if graphs else "layer-step"
     _say(
         f"{layout.dtype if type(layout) is ExpertLayout else 'quantized'} experts: cpu {costs.cpu * 1e3:.3f} ms, copy "
-        f"{costs.copy * 1e3:.3f} ms an expert, {costs.overhead * 1e3:.3f} ms a layer-step -> {what}"
+        f"{costs.copy * 1e3:.3f} ms an expert, {costs.overhead * 1e3:.3f} ms a {per_step} -> {what}"
     )
     if not any(table):
+        if service is not None:
+            service.detach_cpu()
         pool.close()
         return None
-    return CpuSplit(table, pool, device)
+    return CpuSplit(table, pool, device, service, fitted=graphs)
 
 
 def _describe(table: list[int]) -> str:
@@ -158,10 +205,12 @@ def _fresh(layer, n: int, r: int) -> torch.Tensor:
     return (torch.arange(n) + r * n) % layer.num_experts
 
 
-def measure(layer, pool: CpuExperts, device: torch.device, top_k: int, rounds: int = 5) -> Costs:
+def measure(
+    layer, pool: CpuExperts, device: torch.device, top_k: int, rounds: int = 5, service: CopyService | None = None
+) -> Costs:
     """Per-expert copy and CPU times and the per-layer-step cost, each taken while the other runs (both read host
     memory): copies of a layer's bank rows into a scratch row, the pool on one pair an expert, and the eager split's
-    sync and row transfers. A few seconds at most."""
+    sync and row transfers, or with a copy service (graphs) its round trip (`round_trip`). A few seconds at most."""
     experts = min(8, layer.num_experts)
     scratch = torch.empty(layer.layout.row, dtype=layer.layout.dtype, device=device)
     x = torch.randn(1, layer.layout.hidden)
@@ -185,6 +234,9 @@ def measure(layer, pool: CpuExperts, device: torch.device, top_k: int, rounds: i
     many = _median([t for n, t in cpu_times if n == experts])
     per_expert = (many - one) / (experts - 1) if experts > 1 else one
     fixed = max(one - per_expert, 0.0)
+    if service is not None:  # one CPU pair's round trip holds the pool's fixed cost and one expert's
+        overhead = max(round_trip(service, layer, rounds) - per_expert, fixed)
+        return Costs(copy=_median(copy_times), cpu=max(per_expert, 1e-9), overhead=overhead)
     rows = torch.empty(top_k, layer.layout.hidden, device=device)
     sync = []
     for _ in range(rounds):
@@ -218,3 +270,37 @@ def split_wins(layer, pool: CpuExperts, device: torch.device, misses: int, on_cp
     copy_only = _median([step(0, r) for r in range(rounds)])
     split = _median([step(on_cpu, r) for r in range(rounds)])
     return split < copy_only
+
+
+def round_trip(service: CopyService, layer, rounds: int = 5) -> float:
+    """Seconds a replayed list with one CPU pair (MoE layer 0's `layer`) takes beyond one with none: the post with
+    its x, the serving thread's pass over it, the executor, the row's copy and flag, the GPU's wait. A small graph of
+    the probe's post and the wait, replayed with the pair's count set on the device to 1 and to 0 alternately."""
+    from edgemoe.kernels.miss_copy import await_cpu_rows, post_cpu_probe
+
+    device = service.tick.device
+    expert = torch.zeros(1, dtype=torch.long, device=device)
+    x = torch.randn(1, layer.layout.hidden, device=device)
+    count = torch.ones((), dtype=torch.long, device=device)
+    target = service.target(layer.banks)
+
+    def probe() -> None:
+        post_cpu_probe(target, expert, x, count)
+        await_cpu_rows(service.cpu_wait(count))
+
+    probe()  # compiled, and served, eagerly first
+    service.serve()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        probe()
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for r in range(2 * rounds):
+        for n in (0, 1):
+            count.fill_(n)
+            expert.fill_(r % layer.num_experts)  # another expert each round: read from memory, as a miss is
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            graph.replay()
+            service.serve()
+            times[n].append(time.perf_counter() - t0)
+    return max(_median(times[1]) - _median(times[0]), 0.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from edgemoe.offload.policies import KEY_MAX, POLICIES
-from edgemoe.offload.protocol import Arrivals, Ensured
+from edgemoe.offload.protocol import Arrivals, CpuWait, Ensured
 
 STAT_FIELDS = ("accesses", "hits", "misses", "evictions", "bytes_copied", "cpu_computed")
 
@@ -73,14 +73,15 @@ class ExpertCache:
         assert w13.shape[0] == w2.shape[0] == self.num_slots + 1, "the pool has S slots plus one scratch slot"
         self.w13, self.w2, self.joined = w13, w2, joined
 
-    def start_copy_service(self) -> None:
-        """Hand the miss copy to the copy engine (`edgemoe.offload.copy_service`): CUDA pools, pinned banks."""
+    def start_copy_service(self, max_pairs: int = 0) -> None:
+        """Hand the miss copy to the copy engine (`edgemoe.offload.copy_service`): CUDA pools, pinned banks.
+        `max_pairs`: routed ids of a decode step at most (room for the CPU split's lists)."""
         from edgemoe.kernels.miss_copy import chunks_per_entry
         from edgemoe.offload import copy_service
 
         pools = (self.w13, self.w2)
         counters, chunks = self.arrival_counters, chunks_per_entry(pools)
-        self.copy_service = copy_service.CopyService(pools, counters, chunks, self.num_experts)
+        self.copy_service = copy_service.CopyService(pools, counters, chunks, self.num_experts, max_pairs=max_pairs)
 
     def reset(self) -> None:
         """Empty the cache in place: tensor addresses stay, so CUDA graphs captured over them remain valid.
@@ -105,6 +106,7 @@ class ExpertCache:
         ids: torch.Tensor,
         banks: tuple[torch.Tensor, torch.Tensor] | None = None,
         cpu_take: torch.Tensor | None = None,
+        x: torch.Tensor | None = None,
     ) -> Ensured:
         """Make every expert in `ids` (any shape, of MoE layer `layer`) resident, choosing victims by the policy.
 
@@ -113,11 +115,12 @@ class ExpertCache:
         down): where the copies come from (None: bookkeeping only, as the cache simulator). `cpu_take` [>= M + 1]:
         of m misses, the last `cpu_take[m]` in expert order are left to the CPU (see `_ensure_torch`). CUDA: the fused
         Triton kernel (one launch), which in a captured step posts the list to the copy service itself as soon as its
-        victims are chosen (`copy_missing` then has nothing left to do); elsewhere `_ensure_torch`."""
+        victims are chosen (`copy_missing` then has nothing left to do), with the CPU's misses and the step's input
+        `x` [tokens, hidden] for the service to compute them (`cpu_wait`); elsewhere `_ensure_torch`."""
         if self._ensure_impl is None:
             return self._ensure_torch(layer, ids, cpu_take)
         post = self.copy_service.target(banks) if banks is not None and self._posts() else None
-        return self._ensure_impl(self, layer, ids, post=post, cpu_take=cpu_take)
+        return self._ensure_impl(self, layer, ids, post=post, cpu_take=cpu_take, x=x)
 
     def _ensure_torch(self, layer: int, ids: torch.Tensor, cpu_take: torch.Tensor | None = None) -> Ensured:
         """`ensure` in plain torch: the CPU path, and the oracle of `edgemoe.kernels.ensure` (bitwise, state too).
@@ -200,6 +203,14 @@ class ExpertCache:
         else:
             copy_rows_reference(self.w13, w13_bank, copy.src, copy.dst)
             copy_rows_reference(self.w2, w2_bank, copy.src, copy.dst)
+
+    def cpu_wait(self, copy: Ensured) -> CpuWait | None:
+        """Where a posted step's CPU pairs' rows arrive and what to wait on before reading them (the copy service
+        computes them: `edgemoe.offload.protocol.CpuWait`); None for an eager step, whose rows are computed on the
+        spot (`edgemoe.offload.cpu_split.CpuSplit.pairs`)."""
+        if not copy.posted or copy.cpu_count is None:
+            return None
+        return self.copy_service.cpu_wait(copy.cpu_count)
 
     def await_copy(self, copy: Ensured) -> None:
         """Order the stream after `copy`'s rows arrived, for captured readers that do not wait entry by entry. Only

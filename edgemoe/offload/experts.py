@@ -64,12 +64,18 @@ class OffloadedExperts(nn.Module):
             if get_context().is_prefill:  # bitwise as resident
                 return self.layout.gathered(x, self.load(ids).slots, weights, self.w13, self.w2)
             split = self.cache.cpu_split
-            got = self.cache.ensure(self.layer, ids, self.banks, cpu_take=None if split is None else split.table)
-            on_cpu = None if split is None else split.pairs(ids, got.slots, x)  # a sync, before the copy starts
+            take = None if split is None else split.table
+            got = self.cache.ensure(self.layer, ids, self.banks, cpu_take=take, x=x)
+            wait = None if split is None else self.cache.cpu_wait(got)  # captured: the copy service computes them
+            eager = split is not None and wait is None
+            on_cpu = split.pairs(ids, got.slots, x) if eager else None  # a sync, before the copy starts
             self.cache.copy_missing(got, *self.banks)
             if not self.layout.decode_waits:  # a plain-torch decode (a non-SiLU family on CUDA) reads every slot at
                 self.cache.await_copy(got)  # once: in a captured step, after the copy service's copy
             arrivals = self.cache.arrivals(got)
+            if wait is not None:
+                rows = wait.rows[:pairs]
+                return self.layout.decode_cpu(x, got.slots, weights, self.w13, self.w2, rows, arrivals, cpu_wait=wait)
             if on_cpu is not None:  # computed while the GPU copies
                 cpu_out = split.compute(self.bank, self.layout, on_cpu, pairs, x.device)
                 return self.layout.decode_cpu(x, got.slots, weights, self.w13, self.w2, cpu_out, arrivals=arrivals)
@@ -218,10 +224,12 @@ def attach_expert_cache(
     dtype: torch.dtype,
     cpu_compute: str | int = "off",
     graphs: bool = False,
+    max_tokens: int = 1,
 ) -> ExpertCache:
     """One cache and slot pool (S slots + a scratch slot, each an expert's row in the layers' `ExpertLayout`) for all
     of `model`'s offloaded MoE layers; `cpu_compute`: `--moe-cpu-compute`, `graphs`: whether decode would replay CUDA
-    graphs (`edgemoe.offload.cpu_split.resolve`)."""
+    graphs (`edgemoe.offload.cpu_split.resolve`), `max_tokens`: a decode step's tokens at most (the copy service's
+    room for the split's pairs)."""
     cfg = model.config
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
     dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cfg.hidden_act)
@@ -234,6 +242,8 @@ def attach_expert_cache(
     if PrefillStream.fits(cache) and layers:
         cache.prefill_stream = PrefillStream(cache, [m.bank for m in sorted(layers, key=lambda m: m.layer)])
     if device.type == "cuda" and layers:
-        cache.start_copy_service()
-    cache.cpu_split = cpu_split.resolve(cpu_compute, layers, device, cfg.top_k, graphs)
+        cache.start_copy_service(max_tokens * cfg.top_k)
+    layers.sort(key=lambda m: m.layer)
+    cache.cpu_split = cpu_split.resolve(cpu_compute, layers, device, cfg.top_k, graphs, service=cache.copy_service,
+                                        max_tokens=max_tokens)  # fmt: skip
     return cache

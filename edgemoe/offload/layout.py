@@ -25,6 +25,7 @@ import torch
 from edgemoe.layers.mlp import ACTIVATIONS
 from edgemoe.layers.quant import QuantLike, dequantize, quant_type, row_bytes
 from edgemoe.moe.experts import decode_reference, gathered_experts, grouped_experts
+from edgemoe.offload.protocol import CpuWait
 
 
 class ExpertLayout:
@@ -42,7 +43,7 @@ class ExpertLayout:
         # (x, ids, weights, w13, w2, arrivals=) -> [T, H]
         self.decode: Callable = decode_reference if act == "silu" else partial(decode_reference, act=self.act)
         self.decode_waits = False  # whether `decode` waits for each copied expert itself (the kernels do)
-        # (x, slots, weights, w13, w2, cpu_out, arrivals=) -> [T, H]: `decode` with CPU pairs' rows
+        # (x, slots, weights, w13, w2, cpu_out, arrivals=, cpu_wait=) -> [T, H]: `decode` with CPU pairs' rows
         self.decode_cpu: Callable = self._decode_cpu_reference
 
     def use_kernels(self, device: torch.device) -> None:
@@ -74,12 +75,13 @@ class ExpertLayout:
 
     def _decode_cpu_reference(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-        cpu_out: torch.Tensor, arrivals=None,  # noqa: ANN001 - decode's
+        cpu_out: torch.Tensor, arrivals=None, cpu_wait: CpuWait | None = None,  # noqa: ANN001 - decode's
     ) -> torch.Tensor:  # fmt: skip
         """`decode` where pairs of slot -1 were computed on the CPU (`cpu_out` [T * K, H] fp32, their rows): every
         other pair's output as `decode` computes it (itself, one pair a token, weight 1), the CPU's rounded to x's
         dtype as those are, then the weighted sum over k of `gathered_experts`. Where no pair is on the CPU, the plain
-        reference's result bitwise."""
+        reference's result bitwise. `cpu_wait` (a captured step, CUDA): the rows arrive from the copy service, so the
+        stream waits for them (a one-program kernel) after `decode` and before the sum."""
         tokens, top_k = slots.shape
         flat = slots.reshape(-1)
         on_cpu = flat < 0  # [pairs]
@@ -87,6 +89,10 @@ class ExpertLayout:
         xs = x.repeat_interleave(top_k, dim=0)  # [pairs, H]
         ones = torch.ones(flat.numel(), 1, dtype=x.dtype, device=x.device)
         out = self.decode(xs, torch.where(on_cpu, scratch, flat)[:, None], ones, w13, w2, arrivals=arrivals)
+        if cpu_wait is not None:
+            from edgemoe.kernels.miss_copy import await_cpu_rows
+
+            await_cpu_rows(cpu_wait)
         out = torch.where(on_cpu[:, None], cpu_out.to(out.dtype), out).view(tokens, top_k, -1)  # [T, K, H]
         return (out * weights[:, :, None]).sum(dim=1)
 
@@ -189,10 +195,11 @@ class QuantExpertLayout(ExpertLayout):
 
 def _fused_cpu(
     fused: Callable, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-    cpu_out: torch.Tensor, arrivals=None,  # noqa: ANN001 - decode's
+    cpu_out: torch.Tensor, arrivals=None, cpu_wait: CpuWait | None = None,  # noqa: ANN001 - decode's
 ) -> torch.Tensor:  # fmt: skip
-    """The dense kernel's `decode_cpu`: the kernel reads CPU pairs' rows itself (`edgemoe.kernels.moe_gemv`)."""
-    return fused(x, slots, weights, w13, w2, arrivals=arrivals, cpu_out=cpu_out)
+    """The dense kernel's `decode_cpu`: the kernel reads CPU pairs' rows itself, and waits for them in a captured step
+    (`edgemoe.kernels.moe_gemv`)."""
+    return fused(x, slots, weights, w13, w2, arrivals=arrivals, cpu_out=cpu_out, cpu_wait=cpu_wait)
 
 
 def split_rows(joined: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,17 +4,23 @@ step posts that list to the copy service's mailbox, and how the expert GEMV wait
 Copy list (`Ensured`): `src [M]` experts, `dst [M]` their slots, `count []` valid entries; entries past `count`
 copy expert 0 into the scratch slot S, so no step needs a host-side length. M = min(ids, experts) <= slots.
 With the CPU split (`edgemoe.offload.cpu_split`) the last `cpu_count` misses in expert order are listed in `cpu [M]`
-instead: no slot (their pairs' `slots` are -1), computed on the host; the expert kernels read their fp32 rows. Eager
-steps only for now: nothing of them is posted to the mailbox.
+instead: no slot (their pairs' `slots` are -1), computed on the host; the expert kernels read their fp32 rows.
 
-Mailbox (`PostTarget`): `RING` rows of pinned int64, each `[seq, n, bank_a, bank_b, src[MAX], dst[MAX]]`. A posting
-kernel (`edgemoe.kernels.miss_copy.post_list`) writes the row, fences at system scope, then stores `seq` = tick + 1
-last; the host (`copy_service.c`) reads a row once its `seq` changes, copies each entry's rows (bank -> pool) and
-then sets that entry's arrival counter to `chunks`. Empty lists are never posted, and a step waits for each list
-before it posts the next, so a ring of two rows never overflows.
+Mailbox (`PostTarget`): `RING` rows of pinned int64, each `[seq, n, bank_a, bank_b, src[MAX], dst[MAX]]` and a CPU
+section `[layer, cpu_count, pairs, top_k, cpu[MAX], ids[MAX_PAIRS]]` (`row_width`). A posting kernel
+(`edgemoe.kernels.miss_copy.post_list`, or the fused `ensure`) writes the row, fences at system scope, then stores
+`seq` = tick + 1 last; the host (`copy_service.c`) reads a row once its `seq` changes, copies each entry's rows
+(bank -> pool) and then sets that entry's arrival counter to `chunks`. A list is posted when it copies something or
+has CPU pairs; then the kernel has also written the step's x rows, fp32, into the service's pinned `cpu_x` (the
+row's ring index), and the host computes the pairs whose routed id is in `cpu[:cpu_count]` (pair p: token p // top_k)
+once the copies are queued, copies their outputs into the device buffer `CpuWait.rows` at each pair's row and then
+writes `seq` into the device flag `CpuWait.done` (`copy_service.c`). A step waits for each list (its arrival
+counters, its flag) before it posts the next, so a ring of two rows never overflows.
 
 Arrivals (`Arrivals`): one int64 counter per list entry, zeroed by `ensure`; an entry has arrived when its counter
 reaches `chunks` (work items of the SM copy, or the copy service's single write). Readers acquire it at GPU scope.
+CPU rows (`CpuWait`): a reader of pair rows whose id is -1 acquires `done` at GPU scope until it reaches the service's
+tick (the sequence number of the step's own list, which was the last posted), then reads the rows at L2.
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ import torch
 
 RING = 2  # mailbox rows
 HEADER = 4  # seq, n, bank_a, bank_b
+CPU_HEADER = 4  # layer, cpu_count, pairs, top_k
+
+
+def row_width(max_entries: int, max_pairs: int) -> int:
+    """int64 fields of a mailbox row: the header, src and dst, the CPU section's header, cpu and ids."""
+    return HEADER + 2 * max_entries + CPU_HEADER + max_entries + max_pairs
 
 
 class Ensured(NamedTuple):
@@ -43,11 +55,17 @@ class PostTarget(NamedTuple):
     """A copy service's mailbox, as a kernel that posts to it takes it."""
 
     tick: torch.Tensor  # [] int64 on the device: lists posted so far
-    mailbox: torch.Tensor  # [RING, HEADER + 2 * max_entries] int64, pinned host memory
+    mailbox: torch.Tensor  # [RING, row_width(max_entries, max_pairs)] int64, pinned host memory
     bank_a: int  # the banks' addresses (gate_up, down)
     bank_b: int
     ring: int
     max_entries: int
+    max_pairs: int = 0  # routed ids a CPU section lists at most
+    cpu_x: torch.Tensor | None = None  # [RING, max_tokens, hidden] fp32 pinned: a list's x rows; None: no CPU pairs
+
+    @property
+    def width(self) -> int:
+        return row_width(self.max_entries, self.max_pairs)
 
 
 class Arrivals(NamedTuple):
@@ -61,3 +79,12 @@ class Arrivals(NamedTuple):
     # waits for that kernel (PDL) before it reads the slots; otherwise a copy kernel that waited for ensure runs in
     # between, and the consumer runs beside it without waiting
     after_ensure: bool = False
+
+
+class CpuWait(NamedTuple):
+    """What a reader of a captured step's CPU rows waits on (see CPU rows above)."""
+
+    rows: torch.Tensor  # [max_pairs, hidden] fp32 on the device: each CPU pair's output at its pair's row
+    done: torch.Tensor  # [] int64 on the device: the last list whose rows are in
+    seq: torch.Tensor  # [] int64 on the device: the copy service's tick (this step's list, once posted)
+    count: torch.Tensor  # [] this layer-step's CPU misses (`Ensured.cpu_count`): no wait without

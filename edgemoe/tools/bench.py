@@ -280,7 +280,8 @@ def run_bench(a: argparse.Namespace) -> dict:
         room = None if key != "vram_budget" else parse_size(value) - dense - kv_bytes
         slots = cache_slots(moe, cfg, 1, per_expert, room)
         for policy, split in [(p, c) for p in a.moe_policy.split(",") for c in a.moe_cpu_compute.split(",")]:
-            cache = attach_expert_cache(model, slots, policy, True, device, dtype, split)
+            graphs = device.type == "cuda" and "graph" in a.mode.split(",")
+            cache = attach_expert_cache(model, slots, policy, True, device, dtype, split, graphs)
             if lengths and not result.get("prefill"):
                 result["prefill"] = prefill_runs(runner, lengths, a.warmup_prefill, cache, bw)
             label = policy if split == "off" else f"{policy}+cpu:{split}"
@@ -387,18 +388,25 @@ def decode(
             for _ in range(a.warmup):
                 dec.step()
             fn = dec.step
-            if mode == "graph" and getattr(cache, "cpu_split", None) is not None:
-                raise EdgeMoEError("the CPU split runs in eager steps only (--mode eager)")
             if mode == "graph":
                 fn = capture(dec.step).replay
+                split = getattr(cache, "cpu_split", None)
+                if split is not None and split.fitted:  # `auto`'s check on replayed steps (it empties the cache)
+                    split.check_replayed(fn, cache.reset)
+                    for _ in range(a.warmup):
+                        fn()
             fn()
             if cache is not None:
                 cache.stats.zero_()
             service = getattr(cache, "copy_service", None)
             served_before = service.host_timings if service is not None else None
+            cpu_before = service.cpu_timings if service is not None else None
             seconds = timed(fn, dec.device, a.steps - 1)  # per step; the stats cover its warm call too
             if service is not None:  # what serving the copy lists cost the host, a list (graph runs post)
                 run["copy_service"] = service.host_timings.since(served_before)
+                lists, ns = (now - then for now, then in zip(service.cpu_timings, cpu_before))
+                # lists with CPU pairs (the split's): µs from seeing each to its rows' flag queued
+                run["copy_service"].update(cpu_lists=lists, cpu_list_us=ns / lists / 1e3 if lists else None)
             stats = resident_stats(model, dec.trace, a.steps) if cache is None else cache.stats.sum(0).tolist()
             if dec.device.type == "cuda":
                 run["peak_vram_bytes"] = torch.cuda.max_memory_allocated(dec.device)

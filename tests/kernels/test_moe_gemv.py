@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from edgemoe.kernels.miss_copy import copy_rows_pair  # noqa: E402
+from edgemoe.kernels.miss_copy import await_cpu_rows, copy_rows_pair  # noqa: E402
 from edgemoe.kernels.moe_gemv import Blocks, fused_experts, pick_blocks  # noqa: E402
 from edgemoe.moe.experts import gathered_experts  # noqa: E402
-from edgemoe.offload.protocol import Arrivals  # noqa: E402
+from edgemoe.offload.protocol import Arrivals, CpuWait  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -146,3 +146,9 @@ def test_cpu_pairs(blocks: Blocks | None) -> None:
     ref = ExpertLayout(37, 21, torch.float32)._decode_cpu_reference(x, on_cpu, weights, w13, w2, cpu_out)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[1], plain[1]), "a token without CPU pairs is computed as before"
+    # a captured step's wait for the copy service's flag (here already set: the interpreter runs one program at a
+    # time) changes nothing of the result
+    seq = torch.tensor(7, device=DEVICE)
+    wait = CpuWait(cpu_out, seq.clone(), seq, torch.tensor(3, device=DEVICE))
+    assert torch.equal(fused_experts(x, on_cpu, weights, w13, w2, blocks, cpu_out=cpu_out, cpu_wait=wait), out)
+    await_cpu_rows(wait)

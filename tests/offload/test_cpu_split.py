@@ -209,3 +209,29 @@ def test_settings_and_lines(capfd) -> None:
     llm = LLM(progress=False, max_num_seqs=2, moe_strategy="offload", moe_cache_slots=16, moe_cpu_compute="auto")
     assert llm.engine.expert_cache.cpu_split is None
     assert "cpu experts: auto weighs the CPU against copies over PCIe" in capfd.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- the replayed check
+
+
+@pytest.mark.parametrize("split_ms", [1.0, 12.0])
+def test_check_replayed_keeps_a_split_only_if_faster(monkeypatch: pytest.MonkeyPatch, split_ms: float, capfd) -> None:
+    """`CpuSplit.check_replayed` times a step with the table as fitted and zeroed (here a stand-in whose duration
+    follows the table: 5 ms copy-only), empties the cache before each, and keeps the table only where it is faster;
+    otherwise the device table ends all zero."""
+    import time
+
+    from edgemoe.offload.cpu_split import CpuSplit
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    fitted = [0, 0, 1, 1, 2]
+    split = CpuSplit(fitted, None, torch.device("cpu"), fitted=True)
+    resets = []
+
+    def step() -> None:
+        time.sleep((split_ms if split.table.any() else 5.0) / 1e3)
+
+    keep = split.check_replayed(step, lambda: resets.append(1), rounds=3)
+    assert keep == (split_ms < 5.0) and len(resets) == 6 and not split.fitted
+    assert split.table.tolist() == (fitted if keep else [0] * 5)
+    assert ("keeps the split" if keep else "turns the split off") in capfd.readouterr().err

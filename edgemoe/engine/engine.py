@@ -178,7 +178,7 @@ class LLMEngine:
         cache = None
         if offload and budget is None:
             cache = self._attach_cache(moe, cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, None))
-        acts = self._prefill_chunk(offload, None if budget is None else budget - weights - reserve)
+        acts, chunk_why = self._prefill_chunk(offload, None if budget is None else budget - weights - reserve)
         if budget is not None and budget - weights - acts - reserve < per_block:
             parts = (
                 f"{'dense ' if offload else ''}weights take {weights / MiB:.1f} MiB, prefill activations "
@@ -207,6 +207,11 @@ class LLMEngine:
                 f"vram_budget {moe.vram_budget} is too small for the KV cache ({why}): the "
                 f"minimum is {(weights + acts + kv_bytes + reserve) / MiB:.1f} MiB"
             )
+        chunk = self.max_num_batched_tokens
+        print(
+            f"edgemoe: prefill: chunks of {chunk} tokens, {acts / MiB:.1f} MiB of activations ({chunk_why})",
+            file=sys.stderr,
+        )
         print(
             f"edgemoe: KV cache: {blocks * self.config.block_size} tokens, {kv_bytes / MiB:.1f} MiB ({why})",
             file=sys.stderr,
@@ -220,10 +225,10 @@ class LLMEngine:
             cache = self._attach_cache(moe, slots, note)
         return cache
 
-    def _prefill_chunk(self, offload: bool, room: int | None) -> int:
+    def _prefill_chunk(self, offload: bool, room: int | None) -> tuple[int, str]:
         """Set `max_num_batched_tokens`, the prefill chunk: the user's, else `PREFILL_CHUNK` with resident experts, or
         offloaded the largest that `room` bytes allow (None: the free device memory; no limit on the CPU; see
-        `edgemoe.engine.activations`); print it -> the bytes of its activations (`prefill_activation_bytes`)."""
+        `edgemoe.engine.activations`) -> the bytes of its activations (`prefill_activation_bytes`), and why."""
         cfg, seqs, context = self.model_config, self.config.max_num_seqs, self.max_model_len
         if self.config.max_num_batched_tokens is not None:
             chunk, why = self.config.max_num_batched_tokens, "max_num_batched_tokens"
@@ -237,12 +242,8 @@ class LLMEngine:
                 "" if room is None else f" whose activations fit 1/{ACTIVATION_SHARE} of {max(room, 0) / MiB:.1f} MiB"
             )
             why = f"offloaded experts, streamed once a chunk: the largest power of two <= {OFFLOAD_CHUNK_CAP}{fits}"
-        acts = prefill_activation_bytes(cfg, min(chunk, seqs * context), seqs, context, self.dtype)
-        print(
-            f"edgemoe: prefill: chunks of {chunk} tokens, {acts / MiB:.1f} MiB of activations ({why})", file=sys.stderr
-        )
         self.max_num_batched_tokens = chunk
-        return acts
+        return prefill_activation_bytes(cfg, min(chunk, seqs * context), seqs, context, self.dtype), why
 
     def _warm_up(self) -> None:
         """Dummy prefills (`ModelRunner.warm_up`, their K/V in the pad block); then the expert cache starts empty, as

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from edgemoe.config import EngineConfig
+from edgemoe.engine.activations import PREFILL_CHUNK
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.engine.scheduler import Batch
@@ -90,7 +90,7 @@ def main() -> None:
     for b in BATCHES:
         us = out["decode_us"][b] = decode_us(runner, b, a.context, a.reps)
         print(f"decode  batch {b}: {us:8.1f} µs a step, {b / us * 1e6:8.1f} tok/s")
-    budget = EngineConfig.max_num_batched_tokens
+    budget = PREFILL_CHUNK  # the engine's chunk with resident experts
     prefill_s(runner, 2, 64, budget, False)  # warm: cuBLAS handles, the grouped experts' first launches
     for tokens in lengths:
         packed, alone = (prefill_s(runner, a.prompts, tokens, budget, one) for one in (False, True))

@@ -200,7 +200,12 @@ class EngineConfig:
     dtype: str = option("auto", "auto, float32, bfloat16 or float16")
     max_model_len: int | None = option(None, "context limit in tokens (default: the model's)")
     max_num_seqs: int = option(8, "sequences decoded together")
-    max_num_batched_tokens: int = option(512, "prompt tokens per prefill step (longer prompts are chunked)")
+    max_num_batched_tokens: int | None = option(
+        None,
+        "prompt tokens per prefill step (longer prompts are chunked); default: 512 with resident experts; offloaded, "
+        "the largest power of two up to 16384 whose activations take at most an eighth of the device memory left "
+        "(each chunk streams every expert once, whatever its length)",
+    )
     kv_cache_memory: str | int = option(
         "auto",
         "KV cache size, e.g. 2GiB; auto: room for max_num_seqs sequences of max_model_len tokens, within 80 percent "
@@ -252,7 +257,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens"):
             value = getattr(self, name)
-            if (value is not None or name not in ("max_model_len", "kv_cache_tokens")) and not _count(value):
+            optional = ("max_num_batched_tokens", "max_model_len", "kv_cache_tokens")
+            if (value is not None or name not in optional) and not _count(value):
                 raise EdgeMoEError(f"{name} must be an integer >= 1, got {value!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise EdgeMoEError(f"seed must be an integer or None, got {self.seed!r}")

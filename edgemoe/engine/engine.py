@@ -13,6 +13,13 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from edgemoe.config import EngineConfig, ExpertCacheConfig, ModelConfig, parse_size
+from edgemoe.engine.activations import (
+    ACTIVATION_SHARE,
+    OFFLOAD_CHUNK_CAP,
+    PREFILL_CHUNK,
+    offload_prefill_chunk,
+    prefill_activation_bytes,
+)
 from edgemoe.engine.cuda_graphs import default_batch_sizes
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
@@ -104,8 +111,10 @@ class LLMEngine:
         offload, args = moe.moe_strategy == "offload", (self.device, self.dtype, config.block_size, config.progress)
         if gguf is not None and moe.expert_dtype != "auto":
             raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
-        # the disk backend's staging holds a step's tokens: a prefill chunk's or a decode batch's
-        ple = PLEOptions(config.ple_backend, config.ple_sync, max(config.max_num_batched_tokens, config.max_num_seqs))
+        # the disk backend's staging holds a step's tokens: a prefill chunk's or a decode batch's (a default chunk is
+        # chosen only once the weights are placed; a longer step than the staging holds is gathered in pieces)
+        chunk = config.max_num_batched_tokens or PREFILL_CHUNK
+        ple = PLEOptions(config.ple_backend, config.ple_sync, max(chunk, config.max_num_seqs))
         try:
             if gguf is None:
                 self.model = load_model(path, self.model_config, family, *args, offload, moe.expert_dtype, ple)
@@ -117,8 +126,9 @@ class LLMEngine:
             raise EdgeMoEError(
                 f"the weights do not fit the memory of {self.device}{'' if offload else ': try moe_strategy offload'}"
             ) from None
+        self.max_num_batched_tokens = chunk  # the prefill chunk, set by `_place`
         self.expert_cache = self._place(moe)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.batch_invariant)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, config.batch_invariant)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.device, config.max_num_seqs, max_blocks)
         # Callables (sequences due a token, their logits [due, vocab]) -> logits, run in order before the sampler:
@@ -146,9 +156,10 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
 
     def _place(self, moe: ExpertCacheConfig) -> ExpertCache | None:
-        """Allocate the KV cache and, when experts are offloaded, the expert cache, within `vram_budget` if set:
-        device memory = dense weights + KV + expert slots (+ one scratch slot). Without a budget, an explicitly
-        sized slot pool comes first and the KV cache takes its usual share of what is left."""
+        """Choose the prefill chunk (`_prefill_chunk`) and allocate the KV cache and, when experts are offloaded, the
+        expert cache, within `vram_budget` if set: device memory = dense weights + prefill activations + KV + expert
+        slots (+ one scratch slot). Without a budget, an explicitly sized slot pool comes first, the chunk fits what
+        it leaves, and the KV cache takes its usual share of that."""
         offload, cfg = moe.moe_strategy == "offload", self.model_config
         weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         budget = None if moe.vram_budget is None else parse_size(moe.vram_budget)
@@ -161,19 +172,22 @@ class LLMEngine:
         per_expert = expert_bytes(self.model, self.dtype)
         reserve = (min_cache_slots(cfg, self.config.max_num_seqs) + 1) * per_expert if offload else 0
         per_block = bytes_per_block(cfg, self.config.block_size, self.dtype)
-        if budget is not None and budget - weights - reserve < per_block:
-            parts = (
-                f"{'dense ' if offload else ''}weights take {weights / MiB:.1f} MiB, one KV block {per_block / MiB:.2f}"
-            )
-            parts += f" MiB, the smallest expert cache {reserve / MiB:.1f} MiB" if offload else " MiB"
-            raise EdgeMoEError(
-                f"vram_budget {moe.vram_budget} is too small: {parts}; the minimum is "
-                f"{(weights + per_block + reserve) / MiB:.1f} MiB{'' if offload else ' (or use moe_strategy offload)'}"
-            )
         cache = None
         if offload and budget is None:
             cache = self._attach_cache(moe, cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, None))
-        kv_room = None if budget is None else budget - weights - reserve
+        acts, chunk_why = self._prefill_chunk(offload, None if budget is None else budget - weights - reserve)
+        if budget is not None and budget - weights - acts - reserve < per_block:
+            parts = (
+                f"{'dense ' if offload else ''}weights take {weights / MiB:.1f} MiB, prefill activations "
+                f"{acts / MiB:.1f} MiB, one KV block {per_block / MiB:.2f} MiB"
+            )
+            parts += f", the smallest expert cache {reserve / MiB:.1f} MiB" if offload else ""
+            raise EdgeMoEError(
+                f"vram_budget {moe.vram_budget} is too small: {parts}; the minimum is "
+                f"{(weights + acts + per_block + reserve) / MiB:.1f} MiB"
+                f"{'' if offload else ' (or use moe_strategy offload)'}"
+            )
+        kv_room = None if budget is None else budget - weights - acts - reserve
         if offload and kv_room is not None:
             kv_room //= 4  # KV "auto" under a budget takes at most a quarter: the rest caches experts
         blocks, why = kv_blocks(self.config, per_block, self.max_model_len, self.device, kv_room)
@@ -185,25 +199,53 @@ class LLMEngine:
                 "lower kv_cache_memory, kv_cache_tokens, max_model_len or max_num_seqs"
             ) from None
         kv_bytes = 2 * self.kv.k.numel() * self.kv.k.element_size()
-        if budget is not None and weights + kv_bytes + reserve > budget:
+        if budget is not None and weights + acts + kv_bytes + reserve > budget:
             raise EdgeMoEError(
                 f"vram_budget {moe.vram_budget} is too small for the KV cache ({why}): the "
-                f"minimum is {(weights + kv_bytes + reserve) / MiB:.1f} MiB"
+                f"minimum is {(weights + acts + kv_bytes + reserve) / MiB:.1f} MiB"
             )
+        chunk = self.max_num_batched_tokens
+        print(
+            f"edgemoe: prefill: chunks of {chunk} tokens, {acts / MiB:.1f} MiB of activations ({chunk_why})",
+            file=sys.stderr,
+        )
         print(
             f"edgemoe: KV cache: {blocks * self.config.block_size} tokens, {kv_bytes / MiB:.1f} MiB ({why})",
             file=sys.stderr,
         )
         if offload and cache is None:
-            slots = cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, budget - weights - kv_bytes)
-            note = f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, KV {kv_bytes / MiB:.1f} MiB"
+            slots = cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, budget - weights - acts - kv_bytes)
+            note = (
+                f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, prefill {acts / MiB:.1f} MiB, "
+                f"KV {kv_bytes / MiB:.1f} MiB"
+            )
             cache = self._attach_cache(moe, slots, note)
         return cache
+
+    def _prefill_chunk(self, offload: bool, room: int | None) -> tuple[int, str]:
+        """Set `max_num_batched_tokens`, the prefill chunk: the user's, else `PREFILL_CHUNK` with resident experts, or
+        offloaded the largest that `room` bytes allow (None: the free device memory; no limit on the CPU; see
+        `edgemoe.engine.activations`) -> the bytes of its activations (`prefill_activation_bytes`), and why."""
+        cfg, seqs, context = self.model_config, self.config.max_num_seqs, self.max_model_len
+        if self.config.max_num_batched_tokens is not None:
+            chunk, why = self.config.max_num_batched_tokens, "max_num_batched_tokens"
+        elif not offload:
+            chunk, why = PREFILL_CHUNK, "resident experts"
+        else:
+            if room is None and self.device.type == "cuda":
+                room = torch.cuda.mem_get_info(self.device)[0]
+            chunk = offload_prefill_chunk(cfg, self.dtype, seqs, context, room)
+            fits = (
+                "" if room is None else f" whose activations fit 1/{ACTIVATION_SHARE} of {max(room, 0) / MiB:.1f} MiB"
+            )
+            why = f"offloaded experts, streamed once a chunk: the largest power of two <= {OFFLOAD_CHUNK_CAP}{fits}"
+        self.max_num_batched_tokens = chunk
+        return prefill_activation_bytes(cfg, min(chunk, seqs * context), seqs, context, self.dtype), why
 
     def _warm_up(self) -> None:
         """Dummy prefills (`ModelRunner.warm_up`, their K/V in the pad block); then the expert cache starts empty, as
         if none ran."""
-        lengths = warmup_lengths(min(self.config.max_num_batched_tokens, self.max_model_len))
+        lengths = warmup_lengths(min(self.max_num_batched_tokens, self.max_model_len))
         for n in tqdm(lengths, desc="warming up", unit="prefill", disable=not self.config.progress or None):
             self.runner.warm_up(n)
         if self.expert_cache is not None:

@@ -4,10 +4,12 @@ The cache of one layer is two tensors `[num_slots, kv_heads, head_dim]`; slot = 
 Decode attends with fixed shapes (block tables padded to a fixed width, masked by context length), so a CUDA
 graph can capture it: on CUDA the Triton kernel `edgemoe.kernels.paged_attention` reads K/V in place up to each
 context length; elsewhere (and for head_dims it does not take) `_decode_torch`, its reference, gathers the padded
-table and masks. Prefill (plain torch) loops over sequences, which may have any length: a whole prompt under the
-causal `visible` passes SDPA no mask (`is_causal`: flash on CUDA); a later chunk, a cached prefix or a subclass that
-narrows `visible` (a sliding window) passes a [new, keys] mask, with K/V repeated per query head so that CUDA can run
-the memory-efficient kernel.
+table and masks. Prefill (plain torch) loops over sequences, which may have any length. Under the causal `visible` a
+sequence's new tokens are the last rows of its causal square (a whole prompt, a later chunk, a prompt after a cached
+prefix), which `causal_lower_right` tells SDPA without a mask: on CUDA flash attention takes it with grouped K/V as
+they are (no mask, no K/V repeated per query head); on the CPU torch builds the mask itself. A subclass that narrows
+`visible` (a sliding window) passes a [new, keys] mask, with K/V repeated per query head so that CUDA can run the
+memory-efficient kernel.
 
 `Attention` is the block every family shares: one qkv projection, an optional per-head q/k norm, RoPE, the KV-cache
 write and paged attention, the output projection. A family that transforms q, k, v before RoPE (OLMoE's norm over
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from edgemoe.engine.context import get_context
 from edgemoe.layers.linear import DecodeLinear
@@ -96,9 +99,10 @@ class PagedAttention(nn.Module):
             k, v = self._gather(ctx.block_tables[i : i + 1, :n_blocks])
             k, v = k[:, :, :n_ctx], v[:, :, :n_ctx]
             qi = q[start : start + n_new].transpose(0, 1)[None]  # [1, heads, new, head_dim]
-            if causal and n_new == n_ctx:  # a whole prompt: no mask (flash on CUDA, which also takes GQA)
-                o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=self.scale, enable_gqa=groups > 1)
-            else:  # a later chunk or a cached prefix (or a window): a mask, which the efficient kernel takes, not GQA
+            if causal:  # the last n_new rows of the causal square: no mask (flash on CUDA, which also takes GQA)
+                bias = causal_lower_right(n_new, n_ctx)
+                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=bias, scale=self.scale, enable_gqa=groups > 1)
+            else:  # a window: a mask, which the efficient kernel takes, not GQA
                 q_pos = torch.arange(n_ctx - n_new, n_ctx, device=q.device)
                 mask = self.visible(q_pos[:, None], torch.arange(n_ctx, device=q.device)[None, :])  # [new, keys]
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

@@ -139,9 +139,17 @@ def test_vram_budget_sizes_the_cache(capfd) -> None:
     weights = sum(t.numel() * t.element_size() for t in (*engine.model.parameters(), *engine.model.buffers()))
     kv = 2 * engine.kv.k.numel() * engine.kv.k.element_size()
     per_expert = 3 * 256 * 48 * 4
-    assert cache.num_slots == min(224, (40 * 2**20 - weights - kv) // per_expert - 1)
+    # a prefill step's activations (`prefill_activation_bytes`) at 256 tokens (the context limit), 1 sequence, float32:
+    # the residual stream 2 * 256 * 256 * 4, the MoE layer (larger than attention's 1,837,056): normed input
+    # 256 * 256 * 4, router 256 * 32 * 12 + 256 * 4 * 12, grouped experts 2 * 1024 * 8 + 1024 * (48 + 256) * 4
+    # + 256 * 256 * 8, shared expert 256 * (3 * 256 + 256) * 4; logits 6144 * 8
+    acts = 524_288 + (262_144 + 110_592 + 1_785_856 + 1_048_576) + 49_152
+    assert engine.max_num_batched_tokens == 512  # 2 x 512 tokens is more than 1 sequence of 256 can prefill
+    assert cache.num_slots == min(224, (40 * 2**20 - weights - acts - kv) // per_expert - 1)
     assert 4 <= cache.num_slots < 224
-    assert f"expert cache: {cache.num_slots} of 224 experts" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert f"expert cache: {cache.num_slots} of 224 experts" in err
+    assert f"prefill {acts / 2**20:.1f} MiB" in err and "prefill: chunks of 512 tokens" in err
 
 
 def test_vram_budget_keeps_room_for_experts() -> None:
@@ -158,7 +166,7 @@ def test_vram_budget_keeps_room_for_experts() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(moe_strategy="offload", vram_budget="16MiB"), "the minimum is 22.0 MiB"),
+        (dict(moe_strategy="offload", vram_budget="16MiB"), "the minimum is 29.5 MiB"),  # 7.5 MiB prefill
         (dict(vram_budget="16MiB"), "the minimum is"),
         (dict(moe_strategy="offload", moe_cache_slots=3), "the minimum is 32 slots"),
         (dict(moe_strategy="offload", moe_cache_slots=3, max_num_seqs=1), "the minimum is 4 slots"),

@@ -32,7 +32,8 @@ from edgemoe.offload.layout import ExpertLayout, QuantExpertLayout
 H, INTER, TILE = 2048, 768, 8  # qwen3-30b-a3b
 FORMATS = {"bf16": None, "Q8_0": ("Q8_0", "Q8_0"), "Q4_K": ("Q4_K", "Q4_K"), "Q6_K": ("Q6_K", "Q6_K"),
            "Q4_K_M": ("Q4_K", "Q6_K"), "Q4_0": ("Q4_0", "Q4_0"), "Q5_K": ("Q5_K", "Q5_K"),
-           "MXFP4": ("MXFP4", "MXFP4")}  # fmt: skip
+           "MXFP4": ("MXFP4", "MXFP4"), "Q4_1": ("Q4_1", "Q4_1"), "Q5_0": ("Q5_0", "Q5_0"),
+           "Q5_1": ("Q5_1", "Q5_1")}  # fmt: skip
 DEFAULT = "bf16,Q8_0,Q4_K,Q6_K,Q4_K_M"  # what users run
 
 

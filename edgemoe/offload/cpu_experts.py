@@ -4,12 +4,12 @@ Each pair's output is y = down_e @ (act(gate_e @ x_t) * (up_e @ x_t)), fp32 [pai
 the routing weights and sums in its own fixed order.
 
 The work is `cpu_experts.c` (the pool, the two phases) and `cpu_experts_kernels.h` (one dot kernel per format and
-ISA): weights dequantized to fp32 as they are read (dense bf16/fp16/fp32, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4;
-gate_up and down may differ, as in Q4_K_M files), activations kept in fp32, results bitwise the same at any thread
-count. It is compiled at first use like the copy service (`c_library`), with -O3 -march=native since it runs where it
-is built: AVX-512, else AVX2 + FMA + F16C, else plain C (`CpuExperts.isa`). A C loop can call it without Python
-(`CpuExperts.c_entry` and `job`; the struct in `cpu_experts_job.h`): the copy service's serve loop does, for the CPU
-split of replayed decode steps.
+ISA): weights dequantized to fp32 as they are read (dense bf16/fp16/fp32, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K, MXFP4; gate_up and down may differ, as in Q4_K_M files), activations kept in fp32, results bitwise the same at
+any thread count. It is compiled at first use like the copy service (`c_library`), with -O3 -march=native since it
+runs where it is built: AVX-512, else AVX2 + FMA + F16C, else plain C (`CpuExperts.isa`). A C loop can call it without
+Python (`CpuExperts.c_entry` and `job`; the struct in `cpu_experts_job.h`): the copy service's serve loop does, for
+the CPU split of replayed decode steps.
 
 AMX and AVX512_BF16 are not used: both multiply bf16 by bf16, which would round the activations to bf16, and the
 bf16 case is bound by memory, not arithmetic. Measured (benchmarks/cpu_experts.py, 2-core AVX-512 + AMX dev VM, 8

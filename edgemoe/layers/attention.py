@@ -100,8 +100,11 @@ class PagedAttention(nn.Module):
             k, v = k[:, :, :n_ctx], v[:, :, :n_ctx]
             qi = q[start : start + n_new].transpose(0, 1)[None]  # [1, heads, new, head_dim]
             if causal:  # the last n_new rows of the causal square: no mask (flash on CUDA, which also takes GQA)
-                bias = causal_lower_right(n_new, n_ctx)
-                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=bias, scale=self.scale, enable_gqa=groups > 1)
+                # a whole prompt as is_causal (the path measured on the H200); a later chunk through the bias object
+                bias = None if n_new == n_ctx else causal_lower_right(n_new, n_ctx)
+                o = F.scaled_dot_product_attention(
+                    qi, k, v, attn_mask=bias, is_causal=bias is None, scale=self.scale, enable_gqa=groups > 1
+                )
             else:  # a window: a mask, which the efficient kernel takes, not GQA
                 q_pos = torch.arange(n_ctx - n_new, n_ctx, device=q.device)
                 mask = self.visible(q_pos[:, None], torch.arange(n_ctx, device=q.device)[None, :])  # [new, keys]

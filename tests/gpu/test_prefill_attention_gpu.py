@@ -1,6 +1,6 @@
-"""Prefill attention on CUDA (`PagedAttention._prefill`) reaches SDPA's fused kernels: a whole prompt runs under the
-flash backend alone (no mask, GQA), a later chunk (keys before its queries) under the memory-efficient backend alone
-(its [new, keys] mask, K/V repeated per head); both match a float32 dense-mask reference (bf16: 2e-2)."""
+"""Prefill attention on CUDA (`PagedAttention._prefill`) reaches SDPA's flash kernel alone, with grouped K/V as they
+are: a whole prompt (is_causal) and a later chunk (keys before its queries: `causal_lower_right`, no [new, keys] mask);
+both match a float32 dense-mask reference (bf16: 2e-2)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_ctx: int) -> 
 
 
 @pytest.mark.parametrize(
-    "n_new, n_ctx, backend", [(512, 512, SDPBackend.FLASH_ATTENTION), (200, 712, SDPBackend.EFFICIENT_ATTENTION)]
+    "n_new, n_ctx, backend", [(512, 512, SDPBackend.FLASH_ATTENTION), (200, 712, SDPBackend.FLASH_ATTENTION)]
 )
 def test_prefill_runs_the_fused_backend(n_new: int, n_ctx: int, backend: SDPBackend) -> None:
     g = torch.Generator(device="cuda").manual_seed(n_new)

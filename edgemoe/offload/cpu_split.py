@@ -68,14 +68,14 @@ def fit(costs: Costs, max_misses: int, cap: int | None = None) -> list[int]:
 class CpuSplit:
     """The split table (`table` [max_misses + 1] int32 on `device`) and the pool that computes the CPU's pairs; with
     a copy service (CUDA), the pool is attached to it for replayed steps. `fitted`: an `auto` table whose check on
-    replayed steps is still due (`check_replayed`)."""
+    replayed steps is still due (`check_replayed`). `costs`: what `auto` measured (None for a manual N)."""
 
     def __init__(
         self, table: list[int], pool: CpuExperts, device: torch.device, service: CopyService | None = None,
-        fitted: bool = False,
+        fitted: bool = False, costs: Costs | None = None,
     ) -> None:  # fmt: skip
         self.table = torch.tensor(table, dtype=torch.int32, device=device)
-        self.pool, self.service, self.fitted = pool, service, fitted
+        self.pool, self.service, self.fitted, self.costs = pool, service, fitted, costs
 
     def pairs(self, ids: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The step's CPU pairs on the host (a sync): (pair index, token, expert) int64 [P] and x fp32 [T, H]; None
@@ -172,7 +172,7 @@ def resolve(
             service.detach_cpu()
         pool.close()
         return None
-    return CpuSplit(table, pool, device, service, fitted=graphs)
+    return CpuSplit(table, pool, device, service, fitted=graphs, costs=costs)
 
 
 def _describe(table: list[int]) -> str:

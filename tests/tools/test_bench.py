@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from edgemoe.cli import main
 
@@ -187,3 +188,18 @@ def test_vram_budgets_sweep_one_model_a_run_each(tmp_path, capsys) -> None:
     assert [r["slots"] for r in json.loads(out.read_text())["runs"]] == [21, 24]
     assert main(argv + ["--vram-budget", "7000KiB,lots", *quick]) == 2
     assert "cannot read size 'lots'" in capsys.readouterr().err
+
+
+def test_the_two_link_bound_counts_every_missed_byte_over_both_links() -> None:
+    from edgemoe.tools.bench import set_bound
+
+    # 1 GB of HBM reads at 1,000 GB/s (1 ms); 55 MB copied and 45 MB computed on the CPU, PCIe 55 GB/s and the CPU
+    # 45 GB/s together: 1 ms more. Copy-only's bound counts the copied bytes alone (1 ms + 1 ms)
+    run = {"tok_s": 250.0, "hbm_bytes_per_token": 1e9, "miss_bytes_per_token": 55e6, "cpu_bytes_per_token": 45e6,
+           "cpu_bytes_per_s": 45e9}  # fmt: skip
+    set_bound(run, {"hbm_bytes_per_s": 1e12, "h2d_bytes_per_s": 55e9})
+    assert run["bound_tok_s"] == pytest.approx(500.0) and run["two_link_bound_tok_s"] == pytest.approx(500.0)
+    assert run["achieved_over_two_link"] == pytest.approx(0.5)
+    plain = {"tok_s": 250.0, "hbm_bytes_per_token": 1e9, "miss_bytes_per_token": 55e6}
+    set_bound(plain, {"hbm_bytes_per_s": 1e12, "h2d_bytes_per_s": 55e9})
+    assert "two_link_bound_tok_s" not in plain and plain["achieved_over_bound"] == pytest.approx(0.5)

@@ -130,8 +130,11 @@ def _add_bench_parser(sub) -> None:
     b.add_argument(
         "--moe-cpu-compute",
         default="off",
-        help="comma-separated CPU splits of the misses, each a run: off (copy-only), auto, N (default: off); runs "
-        "with a split decode eagerly (--mode eager)",
+        help="comma-separated CPU splits of the misses, each a run: off (copy-only), auto, N (default: off)",
+    )
+    b.add_argument(
+        "--moe-cpu-threads",
+        help="comma-separated sizes of the CPU expert pool, each a run of every split (default: the physical cores)",
     )
     b.add_argument("--routing-trace", help="FILE (.npy from --record-routing) or 'synthetic' (default: the router)")
     b.add_argument("--steps", type=int, default=64, help="timed decode steps (default: 64)")

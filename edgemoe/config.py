@@ -156,6 +156,9 @@ class ExpertCacheConfig:
         "(CUDA: measured at start-up; the split is never slower than copying every miss), or N (at most N misses a "
         "layer-step on the CPU, for experiments)",
     )
+    moe_cpu_threads: int | None = option(
+        None, "offload with moe_cpu_compute: threads of the CPU expert pool (default: the physical cores)"
+    )
     record_routing: str | None = option(
         None, "save one sequence's routed expert ids of each decode step (.npy) for `edgemoe cache-sim`", metavar="FILE"
     )
@@ -187,6 +190,9 @@ class ExpertCacheConfig:
             raise EdgeMoEError(f"moe_cpu_compute must be off, auto or a number of misses >= 0, got {cpu_compute!r}")
         if cpu_compute != "off" and self.moe_strategy != "offload":
             raise EdgeMoEError("moe_cpu_compute computes missed experts: it needs moe_strategy offload")
+        threads = self.moe_cpu_threads
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise EdgeMoEError(f"moe_cpu_threads must be an integer >= 1, got {self.moe_cpu_threads!r}")
 
 
 @dataclass(frozen=True)

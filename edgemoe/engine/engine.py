@@ -266,7 +266,7 @@ class LLMEngine:
         cfg = self.model_config
         graphs, cpu = self.device.type == "cuda" and self.config.cuda_graphs, moe.moe_cpu_compute
         cache = attach_expert_cache(self.model, slots, moe.moe_policy, moe.moe_collect_stats, self.device, self.dtype,
-                                    cpu, graphs, self.config.max_num_seqs)  # fmt: skip
+                                    cpu, graphs, self.config.max_num_seqs, moe.moe_cpu_threads)  # fmt: skip
         total, size = cfg.num_experts * sum(cfg.moe_layers), (slots + 1) * expert_bytes(self.model, self.dtype)
         print(
             f"edgemoe: expert cache: {slots} of {total} experts ({100 * slots / total:.1f} %), {size / MiB:.1f} MiB, "

@@ -225,11 +225,12 @@ def attach_expert_cache(
     cpu_compute: str | int = "off",
     graphs: bool = False,
     max_tokens: int = 1,
+    cpu_threads: int | None = None,
 ) -> ExpertCache:
     """One cache and slot pool (S slots + a scratch slot, each an expert's row in the layers' `ExpertLayout`) for all
     of `model`'s offloaded MoE layers; `cpu_compute`: `--moe-cpu-compute`, `graphs`: whether decode would replay CUDA
     graphs (`edgemoe.offload.cpu_split.resolve`), `max_tokens`: a decode step's tokens at most (the copy service's
-    room for the split's pairs)."""
+    room for the split's pairs), `cpu_threads`: the CPU pool's (None: every core)."""
     cfg = model.config
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
     dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cfg.hidden_act)
@@ -244,6 +245,6 @@ def attach_expert_cache(
     if device.type == "cuda" and layers:
         cache.start_copy_service(max_tokens * cfg.top_k)
     layers.sort(key=lambda m: m.layer)
-    cache.cpu_split = cpu_split.resolve(cpu_compute, layers, device, cfg.top_k, graphs, service=cache.copy_service,
-                                        max_tokens=max_tokens)  # fmt: skip
+    cache.cpu_split = cpu_split.resolve(cpu_compute, layers, device, cfg.top_k, graphs, cpu_threads,
+                                        service=cache.copy_service, max_tokens=max_tokens)  # fmt: skip
     return cache

@@ -280,12 +280,16 @@ def run_bench(a: argparse.Namespace) -> dict:
         moe = ExpertCacheConfig(moe_strategy="offload", **{key: value})
         room = None if key != "vram_budget" else parse_size(value) - dense - kv_bytes
         slots = cache_slots(moe, cfg, 1, per_expert, room)
-        for policy, split in [(p, c) for p in a.moe_policy.split(",") for c in a.moe_cpu_compute.split(",")]:
+        threads = [int(t) for t in a.moe_cpu_threads.split(",")] if a.moe_cpu_threads else [None]
+        runs = [(p, c, t) for p in a.moe_policy.split(",") for c in a.moe_cpu_compute.split(",") for t in threads]
+        for policy, split, pool in runs:
+            if split == "off" and pool != threads[0]:
+                continue  # copy-only has no pool: one run
             graphs = device.type == "cuda" and "graph" in a.mode.split(",")
-            cache = attach_expert_cache(model, slots, policy, True, device, dtype, split, graphs)
+            cache = attach_expert_cache(model, slots, policy, True, device, dtype, split, graphs, cpu_threads=pool)
             if lengths and not result.get("prefill"):
                 result["prefill"] = prefill_runs(runner, lengths, a.warmup_prefill, cache, bw)
-            label = policy if split == "off" else f"{policy}+cpu:{split}"
+            label = policy if split == "off" else f"{policy}+cpu:{split}" + ("" if pool is None else f"/{pool}t")
             decode_runs(result, a, runner, cache, trace, slots, label, bw, dense_read + kv_read)
             if cache.cpu_split is not None:
                 cache.cpu_split.close()
@@ -583,6 +587,9 @@ def cmd_bench(a: argparse.Namespace) -> None:
         raise EdgeMoEError("--profile N needs N >= 2 and --mode with graph (it records replayed graph steps)")
     for split in a.moe_cpu_compute.split(","):
         ExpertCacheConfig(moe_strategy=a.moe_strategy, moe_cpu_compute=split)  # one line for a bad value
+    for pool in a.moe_cpu_threads.split(",") if a.moe_cpu_threads else ():
+        if not (pool.isdigit() and pool.isascii() and int(pool) >= 1):
+            raise EdgeMoEError(f"--moe-cpu-threads {a.moe_cpu_threads!r}: comma-separated integers >= 1")
     if a.dtype not in ("bfloat16", "float16", "float32"):
         raise EdgeMoEError(f"unknown dtype {a.dtype!r}: use bfloat16, float16 or float32")
     result = run_bench(a)

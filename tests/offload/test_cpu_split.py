@@ -202,6 +202,12 @@ def test_settings_and_lines(capfd) -> None:
         LLM(progress=False, moe_strategy="offload", moe_cache_slots=16, moe_cpu_compute=-1)
     with pytest.raises(EdgeMoEError, match="needs moe_strategy offload"):
         LLM(progress=False, moe_cpu_compute=2)
+    with pytest.raises(EdgeMoEError, match="moe_cpu_threads must be an integer >= 1, got 0"):
+        LLM(progress=False, moe_strategy="offload", moe_cache_slots=16, moe_cpu_compute=2, moe_cpu_threads=0)
+    llm = LLM(progress=False, max_num_seqs=2, moe_strategy="offload", moe_cache_slots=16, moe_cpu_compute=2,
+              moe_cpu_threads=2)  # fmt: skip
+    assert llm.engine.expert_cache.cpu_split.pool.threads == 2
+    assert "2 threads" in capfd.readouterr().err
     assert main(["generate", "hi", "--moe-strategy", "offload", "--moe-cache-slots", "16", "--moe-cpu-compute",
                  "lots"]) == 2  # fmt: skip
     err = capfd.readouterr().err.strip().splitlines()

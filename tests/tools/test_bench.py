@@ -166,7 +166,7 @@ def test_prefill_lengths_are_checked(capsys) -> None:
 
 def test_bench_cpu_split(tmp_path) -> None:
     """--moe-cpu-compute off,2: a copy-only run and a run with up to 2 misses a layer-step on the CPU, which copies
-    less; graph runs are refused with a split (CUDA only anyway)."""
+    less; --moe-cpu-threads 1,2 runs each split at each pool size (copy-only once)."""
     out = tmp_path / "bench.json"
     argv = ["bench", "--geometry", "tiny", "--device", "cpu", "--dtype", "float32", "--moe-cache-fraction", "0.25",
             "--moe-policy", "lru", "--moe-cpu-compute", "off,2", "--routing-trace", "synthetic", "--steps", "4",
@@ -177,6 +177,9 @@ def test_bench_cpu_split(tmp_path) -> None:
     assert runs[0]["cpu_misses_per_token"] == 0 < runs[1]["cpu_misses_per_token"]
     assert runs[1]["miss_bytes_per_token"] < runs[0]["miss_bytes_per_token"]
     assert main(argv[:-2] + ["--moe-cpu-compute", "most"]) == 2
+    assert main(argv + ["--moe-cpu-threads", "1,2"]) == 0
+    assert [r["policy"] for r in json.loads(out.read_text())["runs"]] == ["lru", "lru+cpu:2/1t", "lru+cpu:2/2t"]
+    assert main(argv + ["--moe-cpu-threads", "0"]) == 2
 
 
 def test_vram_budgets_sweep_one_model_a_run_each(tmp_path, capsys) -> None:

@@ -245,7 +245,7 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """Dummy prefills (`ModelRunner.warm_up`, their K/V in the pad block); then the expert cache starts empty, as
         if none ran."""
-        lengths = warmup_lengths(min(self.max_num_batched_tokens, self.max_model_len))
+        lengths = warmup_lengths(min(self.max_num_batched_tokens, self.max_model_len), self.expert_cache is None)
         for n in tqdm(lengths, desc="warming up", unit="prefill", disable=not self.config.progress or None):
             self.runner.warm_up(n)
         if self.expert_cache is not None:

@@ -81,10 +81,16 @@ class DecodeBuffers:
         )
 
 
-def warmup_lengths(chunk: int) -> list[int]:
+def warmup_lengths(chunk: int, every_size: bool = False) -> list[int]:
     """What start-up prefills: a whole chunk (`chunk`: the longest prefill step), then 17, 16 and 1 tokens (Triton
-    compiles an integer argument apart when it is 1, a multiple of 16, or neither)."""
-    return [chunk] + [n for n in (17, 16, 1) if n < chunk]
+    compiles an integer argument apart when it is 1, a multiple of 16, or neither). `every_size`: also each power of
+    two from chunk / 2 down to 32, so that a shorter prompt finds the dense GEMMs' kernels for its size already
+    launched (cuBLAS picks its kernels by shape, and CUDA loads a kernel at its first launch); for resident experts,
+    where a prefill costs milliseconds (offloaded, each streams the experts it routes to)."""
+    sizes = [chunk]
+    while every_size and sizes[-1] // 2 >= 32:
+        sizes.append(sizes[-1] // 2)
+    return sizes + [n for n in (17, 16, 1) if n < chunk]
 
 
 class ModelRunner:

@@ -180,13 +180,14 @@ def prefill_lengths(spec: str) -> list[int]:
 
 
 def prefill_runs(runner: ModelRunner, lengths: list[int], warm_up: bool, cache=None, bw: dict | None = None) -> dict:
-    """The engine's start-up warm-up (`warmup_lengths` of the longest prompt, `ModelRunner.warm_up`, the expert cache
-    emptied after it, as `LLMEngine` does), timed; then per length a first prompt (the first request after start-up:
-    cold) and PREFILL_REPS more (warm: their median). Offloaded: the warm prompts' missed bytes and their PCIe time."""
+    """The engine's start-up warm-up (`warmup_lengths` of the longest prompt, every size below it where experts are
+    resident, `ModelRunner.warm_up`, the expert cache emptied after it, as `LLMEngine` does), timed; then per length
+    a first prompt (the first request after start-up: cold) and PREFILL_REPS more (warm: their median). Offloaded:
+    the warm prompts' missed bytes and their PCIe time."""
     device = runner.device
     start = time.perf_counter()
     if warm_up:
-        for n in warmup_lengths(max(lengths)):
+        for n in warmup_lengths(max(lengths), cache is None):
             runner.warm_up(n)
         if cache is not None:
             cache.reset()

@@ -24,3 +24,13 @@ def test_warm_up_changes_no_output_and_no_kv_block(moe: dict) -> None:
         return tokens, engine.moe_stats() if moe else None
 
     assert run(True) == run(False)
+
+
+def test_warm_up_lengths() -> None:
+    """A whole chunk, then 17, 16 and 1 tokens (Triton's integer specialisations); with resident experts also each
+    power of two below the chunk down to 32 (the dense GEMMs' kernels by size)."""
+    from edgemoe.engine.model_runner import warmup_lengths
+
+    assert warmup_lengths(512) == [512, 17, 16, 1]
+    assert warmup_lengths(512, every_size=True) == [512, 256, 128, 64, 32, 17, 16, 1]
+    assert warmup_lengths(40, every_size=True) == [40, 17, 16, 1] and warmup_lengths(16) == [16, 1]

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine must prove, in one call: the GPU tests, then the GPU benchmarks.
 #   bash scripts/gpu_check.sh [OUT_DIR]      (repo root; torch with CUDA; nothing to install)
+#   GPU_TESTS="tests/gpu/test_a.py ..." GPU_TESTS_ONLY=1 bash scripts/gpu_check.sh OUT   (some test files, no benchmarks)
+# The tests' whole log goes to OUT/gpu_tests.log as it is written (unbuffered, one line a test), so a run cut short
+# still says which tests passed and failed.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/edgemoe-gpu}}
 mkdir -p "$out"
@@ -8,8 +11,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 rc=0
-GPU_REPORT="$out/bf16_report.json" python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tail -80 | tee "$out/gpu_tests.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+# shellcheck disable=SC2086 # GPU_TESTS is a list of paths
+PYTHONUNBUFFERED=1 GPU_REPORT="$out/bf16_report.json" python3 -m pytest -v -rf -s -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
+  > "$out/gpu_tests.log" 2>&1 || rc=1
+grep -E "(FAILED|ERROR)( |$)|^(FAILED|ERROR) |^=+ .* in [0-9.]+s" "$out/gpu_tests.log" | tail -40
+[ -n "${GPU_TESTS_ONLY:-}" ] && exit $rc
 for dtype in bfloat16 float32; do
   python3 benchmarks/decode_speed.py --device cuda --dtype "$dtype" --json "$out/decode_$dtype.json" || rc=1
   python3 benchmarks/decode_speed.py --device cuda --dtype "$dtype" --no-cuda-graphs --json "$out/decode_${dtype}_eager.json" || rc=1
@@ -32,5 +38,6 @@ python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-cache-fractio
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --moe-strategy resident --prefill 512,4096 \
   --mode graph --steps 16 --warmup 8 --json "$out/bench_qwen3_8layers_prefill.json" 2>&1 | grep -E "^prefill|tok_s" | tail -8 || rc=1
 python3 -m edgemoe bench --geometry qwen3-30b-a3b --layers 8 --vram-budget 4GiB --moe-policy lru --routing-trace synthetic \
-  --mode graph --moe-cpu-compute off,auto,128 --prefill 0 --json "$out/bench_qwen3_cpu_split.json" | tail -8 || rc=1
+  --mode graph --moe-cpu-compute off,auto,128 --moe-cpu-threads 8,16 --prefill 0 --json "$out/bench_qwen3_cpu_split.json" \
+  | tail -8 || rc=1
 exit $rc

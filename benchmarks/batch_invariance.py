@@ -24,7 +24,8 @@ from edgemoe.engine.model_runner import ModelRunner
 from edgemoe.engine.scheduler import Batch
 from edgemoe.engine.sequence import Sequence
 from edgemoe.sampling_params import SamplingParams
-from edgemoe.tools.bench import BLOCK_SIZE, build_model, timed
+from edgemoe.tools.bench import BLOCK_SIZE, build_model
+from edgemoe.tools.measure import timed
 
 BATCHES = (1, 4, 8)
 

@@ -38,7 +38,7 @@ from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair, post_lis
 from edgemoe.offload.banks import allocate_bank
 from edgemoe.offload.copy_service import CopyService, Driver
 from edgemoe.offload.layout import split_rows
-from edgemoe.tools.bench import timed
+from edgemoe.tools.measure import timed
 
 HIDDEN, INTER = 2048, 768  # qwen3-30b-a3b
 

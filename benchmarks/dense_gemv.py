@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe.kernels.dense_gemv import WARPS, gemv, pick_block_n, pick_steps
-from edgemoe.tools.bench import bandwidths, capture, timed
+from edgemoe.tools.measure import bandwidths, capture, timed
 
 SETS = 8
 SHAPES = {

@@ -19,7 +19,7 @@ import torch
 
 from edgemoe.kernels.grouped_gemm import grouped_gemm
 from edgemoe.moe.experts import grouped_experts
-from edgemoe.tools.bench import timed
+from edgemoe.tools.measure import timed
 from edgemoe.tools.random_weights import PRESETS
 
 DEV = torch.device("cuda")

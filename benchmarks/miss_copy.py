@@ -24,7 +24,7 @@ import torch
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.kernels.miss_copy import BLOCK, PROGRAMS_PER_SM, copy_rows_pair
 from edgemoe.offload.banks import allocate_bank
-from edgemoe.tools.bench import timed
+from edgemoe.tools.measure import timed
 from edgemoe.tools.random_weights import PRESETS
 
 GiB = 2**30

@@ -36,7 +36,7 @@ from edgemoe.kernels.paged_attention import (
     paged_decode_attention,
 )
 from edgemoe.layers.attention import PagedAttention
-from edgemoe.tools.bench import bandwidths, capture, timed
+from edgemoe.tools.measure import bandwidths, capture, timed
 
 DEV = torch.device("cuda")
 BLOCK_SIZE = 16  # the engine's default

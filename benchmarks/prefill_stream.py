@@ -23,7 +23,8 @@ import torch
 
 from edgemoe.config import ExpertCacheConfig
 from edgemoe.offload.experts import attach_expert_cache, cache_slots, expert_bytes
-from edgemoe.tools.bench import bandwidths, build_model, make_runner, prefill
+from edgemoe.tools.bench import build_model, make_runner, prefill
+from edgemoe.tools.measure import bandwidths
 
 
 def main() -> None:

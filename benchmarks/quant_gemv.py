@@ -56,7 +56,7 @@ def routing(tokens: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Ten
 
 def graph_seconds(call: Callable[[int], object], reps: int = 20) -> float:
     """Seconds per call, `SETS` calls (one per input set) captured in one graph and replayed."""
-    from edgemoe.tools.bench import capture, timed
+    from edgemoe.tools.measure import capture, timed
 
     graph = capture(lambda: [call(i) for i in range(SETS)])  # warm-up (compile, allocator), then capture
     seconds = timed(graph.replay, DEV, reps) / SETS
@@ -65,7 +65,7 @@ def graph_seconds(call: Callable[[int], object], reps: int = 20) -> float:
 
 
 def eager_seconds(call: Callable[[int], object], reps: int = 5) -> float:
-    from edgemoe.tools.bench import timed
+    from edgemoe.tools.measure import timed
 
     counter = itertools.count()
     return timed(lambda: call(next(counter) % SETS), DEV, reps * SETS)
@@ -154,7 +154,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/quant_gemv.py needs a CUDA GPU; none is visible")
-    from edgemoe.tools.bench import bandwidths
+    from edgemoe.tools.measure import bandwidths
 
     hbm = bandwidths(DEV, 1 << 20)["hbm_bytes_per_s"]
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm": hbm, "shape": [H, INTER]}

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.moe.router import route
-from edgemoe.tools.bench import bandwidths, timed
+from edgemoe.tools.measure import bandwidths, timed
 
 DEV = torch.device("cuda")
 # name -> (hidden, experts, top_k, normalize)

@@ -29,14 +29,11 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from edgemoe.config import ExpertCacheConfig, parse_size
-from edgemoe.engine.cuda_graphs import HookedGraph, capture_graph
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Batch
@@ -49,9 +46,10 @@ from edgemoe.models.loader import load_model
 from edgemoe.models.registry import FAMILIES
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.offload import cpu_split
-from edgemoe.offload.experts import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
+from edgemoe.offload.experts import OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tools.cache_sim import load_trace, synthetic_trace
+from edgemoe.tools.measure import bandwidths, capture, plot, profile_lines, run_line, set_bound, settled, timed
 from edgemoe.tools.random_weights import PRESETS, hf_config
 
 PREFILL_REPS = 3  # warm prompts per length (their median is reported)
@@ -84,38 +82,6 @@ def make_runner(model: MoEForCausalLM, tokens: int) -> ModelRunner:
     device = model.lm_head.weight.device
     kv = KVCache(model.config, -(-tokens // BLOCK_SIZE), BLOCK_SIZE, model.lm_head.weight.dtype, device)
     return ModelRunner(model, kv, device, 1, kv.num_blocks)
-
-
-def timed(fn, device: torch.device, reps: int) -> float:
-    """Seconds per call of `fn` (after one warm call)."""
-    fn()
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - start) / reps
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3 / reps
-
-
-def bandwidths(device: torch.device, row_bytes: int, rows: int = 8, rounds: int = 5) -> dict:
-    """HBM: device-to-device copy (read + write bytes); PCIe: pinned host -> device copy of `rows` expert rows. Each
-    the fastest of `rounds` timed rounds: a bound is a ceiling, and on a shared host one round of host copies can
-    lose a few per cent to other work (an H2D figure of 52.4 and 53.6 GB/s where the same machine gave 55.3)."""
-    if device.type != "cuda":
-        return {"hbm_bytes_per_s": None, "h2d_bytes_per_s": None}
-    n = 1 << 30
-    a, b = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
-    hbm = 2 * n / min(timed(lambda: b.copy_(a), device, 10) for _ in range(rounds))
-    host = torch.empty(rows * row_bytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device=device)
-    h2d = host.numel() / min(timed(lambda: dev.copy_(host, non_blocking=True), device, 20) for _ in range(rounds))
-    return {"hbm_bytes_per_s": hbm, "h2d_bytes_per_s": h2d}
 
 
 def routing(spec: str | None, steps: int, moe_layers: int, experts: int, top_k: int) -> np.ndarray | None:
@@ -301,29 +267,6 @@ def run_bench(a: argparse.Namespace) -> dict:
     return settled(result, device, per_expert)
 
 
-def settled(result: dict, device: torch.device, row_bytes: int) -> dict:
-    """`result` with its bounds at the higher of the bandwidths measured before and after its runs (reprinted
-    where that changed them). Without the memory for the second reading's buffers the first stands, said once."""
-    if device.type != "cuda":
-        return result
-    try:
-        again = bandwidths(device, row_bytes)
-    except torch.cuda.OutOfMemoryError:
-        print("no device memory left for the second bandwidth reading: the bounds use the first", file=sys.stderr)
-        return result
-    if settle_bounds(result, again):
-        first, again = result["bandwidths_measured"]
-        print(
-            f"bandwidths after the runs: HBM {again['hbm_bytes_per_s'] / 1e9:.0f} GB/s (before "
-            f"{first['hbm_bytes_per_s'] / 1e9:.0f}), H2D {again['h2d_bytes_per_s'] / 1e9:.1f} GB/s (before "
-            f"{first['h2d_bytes_per_s'] / 1e9:.1f}); the bounds use the higher figures:",
-            file=sys.stderr,
-        )
-        for run in result["runs"]:
-            print(_row(run), file=sys.stderr)
-    return result
-
-
 def decode_runs(result: dict, a, runner, cache, trace, slots: int, policy: str, bw: dict, fixed_read: int) -> None:
     """`decode` for each shared-expert overlap setting and mode, appended to result["runs"] and printed."""
     model, device = runner.model, runner.device
@@ -333,7 +276,7 @@ def decode_runs(result: dict, a, runner, cache, trace, slots: int, policy: str, 
         for mode in a.mode.split(",") if device.type == "cuda" else ("eager",):
             run = decode(runner, cache, trace, a, mode, slots, policy, bw, fixed_read, result["expert_bytes"])
             result["runs"].append({**run, "shared_expert_overlap": overlap})
-            print(_row(result["runs"][-1]), file=sys.stderr)
+            print(run_line(result["runs"][-1]), file=sys.stderr)
             for line in profile_lines(run.get("profile", {})):
                 print(line, file=sys.stderr)
 
@@ -344,11 +287,6 @@ def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM)
     if device.type != "cuda" or not model.config.shared_expert_intermediate_size:
         return [False]
     return wanted
-
-
-def capture(step: Callable[[], object], upload: str = "auto", warm_replay: bool = False) -> HookedGraph:
-    """One decode step (or any work) as a CUDA graph, as the engine captures it."""
-    return capture_graph(step, None, upload, warm_replay)[0]
 
 
 UPLOAD_VARIANTS = {"auto": ("auto", False), "capture": ("capture", False), "none": ("none", False)}
@@ -444,38 +382,6 @@ def decode(
     return run
 
 
-def set_bound(run: dict, bw: dict) -> None:
-    """The run's bound (SYSTEM.md) at these bandwidths, and its tok/s against it. With a CPU split also the bound that
-    counts both links (#34): every missed byte, copied or computed on the CPU, over PCIe and the CPU's rate together
-    (`cpu_bytes_per_s`: `auto`'s start-up measurement, or the same measurement made here for a manual N), plus the
-    HBM time."""
-    hbm = run["hbm_bytes_per_token"] / bw["hbm_bytes_per_s"]
-    bound = hbm + run["miss_bytes_per_token"] / bw["h2d_bytes_per_s"]
-    run.update(bound_tok_s=1 / bound, achieved_over_bound=run["tok_s"] * bound)
-    if "cpu_bytes_per_s" in run:
-        missed = run["miss_bytes_per_token"] + run["cpu_bytes_per_token"]
-        two = hbm + missed / (bw["h2d_bytes_per_s"] + run["cpu_bytes_per_s"])
-        run.update(two_link_bound_tok_s=1 / two, achieved_over_two_link=run["tok_s"] * two)
-
-
-def settle_bounds(result: dict, again: dict) -> bool:
-    """Bandwidths measured again after the runs (`again`): keep each one's higher figure and recompute every
-    run's bound with them. Both measurements stay in the result. -> whether a bound changed."""
-    keys = ("hbm_bytes_per_s", "h2d_bytes_per_s")
-    first = {k: result[k] for k in keys}
-    if first["hbm_bytes_per_s"] is None or again["hbm_bytes_per_s"] is None:
-        return False
-    result["bandwidths_measured"] = [first, {k: again[k] for k in keys}]
-    best = {k: max(first[k], again[k]) for k in keys}
-    if best == first:
-        return False
-    result.update(best)
-    for run in result["runs"]:
-        if "bound_tok_s" in run:
-            set_bound(run, best)
-    return True
-
-
 def resident_stats(model: MoEForCausalLM, trace: torch.Tensor | None, steps: int) -> list[float]:
     """The cache's counters (`STAT_FIELDS`: accesses, hits, misses, ...) for resident experts over `steps`
     steps at batch 1: every distinct (layer, expert) of a step is a hit; per step, top_k per MoE layer from the
@@ -487,84 +393,6 @@ def resident_stats(model: MoEForCausalLM, trace: torch.Tensor | None, steps: int
         rows = trace.cpu().numpy()
         per_step = float(np.mean([sum(len(np.unique(layer)) for layer in row) for row in rows]))
     return [steps * per_step, steps * per_step, 0, 0, 0, 0]
-
-
-def _row(r: dict) -> str:
-    if "error" in r:
-        return f"{r['policy']:>6} {r['slots']:>6} slots {r['mode']:>5}: {r['error']}"
-    overlap = " +overlap" if r.get("shared_expert_overlap") else ""
-    bound = (
-        f", bound {r['bound_tok_s']:.1f} tok/s, achieved/bound {r['achieved_over_bound']:.2f}"
-        if "bound_tok_s" in r
-        else ""
-    )
-    if "two_link_bound_tok_s" in r:
-        bound += f", two-link bound {r['two_link_bound_tok_s']:.1f} tok/s ({r['achieved_over_two_link']:.2f})"
-    return (
-        f"{r['policy']:>6}{overlap} {r['slots']:>6} slots ({r['fraction']:.0%}) {r['mode']:>5}: "
-        f"{r['tok_s']:.1f} tok/s, "
-        f"hit rate {r['hit_rate']:.3f}, {r['miss_bytes_per_token'] / MiB:.1f} MiB copied/token, "
-        f"{r['cpu_misses_per_token']:.1f} misses/token on the CPU{bound}"
-    )
-
-
-def profile_lines(profile: dict) -> list[str]:
-    """`--profile`'s figures as text: a line per upload policy, then the default policy's copy lists (offloaded
-    graph replays: `edgemoe.tools.profiler._copy_lists`) and costliest kernels, each with what it adds to its stream's
-    timeline per step (under PDL its own duration counts its wait)."""
-    lines = []
-    for name, p in profile.items():
-        main = next((s for s in p["streams"].values() if s["role"] == "main"), {"gap_median_us": 0.0})
-        lines.append(
-            f"  profile, upload {name}: {p['period_us']:.0f} us a step, {p['kernels']:.0f} kernels, median gap "
-            f"{main['gap_median_us']:.2f} us on the main stream"
-        )
-    first = next(iter(profile.values()), None)
-    if first and "copy_lists" in first:
-        c = first["copy_lists"]
-        tail = "-" if c["tail_us"] is None else f"{c['tail_us']:.1f}"
-        up = "-" if c["up_tail_us"] is None else f"{c['up_tail_us']:.1f}"
-        rate = "" if c["gbs"] is None else f", {c['gbs']:.1f} GB/s while copying"
-        lines.append(
-            f"    copy lists: {c['lists']:.0f} a step; first byte {c['first_byte_us']:.1f} us after the router (p90 "
-            f"{c['first_byte_p90_us']:.1f}; ensure ends at {c['ensure_us']:.1f}); {c['copies']:.1f} copies a list, "
-            f"{c['gaps_us']:.1f} us idle between them; {tail} us from the last byte to down's end ({up} to up's); "
-            f"link busy {c['link_busy_us']:.0f} us, idle {c['link_idle_us']:.0f} us a step{rate}"
-        )
-    if first:
-        lines.append(f"    {'kernel':<44}{'calls':>7}{'us/call':>10}{'adds us/step':>14}")
-        for t in first["top"]:
-            lines.append(
-                f"    {t['name'][:44]:<44}{t['count']:>7.0f}{t['us'] / t['count']:>10.2f}{t['extends_us']:>14.1f}"
-            )
-    return lines
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    runs = [r for r in result["runs"] if "error" not in r]
-    for policy in dict.fromkeys(r["policy"] for r in runs):
-        for mode in dict.fromkeys(r["mode"] for r in runs):
-            pts = sorted((r["fraction"], r["tok_s"]) for r in runs if r["policy"] == policy and r["mode"] == mode)
-            ax.plot(*zip(*pts), marker="o", label=f"{policy} {mode}")
-    bounds = sorted(
-        {r["fraction"]: r["bound_tok_s"] for r in runs if "bound_tok_s" in r and r["policy"] == "lru"}.items()
-    )
-    if bounds:
-        ax.plot(*zip(*bounds), "k--", label="bound (lru)")
-    ax.set(
-        xlabel="experts cached (fraction)",
-        ylabel="decode tok/s, batch 1",
-        title=f"{result['geometry']}, {result['layers']} layers, {result['context']} context",
-    )
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def cmd_bench(a: argparse.Namespace) -> None:

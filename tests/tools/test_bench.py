@@ -140,7 +140,7 @@ def test_trace_drives_every_layer_with_its_step_row() -> None:
 
 def test_bounds_use_the_higher_bandwidth_of_the_two_measurements() -> None:
     """`settle_bounds` against the bound computed by hand (SYSTEM.md: HBM bytes / HBM + missed bytes / PCIe)."""
-    from edgemoe.tools.bench import set_bound, settle_bounds
+    from edgemoe.tools.measure import set_bound, settle_bounds
 
     first = {"hbm_bytes_per_s": 4.0e12, "h2d_bytes_per_s": 50.0e9}
     runs = [{"tok_s": 40.0, "hbm_bytes_per_token": 6.0e9, "miss_bytes_per_token": 1.0e9}, {"error": "no capture"}]
@@ -194,7 +194,7 @@ def test_vram_budgets_sweep_one_model_a_run_each(tmp_path, capsys) -> None:
 
 
 def test_the_two_link_bound_counts_every_missed_byte_over_both_links() -> None:
-    from edgemoe.tools.bench import set_bound
+    from edgemoe.tools.measure import set_bound
 
     # 1 GB of HBM reads at 1,000 GB/s (1 ms); 55 MB copied and 45 MB computed on the CPU, PCIe 55 GB/s and the CPU
     # 45 GB/s together: 1 ms more. Copy-only's bound counts the copied bytes alone (1 ms + 1 ms)

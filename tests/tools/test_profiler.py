@@ -175,7 +175,7 @@ def test_copy_lists_hand_worked_timeline() -> None:
     assert got["up_tail_us"] == pytest.approx(0.025)  # 200 - 180 and 590 - 560
     assert got["link_busy_us"] == pytest.approx(0.290) and got["link_idle_us"] == pytest.approx(0.410)
     assert got["gbs"] == pytest.approx(3500 / 290)  # bytes per ns: GB/s
-    from edgemoe.tools.bench import profile_lines
+    from edgemoe.tools.measure import profile_lines
 
     us = [GpuOp(o.name, o.stream, 1000 * o.start, 1000 * o.end, o.kernel, o.nbytes) for o in ops]  # ns -> µs
     line = profile_lines({"auto": summarize(sorted(us, key=lambda o: (o.start, o.end)), 3)})[1]
@@ -187,7 +187,7 @@ def test_copy_lists_hand_worked_timeline() -> None:
 
 
 def test_profile_lines_print_each_policy_and_the_costliest_kernels() -> None:
-    from edgemoe.tools.bench import profile_lines
+    from edgemoe.tools.measure import profile_lines
 
     # times in µs: steps 100 µs apart, gaps of 2 and 1 µs on the main stream, gemv 10 µs a call
     got = profile_lines({"auto": summarize(timeline(3, unit=1000), 3), "none": summarize(timeline(2, 120, 1000), 2)})

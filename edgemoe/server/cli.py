@@ -72,8 +72,9 @@ def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
     import uvicorn
 
     from edgemoe.llm import LLM
-    from edgemoe.server.app import GracefulServer, ServerConfig, create_app
+    from edgemoe.server.app import ServerConfig, create_app
     from edgemoe.server.engine_loop import EngineLoop
+    from edgemoe.server.http import GracefulServer
     from edgemoe.server.metrics import Metrics
 
     metrics = Metrics()

@@ -92,23 +92,13 @@ def _affine(scale, offset, f, BITS: tl.constexpr):
 
 
 @triton.jit
-def _q4_0(acc, rows, vec, blk, nblk, NB: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr, VCACHE: tl.constexpr):
-    b, ok = _blocks(blk, nblk, NB, 1, EVEN)  # [G] = [NB]
-    base = rows[:, :, None] + (b * 18)[None, None, :]  # [A, B, G]
-    d = _f16(base, CACHE)
-    q = _lanes(base + 2, 16, CACHE)  # [A, B, G, 16]: byte j holds weights j (low nibble) and j + 16
-    pos = b[:, None] * 32 + tl.arange(0, 16)[None, :]
-    acc += _affine(d, -8 * d, _unit(q & 15, 4), 4) * _vec(vec, pos, ok, EVEN, VCACHE)
-    return acc + _affine(d, -8 * d, _unit(q >> 4, 4), 4) * _vec(vec, pos + 16, ok, EVEN, VCACHE)
-
-
-@triton.jit
-def _q451(
+def _nibbles32(
     acc, rows, vec, blk, nblk, FIVE: tl.constexpr, MIN: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr,
     EVEN: tl.constexpr, CACHE: tl.constexpr, VCACHE: tl.constexpr,
 ):  # fmt: skip
-    """Q4_1 (MIN, BITS 4), Q5_0 (FIVE, BITS 5) and Q5_1 (both): Q4_0's nibbles after a header of d (and m) (and the
-    fifth bits)."""
+    """The 32-weight nibble formats: 16 bytes of nibbles (byte j: weights j and j + 16) after a header of d, then m
+    (MIN: Q4_1, Q5_1; w = d q + m) and the fifth bits (FIVE: Q5_0, Q5_1); without m, w = d (q - 2^(BITS - 1))
+    (Q4_0, Q5_0)."""
     b, ok = _blocks(blk, nblk, NB, 1, EVEN)
     head = 4 if MIN else 2
     base = rows[:, :, None] + (b * (head + (4 if FIVE else 0) + 16))[None, None, :]  # [A, B, G]
@@ -122,7 +112,7 @@ def _q451(
         lane = tl.arange(0, 16)[None, None, None, :]
         lo |= ((bits[:, :, :, None] >> lane) & 1) << 4
         hi |= ((bits[:, :, :, None] >> (lane + 16)) & 1) << 4
-    m = _f16(base + 2, CACHE) if MIN else -16.0 * d  # Q5_0: d (q - 16)
+    m = _f16(base + 2, CACHE) if MIN else -(1 << (BITS - 1)) * d
     pos = b[:, None] * 32 + tl.arange(0, 16)[None, :]
     acc += _affine(d, m, _unit(lo, BITS), BITS) * _vec(vec, pos, ok, EVEN, VCACHE)
     return acc + _affine(d, m, _unit(hi, BITS), BITS) * _vec(vec, pos + 16, ok, EVEN, VCACHE)
@@ -231,13 +221,13 @@ def decode_step(
     """acc [A, B, G, L] + the step's blocks blk .. blk + NB - 1 of each row dotted with its vec row. QTYPE: the GGML
     type id; CACHE, VCACHE: the weight and vec loads' cache modifiers."""
     if QTYPE == 2:
-        acc = _q4_0(acc, rows, vec, blk, nblk, NB, EVEN, CACHE, VCACHE)
+        acc = _nibbles32(acc, rows, vec, blk, nblk, False, False, 4, NB, EVEN, CACHE, VCACHE)
     elif QTYPE == 3:
-        acc = _q451(acc, rows, vec, blk, nblk, False, True, 4, NB, EVEN, CACHE, VCACHE)
+        acc = _nibbles32(acc, rows, vec, blk, nblk, False, True, 4, NB, EVEN, CACHE, VCACHE)
     elif QTYPE == 6:
-        acc = _q451(acc, rows, vec, blk, nblk, True, False, 5, NB, EVEN, CACHE, VCACHE)
+        acc = _nibbles32(acc, rows, vec, blk, nblk, True, False, 5, NB, EVEN, CACHE, VCACHE)
     elif QTYPE == 7:
-        acc = _q451(acc, rows, vec, blk, nblk, True, True, 5, NB, EVEN, CACHE, VCACHE)
+        acc = _nibbles32(acc, rows, vec, blk, nblk, True, True, 5, NB, EVEN, CACHE, VCACHE)
     elif QTYPE == 8:
         acc = _q8_0(acc, rows, vec, blk, nblk, NB, EVEN, CACHE, VCACHE)
     elif QTYPE == 39:

@@ -13,6 +13,7 @@ import torch
 from edgemoe.kernels.grouped_gemm import grouped_gemm, pair_outputs
 from edgemoe.moe.experts import grouped_experts
 from tests.gpu.sync_free import host_sync_forbidden
+from tests.gpu.test_moe_gemv_gpu import inputs  # random experts and routing, as decode's tests draw them
 
 # name -> (hidden, inter, top_k, experts)
 GEOMETRIES = {
@@ -21,16 +22,6 @@ GEOMETRIES = {
     "demo": (256, 48, 4, 32),
 }
 CASES = [("qwen3-30b-a3b", 512), ("qwen3-30b-a3b", 4096), ("qwen1.5-moe-a2.7b", 512), ("demo", 37), ("demo", 1)]
-
-
-def inputs(hidden: int, inter: int, top_k: int, experts: int, tokens: int, dtype: torch.dtype, seed: int) -> tuple:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda") / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=g, device="cuda") / inter**0.5).to(dtype)
-    ids = torch.rand(tokens, experts, generator=g, device="cuda").argsort(dim=-1)[:, :top_k]  # distinct per token
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=g, device="cuda"), dim=-1).to(dtype)
-    return x, ids, weights, w13, w2
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,15 +1,17 @@
 """Prefill with offloaded experts against resident prefill and the streaming bound (#36): one chunk of N prompt tokens
 through the model runner, on a random-weight model of a real geometry.
 
-    python benchmarks/prefill_stream.py [--geometry qwen3-30b-a3b] [--layers 12] [--fraction 0.25]
+    python benchmarks/prefill_stream.py [--geometry qwen3-30b-a3b] [--layers 12] [--fraction 0.25 | --vram-budget 16GiB]
                                         [--tokens 512,4096,16384] [--json OUT]
 
-Offloaded: the expert cache holds `--fraction` of all experts (at least two layers' worth and not all, so prefill
-streams whole layers: `edgemoe.offload.prefill_stream`); resident: every expert on the device, the same values. Per N:
-seconds of each, the expert bytes the offloaded prefill copied (the cache's stats), and two bounds from figures of the
-same run: `serial` = bytes / H2D rate + resident seconds (copy and compute one after the other, the issue's bound) and
-`overlap` = max(bytes / H2D rate, resident seconds) (perfect overlap, the tighter one). A ratio is bound / measured
-time (1.0: at the bound). Each N is timed after a warm-up prefill of the same N (compilation, allocator).
+Offloaded: the expert cache holds `--fraction` of all experts, or what `--vram-budget` leaves beside the dense weights,
+the KV cache and the longest prompt's activations (`edgemoe.engine.activations`), as the engine sizes it (at least two
+layers' worth and not all, so prefill streams whole layers: `edgemoe.offload.prefill_stream`); resident: every expert on
+the device, the same values. Per N: seconds of each, the expert bytes the offloaded prefill copied (the cache's stats),
+and two bounds from figures of the same run: `serial` = bytes / H2D rate + resident seconds (copy and compute one after
+the other, the issue's bound) and `overlap` = max(bytes / H2D rate, resident seconds) (perfect overlap, the tighter
+one). A ratio is bound / measured time (1.0: at the bound). Each N is timed after a warm-up prefill of the same N
+(compilation, allocator).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import sys
 
 import torch
 
-from edgemoe.config import ExpertCacheConfig
+from edgemoe.config import ExpertCacheConfig, parse_size
+from edgemoe.engine.activations import prefill_activation_bytes
 from edgemoe.offload.experts import attach_expert_cache, cache_slots, expert_bytes
 from edgemoe.tools.bench import build_model, make_runner, prefill
 from edgemoe.tools.measure import bandwidths
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--geometry", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=12, help="layers of the geometry (default 12)")
     ap.add_argument("--fraction", type=float, default=0.25, help="experts cached, offloaded (default 0.25)")
+    ap.add_argument("--vram-budget", help="size the cache from a device memory budget instead, e.g. 16GiB")
     ap.add_argument("--tokens", default="512,4096,16384", help="prompt tokens, one chunk each")
     ap.add_argument("--device", default="cuda", help="cuda (the figures); cpu runs a smoke test without bounds")
     ap.add_argument("--json")
@@ -51,12 +55,20 @@ def main() -> None:
             per = expert_bytes(model, dtype)
             result["expert_bytes"] = per
             result.update(bandwidths(device, per))
-            slots = cache_slots(ExpertCacheConfig(moe_strategy="offload", moe_cache_fraction=a.fraction), model.config,
-                                1, per, None)  # fmt: skip
+            if a.vram_budget:
+                cfg, kv = model.config, runner.kv
+                dense = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".experts." not in n)
+                acts = prefill_activation_bytes(cfg, longest, 1, longest + 16, dtype)
+                room = parse_size(a.vram_budget) - dense - 2 * kv.k.numel() * kv.k.element_size() - acts
+                moe = ExpertCacheConfig(moe_strategy="offload", vram_budget=a.vram_budget)
+                slots = cache_slots(moe, cfg, 1, per, room)
+            else:
+                moe = ExpertCacheConfig(moe_strategy="offload", moe_cache_fraction=a.fraction)
+                slots = cache_slots(moe, model.config, 1, per, None)
             cache = attach_expert_cache(model, slots, "lru", True, device, dtype)
-            result["slots"] = slots
-            result["streams"] = cache.prefill_stream is not None
-            print(f"{slots} slots ({a.fraction:.0%}); streamed prefill: {result['streams']}", file=sys.stderr)
+            total = model.config.num_experts * sum(model.config.moe_layers)
+            result |= {"slots": slots, "vram_budget": a.vram_budget, "streams": cache.prefill_stream is not None}
+            print(f"{slots} slots ({slots / total:.0%}); streamed prefill: {result['streams']}", file=sys.stderr)
         with torch.inference_mode():
             for n in tokens:
                 prefill(runner, n)  # warm-up

@@ -1,7 +1,8 @@
 """Per-layer embeddings (Gemma-4) by backend and sync mode (#33): decode tok/s of `gpu`, `host`, `disk` + host sync
 and `disk` + wait sync through the whole engine (scheduler, sampler, graphs: the disk backend's rows need each step's
 token ids on the host, so only the engine's own loop is honest), the VRAM the table no longer takes, the share of the
-disk fill that wait sync hides, and the gaps between kernels per stream for each graph-upload policy.
+disk fill that wait sync hides, the gaps between kernels per stream for each graph-upload policy, and the `gpu` and
+`host` backends' steps kernel by kernel (where the host backend's time goes).
 
     python benchmarks/ple.py [--geometry gemma-4-e2b] [--tokens 64] [--folder DIR] [--profile 6] [--json OUT]
 
@@ -58,6 +59,7 @@ RUNS = [
 ]
 PROFILED = [("disk+wait", "disk", "wait"), ("host sync", "disk", "host")]  # a wait captured; none captured
 UPLOADS = ("auto", "capture", "none")
+BACKENDS_PROFILED = [("gpu", "gpu"), ("host", "host")]  # where a host-backend step's time goes, kernel by kernel
 
 
 def write_checkpoint(folder: Path, geometry: str, device: torch.device) -> Path:
@@ -158,7 +160,8 @@ def gaps(llm: LLM, prompt: list[int], steps: int) -> dict:
     record(engine.step, 1)  # the profiler's set-up, discarded (docs/findings.md, "Graph upload policies ...")
     try:
         s = summarize(record(engine.step, steps), steps)
-        out = {"period_us": s["period_us"], "kernels": s["kernels"], "streams": s["streams"]}
+        keep = ("period_us", "busy_us", "gpu_us", "kernels", "streams", "top")
+        out = {k: s[k] for k in keep}
     except ValueError as exc:
         out = {"error": str(exc)}
     while engine.has_unfinished():
@@ -244,6 +247,18 @@ def main() -> None:
                       f"{uploaded} graph(s) uploaded {streams}{p.get('error', '')}", file=sys.stderr)  # fmt: skip
                 del llm
                 release(device)
+        for name, backend in BACKENDS_PROFILED:
+            llm = make_llm(folder, device, dtype, backend, "host", "auto", budget)
+            p = gaps(llm, prompt, a.profile)
+            result["profile"][f"backend {name}"] = p
+            print(f"  profile backend {name:>4}: {p.get('period_us', 0):8.1f} us a step, GPU busy "
+                  f"{p.get('busy_us', 0):8.1f} us, first to last kernel {p.get('gpu_us', 0):8.1f} us"
+                  f"{p.get('error', '')}", file=sys.stderr)  # fmt: skip
+            for op in p.get("top", [])[:6]:
+                print(f"      {op['us']:8.1f} us ({op['count']:.0f}x, adds {op['extends_us']:.1f}) {op['name']}",
+                      file=sys.stderr)  # fmt: skip
+            del llm
+            release(device)
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
 

@@ -11,7 +11,9 @@ The config's normalisation (and its refusals) is `gemma4_config`.
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -191,21 +193,23 @@ class Gemma4DecoderLayer(DecoderLayer):
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
     def forward(  # type: ignore[override]
-        self, x: torch.Tensor, positions: torch.Tensor, per_layer_input: torch.Tensor | None
+        self, x: torch.Tensor, positions: torch.Tensor, per_layer_input: Callable[[], torch.Tensor] | None
     ) -> torch.Tensor:
-        """x: [tokens, hidden]; per_layer_input: this layer's [tokens, ple_dim], None without PLE."""
+        """x: [tokens, hidden]; per_layer_input: returns this layer's [tokens, ple_dim] (called where it is first
+        needed, after attention and the feed-forward block: `Gemma4Model.per_layer_inputs`), None without PLE."""
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions))
         ff = self.mlp(h) if self.is_moe else self.mlp(self.pre_feedforward_layernorm(h))
         h = h + self.post_feedforward_layernorm(ff)
         if per_layer_input is not None:
-            gated = self.act(self.per_layer_input_gate(h)) * per_layer_input
+            gated = self.act(self.per_layer_input_gate(h)) * per_layer_input()
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h * self.layer_scalar
 
 
 class Gemma4Model(DecoderModel):
     """The embedding scaled by sqrt(hidden); the per-layer inputs computed once per step (the PLE backend's rows
-    mixed with a normed projection of the embedding) and handed to each layer; RoPE per layer type."""
+    mixed with a normed projection of the embedding), where the first layer needs them, and handed to each layer;
+    RoPE per layer type."""
 
     def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer], block_size: int) -> None:
         super().__init__(cfg, layer_class, block_size)
@@ -221,17 +225,28 @@ class Gemma4Model(DecoderModel):
     def make_rotary(cfg: ModelConfig) -> nn.Module:
         return Gemma4Rotaries(cfg)
 
-    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """[tokens] ids and their scaled embedding [tokens, hidden] -> [tokens, layers, ple_dim]."""
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> Callable[[int], torch.Tensor]:
+        """[tokens] ids and their scaled embedding [tokens, hidden] -> layer i -> its per-layer input [tokens,
+        ple_dim]. The normed projection of the embedding is computed now, the backend's rows (and their mix with it,
+        for every layer at once) at the first call: the first layer's, after its attention and feed-forward block.
+        A wait-sync backend's graph waits for its rows there (`edgemoe.layers.ple_disk`), so the host's read of them
+        hides behind that layer too, not only behind the embedding."""
         proj = self.per_layer_model_projection(x) * self.hidden**-0.5
         proj = self.per_layer_projection_norm(proj.view(x.shape[0], -1, self.ple_dim))
-        return (proj + self.embed_tokens_per_layer.rows(input_ids)) * 2.0**-0.5
+        mixed: list[torch.Tensor] = []
+
+        def layer_input(i: int) -> torch.Tensor:
+            if not mixed:
+                mixed.append((proj + self.embed_tokens_per_layer.rows(input_ids)) * 2.0**-0.5)
+            return mixed[0][:, i]
+
+        return layer_input
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = scale_in_dtype(self.embed_tokens(input_ids), self.hidden**0.5)  # [tokens, hidden]
         ple = None if self.embed_tokens_per_layer is None else self.per_layer_inputs(input_ids, x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, None if ple is None else ple[:, i])
+            x = layer(x, positions, None if ple is None else functools.partial(ple, i))
         return self.norm(x)
 
 

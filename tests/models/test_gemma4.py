@@ -202,6 +202,30 @@ def test_per_layer_embeddings_rows_match_transformers(checkpoint) -> None:
     torch.testing.assert_close(rows, hf.model.get_per_layer_inputs(ids[None])[0], atol=0, rtol=0)
 
 
+def test_rows_are_read_after_the_first_layers_feed_forward(checkpoint) -> None:
+    """The backend's rows are first needed by the first layer's per-layer input, after its attention and MLP: a
+    wait-sync graph waits there, so the host's read hides behind that work (the order of calls in each forward pass
+    of a generation: the prefill and a decode step)."""
+    folder, _ = checkpoint("ple")
+    llm = LLM(str(folder), progress=False)
+    model = llm.engine.model.model
+    order: list[str] = []
+    hooks = [
+        model.layers[0].mlp.register_forward_hook(lambda *_: order.append("layer 0 mlp")),
+        model.layers[1].self_attn.register_forward_hook(lambda *_: order.append("layer 1 attention")),
+    ]
+    backend = model.embed_tokens_per_layer
+    rows = backend.rows
+    backend.rows = lambda ids: (order.append("rows"), rows(ids))[1]  # rows() is a method, not the module's forward
+    try:
+        llm.generate([[3, 17, 5]], SamplingParams(max_tokens=2, temperature=0))
+    finally:
+        for h in hooks:
+            h.remove()
+        del backend.rows
+    assert order == ["layer 0 mlp", "rows", "layer 1 attention"] * 2
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

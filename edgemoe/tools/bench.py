@@ -337,6 +337,8 @@ def decode(
                 split = getattr(cache, "cpu_split", None)
                 if split is not None and split.fitted:  # `auto`'s check on replayed steps (it empties the cache)
                     split.check_replayed(fn, cache.reset)
+                    if dec.trace is not None and a.prewarm:  # the same warm cache as the other rows
+                        prewarm(model, dec.trace[-a.prewarm :])
                     for _ in range(a.warmup):
                         fn()
             fn()

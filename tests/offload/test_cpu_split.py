@@ -220,11 +220,17 @@ def test_settings_and_lines(capfd) -> None:
 # ---------------------------------------------------------------------------------------------- the replayed check
 
 
-@pytest.mark.parametrize("split_ms", [1.0, 12.0])
-def test_check_replayed_keeps_a_split_only_if_faster(monkeypatch: pytest.MonkeyPatch, split_ms: float, capfd) -> None:
-    """`CpuSplit.check_replayed` times a step with the table as fitted and zeroed (here a stand-in whose duration
-    follows the table: 5 ms copy-only), empties the cache before each, and keeps the table only where it is faster;
-    otherwise the device table ends all zero."""
+@pytest.mark.parametrize(
+    ("miss_ms", "hit_ms", "keep"),
+    [(20.0, 10.0, True), (60.0, 10.0, False), (20.0, 30.0, False), (20.0, 20.1, True)],
+)
+def test_check_replayed_keeps_a_split_only_if_faster(
+    monkeypatch: pytest.MonkeyPatch, miss_ms: float, hit_ms: float, keep: bool, capfd
+) -> None:
+    """`CpuSplit.check_replayed` times a step with the table as fitted and zeroed, missing every expert (the cache
+    emptied first) and hitting every one (the same step again after copy-only's), here a stand-in whose duration
+    follows the table and whether the cache is empty (copy-only: 50 ms missing, 20 ms hitting). It keeps the table
+    only if the split is faster missing and at most 2 % slower hitting; otherwise the device table ends all zero."""
     import time
 
     from edgemoe.offload.cpu_split import CpuSplit
@@ -232,12 +238,20 @@ def test_check_replayed_keeps_a_split_only_if_faster(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     fitted = [0, 0, 1, 1, 2]
     split = CpuSplit(fitted, None, torch.device("cpu"), fitted=True)
+    state = {"empty": False}
     resets = []
 
-    def step() -> None:
-        time.sleep((split_ms if split.table.any() else 5.0) / 1e3)
+    def reset() -> None:
+        resets.append(1)
+        state["empty"] = True
 
-    keep = split.check_replayed(step, lambda: resets.append(1), rounds=3)
-    assert keep == (split_ms < 5.0) and len(resets) == 6 and not split.fitted
+    def step() -> None:
+        on = bool(split.table.any())
+        ms = (miss_ms if on else 50.0) if state["empty"] else (hit_ms if on else 20.0)
+        time.sleep(ms / 1e3)
+        state["empty"] = False  # a step makes its experts resident
+
+    got = split.check_replayed(step, reset, rounds=3)
+    assert got == keep and len(resets) == 6 and not split.fitted
     assert split.table.tolist() == (fitted if keep else [0] * 5)
     assert ("keeps the split" if keep else "turns the split off") in capfd.readouterr().err

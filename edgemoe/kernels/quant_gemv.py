@@ -18,6 +18,9 @@ zeros of x/h, so only the x/h loads carry masks, and only when a row is not a wh
 
 Offloaded experts (`Arrivals`): as in moe_gemv, up waits only for its own pair's slot if the miss copy lists it
 (moe_gemv's `_await_rows`; the copy moves bytes, indifferent to the format) and reads at L2 when streamed.
+Pairs computed on the CPU (`cpu_out`, id -1: `edgemoe.offload.cpu_split`), as in moe_gemv: up reads no blocks for
+them, down takes their fp32 outputs from `cpu_out` in place of its own (waiting in a captured step for the copy
+service's flag) and weights and sums all pairs in k order as always.
 Grids and blocks follow from shapes alone and nothing syncs with the host: CUDA-graph capturable once compiled.
 Its reference is `quant_experts_reference` (dequantize the chosen experts, then gathered_experts' math);
 `benchmarks/quant_gemv.py` times it against HBM bandwidth.
@@ -38,7 +41,7 @@ from edgemoe.kernels.moe_gemv import _await_rows
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 from edgemoe.kernels.quant_decode import ALIGN, GROUPS, decode_step
 from edgemoe.layers.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
-from edgemoe.offload.protocol import Arrivals
+from edgemoe.offload.protocol import Arrivals, CpuWait
 
 
 @triton.jit
@@ -47,6 +50,7 @@ def _up(
     QTYPE: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, L: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr, STAGES: tl.constexpr, STREAMED: tl.constexpr, AFTER_ENSURE: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, CACHE: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
+    CPU: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if STREAMED:  # as moe_gemv's up: no wait for the copy kernel, only for this pair's rows if listed
@@ -59,13 +63,17 @@ def _up(
     else:
         wait_for_inputs(PDL)
         expert = tl.load(ids + pair).to(tl.int64)  # int64: slot * stride overflows int32 for real pools
+    blocks = nblk
+    if CPU:  # a pair computed on the CPU (id -1): no blocks read (its h, zeros, is unused)
+        blocks = tl.where(expert >= 0, nblk, 0)
+        expert = tl.maximum(expert, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] gate rows; up's are inter rows further
     half = tl.arange(0, 2)  # 0: gate, 1: up
     row = half[:, None] * inter + tl.minimum(n, inter - 1)[None, :]  # [2, BLOCK_N], the ragged end clamped
     rows = w13 + (expert * stride_e + row.to(tl.int64) * stride_r) * UNIT  # [2, BLOCK_N] row starts (bytes)
     vec = x + (pair // top_k).to(tl.int64) * stride_x + tl.zeros([1, 1], dtype=tl.int64)  # [1, 1] x's row
     acc = tl.zeros([2, BLOCK_N, G, L], dtype=tl.float32)  # reduced once after the loop
-    for blk in tl.range(0, nblk, NB, num_stages=STAGES):
+    for blk in tl.range(0, blocks, NB, num_stages=STAGES):
         acc = decode_step(acc, rows, vec, blk, nblk, QTYPE, NB, EVEN, CACHE, CACHE)
     r = tl.sum(tl.sum(acc, axis=3), axis=2)  # [2, BLOCK_N]
     gate = tl.sum(tl.where(half[:, None] == 0, r, 0.0), axis=0)
@@ -75,10 +83,10 @@ def _up(
 
 @triton.jit
 def _down(
-    h, ids, weights, w2, out, H, inter, top_k, nblk, stride_o, stride_e, stride_r,
+    h, ids, weights, w2, out, cpu_out, cpu_done, cpu_seq, H, inter, top_k, nblk, stride_o, stride_e, stride_r,
     QTYPE: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, CACHE: tl.constexpr, UNIT: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, CPU: tl.constexpr, CPU_WAIT: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(PDL)
     t = tl.program_id(0)
@@ -87,6 +95,9 @@ def _down(
     pair = t * top_k + tl.minimum(p, top_k - 1)  # padding repeats the last pair, weighted 0 below
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output rows
     expert = tl.load(ids + pair).to(tl.int64)  # [BLOCK_P]
+    if CPU:  # a pair computed on the CPU (id -1) reads expert 0's rows in its place; its output comes from cpu_out
+        on_cpu = pairs & (expert < 0)
+        expert = tl.maximum(expert, 0)
     row = tl.minimum(n, H - 1)[None, :].to(tl.int64)
     rows = w2 + (expert[:, None] * stride_e + row * stride_r) * UNIT  # [BLOCK_P, BLOCK_N] row starts (bytes)
     vec = h + (pair * inter).to(tl.int64)[:, None]  # [BLOCK_P, 1] each pair's h
@@ -95,6 +106,15 @@ def _down(
         acc = decode_step(acc, rows, vec, blk, nblk, QTYPE, NB, EVEN, CACHE, "")
     wk = tl.load(weights + pair, mask=pairs, other=0.0).to(tl.float32)  # [BLOCK_P]
     r = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_P, BLOCK_N]
+    if CPU:
+        if CPU_WAIT:  # a captured step: the copy service puts the rows in, then writes the flag (CpuWait)
+            if tl.sum(on_cpu.to(tl.int32), 0) > 0:
+                want = tl.load(cpu_seq, cache_modifier=".cg")
+                while tl.atomic_add(cpu_done, 0, sem="acquire", scope="gpu") < want:
+                    pass
+        from_cpu = on_cpu[:, None] & (n < H)[None, :]
+        cpu_rows = tl.load(cpu_out + pair[:, None].to(tl.int64) * H + n[None, :], mask=from_cpu, cache_modifier=".cg")
+        r = tl.where(from_cpu, cpu_rows, r)
     y = tl.sum(tl.where(pairs[:, None], r * wk[:, None], 0.0), axis=0)  # [BLOCK_N]
     tl.store(out + t * stride_o + n, y.to(out.dtype.element_ty), mask=n < H)
 
@@ -151,15 +171,19 @@ def quant_fused_experts(
     hidden: int,
     blocks: QuantBlocks | None = None,
     arrivals: Arrivals | None = None,
+    cpu_out: torch.Tensor | None = None,
+    cpu_wait: CpuWait | None = None,
 ) -> torch.Tensor:
     """x: [T, H] (bf16, fp16 or fp32); ids: [T, K] rows of w13/w2 (expert ids or slots); weights: [T, K]; w13:
     uint8 [N, 2I, row_bytes(qtype_gate_up, H)]; w2: uint8 [N, H, row_bytes(qtype_down, I)] -> [T, H] in x's
     dtype. The banks may be views with any expert stride (a joined row per expert) and any row stride, each row's
-    bytes contiguous. `blocks` is for benchmarks; `arrivals` as in `moe_gemv.fused_experts`."""
+    bytes contiguous. `blocks` is for benchmarks; `arrivals`, `cpu_out` (the outputs of pairs of id -1, computed on
+    the CPU) and `cpu_wait` as in `moe_gemv.fused_experts`."""
     q13, q2 = quant_type(qtype_gate_up), quant_type(qtype_down)
     b = blocks or pick_blocks(q13, q2, hidden, inter)
-    h = quant_up_proj(x, ids, w13, q13, inter, hidden, b, arrivals)
-    return quant_down_proj(h, ids, weights, w2, q2, inter, hidden, b, streamed=arrivals is not None)
+    h = quant_up_proj(x, ids, w13, q13, inter, hidden, b, arrivals, cpu=cpu_out is not None)
+    streamed = arrivals is not None
+    return quant_down_proj(h, ids, weights, w2, q2, inter, hidden, b, streamed, cpu_out=cpu_out, cpu_wait=cpu_wait)
 
 
 def _strides(w: torch.Tensor, rows: int, q: QuantType, n: int) -> tuple[int, int, int]:
@@ -185,8 +209,10 @@ def quant_up_proj(
     hidden: int,
     blocks: QuantBlocks | None = None,
     arrivals: Arrivals | None = None,
+    cpu: bool = False,
 ) -> torch.Tensor:
-    """x: [T, H], ids: [T, K], w13: uint8 [N, 2I, row_bytes] -> h = silu(gate) * up [T * K, I] in x's dtype."""
+    """x: [T, H], ids: [T, K], w13: uint8 [N, 2I, row_bytes] -> h = silu(gate) * up [T * K, I] in x's dtype (`cpu`:
+    ids -1 are pairs computed on the CPU, left out)."""
     q = quant_type(qtype)
     (T, H), K = x.shape, ids.shape[1]
     assert H == hidden
@@ -202,7 +228,7 @@ def quant_up_proj(
             x, ids, w13, h, a.dst, a.count, a.counters, inter, K, nblk, x.stride(0), stride_e, stride_r, M,
             int(q.ggml_type), b.up_blocks, groups * b.up_blocks, lanes, b.up_n, nblk % b.up_blocks == 0, b.up_stages,
             arrivals is not None, a.after_ensure, a.chunks, triton.next_power_of_2(max(M, 1)),
-            ".cg" if arrivals is not None else "", unit, num_warps=b.up_warps, **launch_args(x.device),
+            ".cg" if arrivals is not None else "", unit, CPU=cpu, num_warps=b.up_warps, **launch_args(x.device),
         )  # fmt: skip
     return h
 
@@ -217,9 +243,12 @@ def quant_down_proj(
     hidden: int,
     blocks: QuantBlocks | None = None,
     streamed: bool = False,
+    cpu_out: torch.Tensor | None = None,
+    cpu_wait: CpuWait | None = None,
 ) -> torch.Tensor:
     """h: [T * K, I] from `quant_up_proj`, ids and weights: [T, K], w2: uint8 [N, H, row_bytes] -> [T, H] in h's
-    dtype. `streamed`: up waited for the miss copy's rows, not for the copy kernel (read w2 at L2)."""
+    dtype. `streamed`: up waited for the miss copy's rows, not for the copy kernel (read w2 at L2). `cpu_out`,
+    `cpu_wait`: as `quant_fused_experts`'."""
     q = quant_type(qtype)
     T, K = ids.shape
     assert h.shape == (T * K, inter) and h.is_contiguous()
@@ -230,10 +259,14 @@ def quant_down_proj(
         b = blocks or pick_blocks(q, q, hidden, inter)
         nblk = inter // q.block_weights
         groups, lanes = GROUPS[q.name]
+        if cpu_out is not None:
+            assert cpu_out.shape == (T * K, hidden) and cpu_out.dtype == torch.float32 and cpu_out.is_contiguous()
+        flag, seq = (ids, ids) if cpu_wait is None else (cpu_wait.done, cpu_wait.seq)  # unread without a wait
         _down[(T, triton.cdiv(hidden, b.down_n))](
-            h, ids, weights, w2, out, hidden, inter, K, nblk, out.stride(0), stride_e, stride_r,
-            int(q.ggml_type), b.down_blocks, groups * b.down_blocks, lanes, triton.next_power_of_2(K), b.down_n,
-            nblk % b.down_blocks == 0, b.down_stages, ".cg" if streamed else "", unit, num_warps=b.down_warps,
+            h, ids, weights, w2, out, h if cpu_out is None else cpu_out, flag, seq, hidden, inter, K, nblk,
+            out.stride(0), stride_e, stride_r, int(q.ggml_type), b.down_blocks, groups * b.down_blocks, lanes,
+            triton.next_power_of_2(K), b.down_n, nblk % b.down_blocks == 0, b.down_stages, ".cg" if streamed else "",
+            unit, CPU=cpu_out is not None, CPU_WAIT=cpu_wait is not None, num_warps=b.down_warps,
             **launch_args(h.device),
         )  # fmt: skip
     return out

@@ -145,7 +145,7 @@ class QuantExpertLayout(ExpertLayout):
         self.copy_split = copy_split or self.split
         assert self.row >= self.used and 0 < self.copy_split < self.row
         self.decode, self.decode_waits = self._decode_reference, False
-        self.decode_cpu = self._decode_cpu_reference  # over `decode`, the kernel's too
+        self.decode_cpu = self._decode_cpu_reference  # over `decode`
 
     def use_kernels(self, device: torch.device) -> None:
         if self.act_name != "silu":  # the kernels compute SiLU
@@ -157,7 +157,12 @@ class QuantExpertLayout(ExpertLayout):
         def decode(x, ids, weights, w13, w2, arrivals=None):  # noqa: ANN001, ANN202 - decode's signature
             return quant_fused_experts(x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals)
 
-        self.decode, self.decode_waits = decode, True
+        def decode_cpu(x, ids, weights, w13, w2, cpu_out, arrivals=None, cpu_wait=None):  # noqa: ANN001, ANN202
+            return quant_fused_experts(x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals,
+                                       cpu_out=cpu_out, cpu_wait=cpu_wait)  # fmt: skip
+
+        # the kernels read CPU pairs' rows themselves (and wait for them in a captured step), as the dense one does
+        self.decode, self.decode_cpu, self.decode_waits = decode, decode_cpu, True
 
     def views(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate_up [N, 2I, gu_bytes] and down [N, H, down_bytes] uint8 views of `joined` [N, row]."""

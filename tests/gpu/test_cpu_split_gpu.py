@@ -141,8 +141,8 @@ def test_graph_split_at_other_cache_sizes(slots: int) -> None:
 
 
 def test_quantized_experts_split_in_graphs(tmp_path) -> None:
-    """GGUF Q4_K gate/up with Q6_K down: the quantized kernel for the copied experts, the executor's K-quant paths
-    for the CPU's, the wait kernel before the plain-torch combine (`QuantExpertLayout.decode_cpu`)."""
+    """GGUF Q4_K gate/up with Q6_K down: the quantized kernels for the copied experts, reading the CPU's rows (the
+    executor's K-quant paths) and waiting for them in replayed steps (`QuantExpertLayout.decode_cpu`)."""
     pytest.importorskip("gguf")
     path = str(make_model(tmp_path, "qwen3_moe", "tiny-k", dtype="float32", format="gguf", expert_dtype="q4_k_m"))
     runs = {}

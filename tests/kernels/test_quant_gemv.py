@@ -190,3 +190,34 @@ def test_streamed_behind_the_miss_copy_is_bitwise_the_plain_kernel(misses: int) 
             x, ids, weights, stale[:, :a].view(w13.shape), stale[:, a:].view(w2.shape), q13, q2, inter, hidden, blocks
         )
         assert not torch.equal(got, old)
+
+
+@pytest.mark.parametrize("q13, q2", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0")])
+def test_cpu_pairs(q13: str, q2: str) -> None:
+    """Pairs of id -1 take their outputs from `cpu_out` (fp32) and are weighted and summed over k in order: against
+    the layout's plain-torch `decode_cpu` over the reference decode (float32), bitwise the plain kernel where no pair
+    is on the CPU and for a token without CPU pairs, and unchanged by a captured step's wait for the flag."""
+    from edgemoe.kernels.miss_copy import await_cpu_rows
+    from edgemoe.offload.layout import QuantExpertLayout
+    from edgemoe.offload.protocol import CpuWait
+
+    hidden, inter = shapes(q13, q2)
+    _, w13, w2 = banks(q13, q2, hidden, inter, seed=31)
+    x, ids, weights = routing(3, hidden, torch.float32, seed=32)
+    b = tiles(q13, q2, hidden, inter)
+    cpu_out = torch.randn(3 * TOP_K, hidden, generator=torch.Generator().manual_seed(33)).to(DEVICE)
+    plain = quant_fused_experts(x, ids, weights, w13, w2, q13, q2, inter, hidden, b)
+    assert torch.equal(quant_fused_experts(x, ids, weights, w13, w2, q13, q2, inter, hidden, b, cpu_out=cpu_out), plain)
+    on_cpu = ids.clone()
+    on_cpu[0, 1] = on_cpu[2, 0] = on_cpu[2, 1] = -1  # token 2: both pairs on the CPU
+    out = quant_fused_experts(x, on_cpu, weights, w13, w2, q13, q2, inter, hidden, b, cpu_out=cpu_out)
+    layout = QuantExpertLayout(hidden, inter, q13, q2, torch.float32)
+    ref = layout._decode_cpu_reference(x, on_cpu, weights, w13, w2, cpu_out)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(out[1], plain[1]), "a token without CPU pairs is computed as before"
+    assert not torch.equal(out[0], plain[0])
+    seq = torch.tensor(7, device=DEVICE)
+    wait = CpuWait(cpu_out, seq.clone(), seq, torch.tensor(3, device=DEVICE))
+    kernel = quant_fused_experts(x, on_cpu, weights, w13, w2, q13, q2, inter, hidden, b, cpu_out=cpu_out, cpu_wait=wait)
+    assert torch.equal(kernel, out)
+    await_cpu_rows(wait)

@@ -59,6 +59,21 @@ def _await_rows(slot, dst, count, arrived, M, CHUNKS: tl.constexpr, BLOCK_M: tl.
 
 
 @triton.jit
+def _with_cpu_rows(yk, on_cpu, pair, n, H, cpu_out, cpu_done, cpu_seq, CPU_WAIT: tl.constexpr):
+    """A down program's pair outputs yk [BLOCK_P, BLOCK_N] with the rows of the pairs computed on the CPU (`on_cpu`
+    [BLOCK_P]) taken from cpu_out [pairs, H] fp32 instead; with CPU_WAIT (a captured step, `CpuWait`) first waiting
+    until the copy service has put them in and written the flag, if the token has any. Shared with quant_gemv."""
+    if CPU_WAIT:
+        if tl.sum(on_cpu.to(tl.int32), 0) > 0:
+            want = tl.load(cpu_seq, cache_modifier=".cg")
+            while tl.atomic_add(cpu_done, 0, sem="acquire", scope="gpu") < want:
+                pass
+    from_cpu = on_cpu[:, None] & (n < H)[None, :]
+    rows = tl.load(cpu_out + pair[:, None].to(tl.int64) * H + n[None, :], mask=from_cpu, cache_modifier=".cg")
+    return tl.where(from_cpu, rows, yk)
+
+
+@triton.jit
 def _up(
     x,
     ids,
@@ -179,15 +194,7 @@ def _down(
     wk = tl.load(weights + pair, mask=pairs, other=0.0).to(tl.float32)  # [BLOCK_P]
     yk = tl.sum(acc, axis=2)  # [BLOCK_P, BLOCK_N] each pair's output
     if CPU:
-        on_cpu = pairs & (expert < 0)
-        if CPU_WAIT:  # a captured step: the copy service puts the rows in, then writes the flag (CpuWait)
-            if tl.sum(on_cpu.to(tl.int32), 0) > 0:
-                want = tl.load(cpu_seq, cache_modifier=".cg")
-                while tl.atomic_add(cpu_done, 0, sem="acquire", scope="gpu") < want:
-                    pass
-        from_cpu = on_cpu[:, None] & (n < H)[None, :]
-        rows = tl.load(cpu_out + pair[:, None].to(tl.int64) * H + n[None, :], mask=from_cpu, cache_modifier=".cg")
-        yk = tl.where(from_cpu, rows, yk)
+        yk = _with_cpu_rows(yk, pairs & (expert < 0), pair, n, H, cpu_out, cpu_done, cpu_seq, CPU_WAIT)
     y = tl.sum(yk * wk[:, None], axis=0)  # [BLOCK_N] in k order
     tl.store(out + t * stride_o + n, y.to(out.dtype.element_ty), mask=n < H)
 

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from edgemoe.kernels.moe_gemv import _await_rows
+from edgemoe.kernels.moe_gemv import _await_rows, _with_cpu_rows
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 from edgemoe.kernels.quant_decode import ALIGN, GROUPS, decode_step
 from edgemoe.layers.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
@@ -107,14 +107,7 @@ def _down(
     wk = tl.load(weights + pair, mask=pairs, other=0.0).to(tl.float32)  # [BLOCK_P]
     r = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_P, BLOCK_N]
     if CPU:
-        if CPU_WAIT:  # a captured step: the copy service puts the rows in, then writes the flag (CpuWait)
-            if tl.sum(on_cpu.to(tl.int32), 0) > 0:
-                want = tl.load(cpu_seq, cache_modifier=".cg")
-                while tl.atomic_add(cpu_done, 0, sem="acquire", scope="gpu") < want:
-                    pass
-        from_cpu = on_cpu[:, None] & (n < H)[None, :]
-        cpu_rows = tl.load(cpu_out + pair[:, None].to(tl.int64) * H + n[None, :], mask=from_cpu, cache_modifier=".cg")
-        r = tl.where(from_cpu, cpu_rows, r)
+        r = _with_cpu_rows(r, on_cpu, pair, n, H, cpu_out, cpu_done, cpu_seq, CPU_WAIT)
     y = tl.sum(tl.where(pairs[:, None], r * wk[:, None], 0.0), axis=0)  # [BLOCK_N]
     tl.store(out + t * stride_o + n, y.to(out.dtype.element_ty), mask=n < H)
 

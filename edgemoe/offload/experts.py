@@ -5,8 +5,9 @@ Decode (at most S distinct experts in a layer's step, which the minimum cache si
 one miss copy and the same expert kernel as resident experts, all fixed-shape and sync-free; on CUDA the expert
 kernel waits for each missed expert's rows, not for the whole copy (`edgemoe.offload.protocol.Arrivals`).
 Prefill with more pairs than experts streams whole layers through two areas of the pool where it has 2E slots
-(`edgemoe.offload.prefill_stream`); otherwise, or with fewer pairs, the experts it needs are made resident in waves
-of at most S, in expert order. Either way each pair is computed exactly as the resident path would (same functions,
+(`edgemoe.offload.prefill_stream`), unless the cache holds most of what the step needs already (`PrefillStream.
+chooses`); otherwise, or with fewer pairs, the experts it needs are made resident in waves of at most S, in expert
+order. Either way each pair is computed exactly as the resident path would (same functions,
 same order), so outputs are bitwise equal to resident experts. With the prefill kernel (dense SiLU experts on CUDA)
 every wave is one grouped GEMM over its experts' pairs, read from their slots, into one buffer of pair outputs summed
 at the end, as resident experts sum it (`edgemoe.kernels.grouped_gemm`).
@@ -55,8 +56,9 @@ class OffloadedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]; the same kernel choice as `Experts.forward`
         pairs, E, S = ids.numel(), self.num_experts, self.cache.num_slots
-        if get_context().is_prefill and pairs > E and self.cache.prefill_stream is not None:
-            return self.cache.prefill_stream.run(self.layer, self.layout, x, ids, weights)
+        stream = self.cache.prefill_stream
+        if get_context().is_prefill and pairs > E and stream is not None and stream.chooses(self.layer, ids):
+            return stream.run(self.layer, self.layout, x, ids, weights)
         if get_context().is_prefill and self.layout.pair_outputs is not None:
             return self._kernel_waves(x, ids, weights)
         gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts

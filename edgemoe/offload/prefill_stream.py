@@ -8,6 +8,15 @@ the bound is every expert's bytes over PCIe once per chunk, and one copy of a la
 by side in pinned memory and in the pool) reaches it. Waves of cache-sized expert sets (`OffloadedExperts`'s
 fallback) copy only what misses but wait for each wave on the host and never overlap a copy with compute.
 
+When not to stream: a chunk whose experts are mostly cached already (a short turn of an agent loop after its prompt
+was prefilled, with a cache holding most of each layer). Waves copy only the M experts that miss, then compute; the
+stream copies all L x E under the compute. With c an expert's copy and C the chunk's compute, waves take M c + C and
+the stream max(L E c, C); C is at most ~0.45 L E c for the largest chunk on the H200 (16K tokens of qwen3-30b-a3b:
+0.47 s against 1.08 s of copies), so waves are ahead while M <= L E / 2 (`STREAM_FROM`), for any chunk. `chooses`
+decides once a step, at its first MoE layer (the copy of layer l+1 starts under layer l, so a step streams all of its
+layers or none): layer 0's misses counted exactly, every other layer's estimated from the experts layer 0 uses and how
+many of that layer's experts are cached. One host sync a step.
+
 Areas: slots [0, E) and [E, 2E) of the pool (a cache of at least 2E slots and fewer than all experts; other caches
 keep the waves). Layer l is
 copied into area l % 2 on a copy stream; the compute stream waits for that copy by an event; the copy into an area
@@ -30,6 +39,8 @@ import torch
 from edgemoe.offload.expert_cache import STAT_FIELDS, ExpertCache
 from edgemoe.offload.layout import ExpertLayout
 
+STREAM_FROM = 0.5  # stream a step whose expected misses exceed this share of its L x E experts (see above)
+
 
 class PrefillStream:
     """Streams a prefill step's MoE layers (in order, `banks[i]` the host bank [E, row] of MoE layer i) through the
@@ -43,6 +54,7 @@ class PrefillStream:
         self.copied: list[torch.cuda.Event | None] = [None, None]  # per area: its copy's completion (CUDA)
         self.holds: list[int | None] = [None, None]  # per area: the layer copied into it during this step
         self.last_layer = -1  # the layer computed last: a layer at or before it starts a new step
+        self.streaming = True  # what `chooses` decided for the current step
         self._experts = torch.arange(self.E, device=cache.device)
         counts = {"accesses": self.E, "misses": self.E, "bytes_copied": self.E * cache.expert_bytes}
         self._layer_stats = torch.tensor([counts.get(f, 0) for f in STAT_FIELDS], device=cache.device)  # a layer's
@@ -52,6 +64,23 @@ class PrefillStream:
         """Two layers' worth of slots, and not every expert (a cache that holds them all misses nothing to stream)."""
         E, S = cache.num_experts, cache.num_slots
         return cache.joined is not None and 2 * E <= S < cache.num_layers * E
+
+    def chooses(self, layer: int, ids: torch.Tensor) -> bool:
+        """Whether prefill streams MoE layer `layer` (ids [tokens, top_k] its routing): decided at MoE layer 0 for
+        the whole step, by the misses it expects (module docstring)."""
+        if layer == 0:
+            self.streaming = self.expected_misses(ids) > STREAM_FROM * self.cache.num_layers * self.E
+        return self.streaming
+
+    def expected_misses(self, ids: torch.Tensor) -> float:
+        """Misses a prefill step routed as `ids` at MoE layer 0 would meet in waves, over all MoE layers: layer 0's
+        exactly, every later layer's as (experts layer 0 uses) x (the share of that layer's experts not cached)."""
+        c, E = self.cache, self.E
+        used = torch.zeros(E, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
+        absent = c.slot_of[: c.num_layers * E].view(c.num_layers, E) < 0  # [L, E]
+        first = (used & absent[0]).sum()
+        later = used.sum() * absent[1:].sum() / E
+        return float(first + later)
 
     def area_rows(self, area: int) -> torch.Tensor:
         return self.cache.joined[area * self.E : (area + 1) * self.E]

@@ -1,6 +1,7 @@
 """Streamed prefill (`edgemoe.offload.prefill_stream`) on the CPU: every prefill and decode step's logits bitwise equal
 to resident experts over several chunks and requests (decode steps in between evict what the areas held); the cache's
-mapping after a prefill against a plain-Python model of what the streamer does; which caches stream."""
+mapping after a prefill against a plain-Python model of what the streamer does; which caches stream; which steps
+stream (a step whose experts are mostly cached goes in waves), against a plain-Python count of its misses."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.offload.prefill_stream import PrefillStream
+from edgemoe.offload.prefill_stream import STREAM_FROM, PrefillStream
 from edgemoe.tools.make_model import make_model
 from tests.step_logits import record_step_logits
 
@@ -93,3 +94,41 @@ def test_mapping_after_one_prefill(folder: str) -> None:
 def test_which_caches_stream(folder: str, slots: int, streams: bool) -> None:
     llm = LLM(folder, moe_strategy="offload", moe_cache_slots=slots, progress=False, max_num_seqs=1, max_model_len=64)
     assert (llm.engine.expert_cache.prefill_stream is not None) == streams
+
+
+def test_mostly_cached_steps_go_in_waves(folder: str, monkeypatch) -> None:
+    """A cache one expert short of all: the first prefill (cold) streams, later ones find most experts cached and go
+    in waves, every step's logits still bitwise resident experts'."""
+    chosen = []
+    original = PrefillStream.chooses
+
+    def spy(self, layer, ids):  # noqa: ANN001, ANN202
+        chosen.append((layer, original(self, layer, ids)))
+        return chosen[-1][1]
+
+    monkeypatch.setattr(PrefillStream, "chooses", spy)
+    assert_streamed_is_resident(folder, monkeypatch, LAYERS * E - 1)
+    steps = [streams for layer, streams in chosen if layer == 0]
+    assert steps[0] and not all(steps), steps
+    assert all(streams == steps[i // LAYERS] for i, (_, streams) in enumerate(chosen)), "a step changed its mind"
+
+
+def test_expected_misses_against_a_plain_count(folder: str) -> None:
+    """`expected_misses` and the choice against plain Python over the cache's mapping, for random routings of
+    MoE layer 0, on the cache as a few requests left it (some layers whole, some partly cached)."""
+    llm = LLM(folder, moe_strategy="offload", moe_cache_slots=2 * E + 3, progress=False, max_num_seqs=1,
+              max_model_len=256)  # fmt: skip
+    for prompt in PROMPTS:
+        llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    stream = llm.engine.expert_cache.prefill_stream
+    slot_of = llm.engine.expert_cache.slot_of.tolist()
+    absent = [[slot_of[layer * E + e] < 0 for e in range(E)] for layer in range(LAYERS)]
+    assert 0 < sum(map(sum, absent)) < LAYERS * E  # partly cached
+    gen = torch.Generator().manual_seed(7)
+    for tokens in (1, 2, 5, 40):
+        ids = torch.randint(0, E, (tokens, 2), generator=gen)
+        used = set(ids.flatten().tolist())
+        want = sum(absent[0][e] for e in used) + len(used) * sum(map(sum, absent[1:])) / E
+        assert stream.expected_misses(ids) == pytest.approx(want)
+        assert stream.chooses(0, ids) == (want > STREAM_FROM * LAYERS * E)
+        assert stream.chooses(1, ids) == (want > STREAM_FROM * LAYERS * E)  # kept for the step's later layers

@@ -9,7 +9,10 @@ sequence's new tokens are the last rows of its causal square (a whole prompt, a 
 prefix), which `causal_lower_right` tells SDPA without a mask: on CUDA flash attention takes it with grouped K/V as
 they are (no mask, no K/V repeated per query head); on the CPU torch builds the mask itself. A subclass that narrows
 `visible` (a sliding window) passes a [new, keys] mask, with K/V repeated per query head so that CUDA can run the
-memory-efficient kernel.
+memory-efficient kernel. On CUDA prefill leaves SDPA's cuDNN backend out (`PREFILL_BACKENDS`): torch 2.11 picks it
+first on the H200, and it builds a plan for every new query length, 20-75 ms on the CPU (a 333-token prompt of 4
+qwen3-30b-a3b layers: 98 ms the first time, 14 the second; flash: 21 and 11), so every agent-loop turn, whose prompt
+is a length never seen, paid it.
 
 `Attention` is the block every family shares: one qkv projection, an optional per-head q/k norm, RoPE, the KV-cache
 write and paged attention, the output projection. A family that transforms q, k, v before RoPE (OLMoE's norm over
@@ -21,12 +24,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from edgemoe.engine.context import get_context
 from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
+
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # CUDA: no cuDNN
 
 
 class PagedAttention(nn.Module):
@@ -60,7 +66,11 @@ class PagedAttention(nn.Module):
         """`forward` once the cache holds this step's k and v (on CUDA `attention_prologue` writes them, fused with
         norm and rotary). q: [tokens, heads, head_dim] -> [tokens, heads * head_dim]"""
         ctx = get_context()
-        out = self._prefill(q, ctx) if ctx.is_prefill else self._decode(q, ctx)
+        if ctx.is_prefill and q.is_cuda:
+            with sdpa_kernel(PREFILL_BACKENDS):
+                out = self._prefill(q, ctx)
+        else:
+            out = self._prefill(q, ctx) if ctx.is_prefill else self._decode(q, ctx)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,8 @@ through the model runner, on a random-weight model of a real geometry.
 
 Offloaded: the expert cache holds `--fraction` of all experts, or what `--vram-budget` leaves beside the dense weights,
 the KV cache and the longest prompt's activations (`edgemoe.engine.activations`), as the engine sizes it (at least two
-layers' worth and not all, so prefill streams whole layers: `edgemoe.offload.prefill_stream`); resident: every expert on
+layers' worth and not all, so prefill may stream whole layers: `edgemoe.offload.prefill_stream`, which does while most
+of a chunk's experts miss; a warm-up leaves the last two layers cached); resident: every expert on
 the device, the same values. Per N: seconds of each, the expert bytes the offloaded prefill copied (the cache's stats),
 and two bounds from figures of the same run: `serial` = bytes / H2D rate + resident seconds (copy and compute one after
 the other, the issue's bound) and `overlap` = max(bytes / H2D rate, resident seconds) (perfect overlap, the tighter

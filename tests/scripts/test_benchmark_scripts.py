@@ -37,7 +37,9 @@ def test_ple_backends_give_the_same_tokens(tmp_path) -> None:
 
 
 def test_streamed_prefill_copies_every_expert_once_a_chunk(tmp_path) -> None:
-    r = run_script("prefill_stream.py", "--device", "cpu", "--geometry", "small", "--layers", "4", "--fraction",
-                   "0.5", "--tokens", "48,96", out=tmp_path / "stream.json")  # fmt: skip
-    assert r["streams"] and r["slots"] == 64  # 0.5 x 4 layers x 32 experts: two layers' worth, not all
-    assert [run["bytes_copied"] for run in r["runs"]] == [4 * 32 * r["expert_bytes"]] * 2
+    # 0.4 x 6 layers x 32 experts: two layers' worth, not all; what a warm-up leaves cached (the last two layers)
+    # is a third, so each timed chunk expects most experts to miss and streams
+    r = run_script("prefill_stream.py", "--device", "cpu", "--geometry", "small", "--layers", "6", "--fraction",
+                   "0.4", "--tokens", "48,96", out=tmp_path / "stream.json")  # fmt: skip
+    assert r["streams"] and 64 <= r["slots"] < 6 * 32
+    assert [run["bytes_copied"] for run in r["runs"]] == [6 * 32 * r["expert_bytes"]] * 2

@@ -21,6 +21,8 @@ all heads, its clip) subclasses it and overrides `transform_qkv`.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,11 +68,11 @@ class PagedAttention(nn.Module):
         """`forward` once the cache holds this step's k and v (on CUDA `attention_prologue` writes them, fused with
         norm and rotary). q: [tokens, heads, head_dim] -> [tokens, heads * head_dim]"""
         ctx = get_context()
-        if ctx.is_prefill and q.is_cuda:
-            with sdpa_kernel(PREFILL_BACKENDS):
+        if ctx.is_prefill:
+            with sdpa_kernel(PREFILL_BACKENDS) if q.is_cuda else contextlib.nullcontext():
                 out = self._prefill(q, ctx)
         else:
-            out = self._prefill(q, ctx) if ctx.is_prefill else self._decode(q, ctx)
+            out = self._decode(q, ctx)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

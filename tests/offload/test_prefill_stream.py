@@ -132,3 +132,9 @@ def test_expected_misses_against_a_plain_count(folder: str) -> None:
         assert stream.expected_misses(ids) == pytest.approx(want)
         assert stream.chooses(0, ids) == (want > STREAM_FROM * LAYERS * E)
         assert stream.chooses(1, ids) == (want > STREAM_FROM * LAYERS * E)  # kept for the step's later layers
+    llm.engine.expert_cache.reset()  # nothing cached: a step using most experts streams, one using few does not
+    for tokens, streams in ((40, True), (1, False)):
+        ids = torch.randint(0, E, (tokens, 2), generator=gen)
+        used = len(set(ids.flatten().tolist()))
+        assert stream.expected_misses(ids) == pytest.approx(used * LAYERS)
+        assert stream.chooses(0, ids) is streams and stream.chooses(2, ids) is streams

@@ -151,7 +151,8 @@ class OffloadedExperts(nn.Module):
 
 class ResidentExperts(nn.Module):
     """Every expert of a layer on the device in a layout's storage (quantized experts: GGUF blocks as stored), read in
-    place by the layout's decode kernel; prefill dequantizes the experts it uses."""
+    place by the layout's decode kernel and, on CUDA, its prefill kernel (`ExpertLayout.pair_outputs`); the plain-torch
+    prefill dequantizes the experts it uses."""
 
     def __init__(self, num_experts: int, layout: ExpertLayout) -> None:
         super().__init__()
@@ -174,6 +175,10 @@ class ResidentExperts(nn.Module):
         w13, w2 = self.layout.views(self.joined)
         if not get_context().is_prefill:
             return self.layout.decode(x, ids, weights, w13, w2)
+        if self.layout.pair_outputs is not None:  # the prefill kernel, as offloaded waves and streamed layers run it
+            from edgemoe.kernels.grouped_gemm import sum_pairs
+
+            return sum_pairs(self.layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2), ids.shape[1])
         if ids.numel() <= self.num_experts:
             return self.layout.gathered(x, ids, weights, w13, w2)
         return self.layout.grouped(x, ids, weights, w13, w2)

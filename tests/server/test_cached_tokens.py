@@ -96,9 +96,14 @@ def test_anthropic(tool_server, counts, stream):
     ]
     if stream:
         with client.messages.stream(messages=messages, **kw) as s:
-            (start,) = [e.message.usage for e in s if e.type == "message_start"]
+            events = list(s)
             two = s.get_final_message()
-        assert start.model_dump() == {**two.usage.model_dump(), "output_tokens": 0}  # message_start knew the prompt
+        # message_start knows the prompt's counts and message_delta repeats them (Anthropic's are cumulative there):
+        # a client may read either
+        (start,) = [e.message.usage for e in events if e.type == "message_start"]
+        (delta,) = [e.usage for e in events if e.type == "message_delta"]
+        assert start.model_dump() == {**two.usage.model_dump(), "output_tokens": 0}
+        assert delta.model_dump(exclude_none=True) == two.usage.model_dump(exclude_none=True)
     else:
         two = client.messages.create(messages=messages, **kw)
     assert two.content[0].text == ANSWER

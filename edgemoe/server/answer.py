@@ -8,7 +8,8 @@ to the loop lands once for all of them. The usage is one `Usage`, which each wri
 A stream's calls, in order: `head` once the request is admitted; `begin` with the first output (the prefix cache's
 share of the prompt is known by then: an API whose first event reports it waits for this); `output` per engine output
 (the parser's events, and the choice's `Finish` when it ends); `end` once every choice has finished, or `error` if the
-engine fails the request after the status line has gone out.
+engine fails the request after the status line has gone out (after `begin`, with nothing cached, if no output came:
+an API's first event always goes first).
 """
 
 from __future__ import annotations

@@ -205,7 +205,8 @@ class MessagesWriter(Writer):
     def __init__(self, conv: Conversation, plan: ChatPlan, model: str) -> None:
         self.model = model
         self.id = f"msg_{uuid.uuid4().hex}"
-        self.index, self.block = -1, None  # the open block's index and kind
+        self.index = -1  # the last block's
+        self.block: str | None = None  # the open block's kind
         self.stop: tuple[str, str | None] = ("end_turn", None)  # stop_reason, stop_sequence
 
     def _message(self, content: list[dict], reason: str | None, stop: str | None, usage: Usage) -> dict:

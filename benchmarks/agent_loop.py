@@ -152,7 +152,8 @@ def anthropic_loop(url: str, key: str, model: str, turns: int, max_tokens: int, 
                     first = time.perf_counter()
             final = stream.get_final_message()
         uses = [b for b in final.content if b.type == "tool_use"]
-        usage = (final.usage.input_tokens, final.usage.output_tokens)
+        # Anthropic's input_tokens are the uncached rest of the prompt: the prefix cache's share is apart
+        usage = (final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0), final.usage.output_tokens)
         out.append(clock.turn("anthropic", t, before, start, first, usage, [b.name for b in uses]))
         messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]})
         results = [{"type": "tool_result", "tool_use_id": b.id, "content": run_tool(b.name, b.input)} for b in uses]

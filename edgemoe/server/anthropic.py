@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgemoe.server.chat_format import ChatPlan, Conversation, new_call_id, parse_all
-from edgemoe.server.engine_loop import RequestHandle
+from edgemoe.server.answer import Finish, Usage, Writer
+from edgemoe.server.chat_format import ChatPlan, Conversation, Parsed, new_call_id
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
 from edgemoe.server.reasoning import Reasoning
 from edgemoe.server.tool_calls import Content, ToolCall
@@ -191,64 +190,79 @@ def stop_reason(reason: str, stop: str | int | None, called: bool) -> tuple[str,
     return ("stop_sequence", stop) if isinstance(stop, str) else ("end_turn", None)
 
 
-class MessagesBuilder:
-    """Builds one request's Anthropic message, whole or as its event stream."""
+def usage_body(usage: Usage) -> dict:
+    """Anthropic's count: `input_tokens` is the prompt's uncached rest, `cache_read_input_tokens` what the prefix
+    cache held (nothing is written at a client's request: `cache_creation_input_tokens` stays 0)."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}  # fmt: skip
 
-    def __init__(self, conv: Conversation, plan: ChatPlan, handle: RequestHandle, model: str) -> None:
-        self.plan, self.handle, self.model = plan, handle, model
+
+class MessagesWriter(Writer):
+    """One request's Anthropic message, whole or as its event stream: message_start (with the first output, when
+    the prompt's cached share is known), per block content_block_start / _delta... / _stop, message_delta (with the
+    whole usage, as Anthropic's counts there are cumulative), message_stop."""
+
+    def __init__(self, conv: Conversation, plan: ChatPlan, model: str) -> None:
+        self.model = model
         self.id = f"msg_{uuid.uuid4().hex}"
+        self.index = -1  # the last block's
+        self.block: str | None = None  # the open block's kind
+        self.stop: tuple[str, str | None] = ("end_turn", None)  # stop_reason, stop_sequence
 
-    def _message(self, content: list[dict], reason: str | None, stop: str | None, out_tokens: int) -> dict:
-        prompt = len(self.handle.prompt_ids)
+    def _message(self, content: list[dict], reason: str | None, stop: str | None, usage: Usage) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": stop,
-                "usage": {"input_tokens": prompt, "output_tokens": out_tokens, "cache_creation_input_tokens": 0,
-                          "cache_read_input_tokens": 0}}  # fmt: skip
+                "stop_reason": reason, "stop_sequence": stop, "usage": usage_body(usage)}  # fmt: skip
 
-    def response(self, texts: list[str], finish_reasons: list[str], usage: dict) -> dict:
-        out = parse_all(self.plan.parser(), texts[0])
+    def whole(self, choices: list[tuple[Parsed, Finish]], usage: Usage) -> dict:
+        (out, finish), *_ = choices
         content = [{"type": "thinking", "thinking": out.reasoning, "signature": SIGNATURE}] if out.reasoning else []
         content += [{"type": "text", "text": out.content}] if out.content else []
         content += [{"type": "tool_use", "id": new_call_id("toolu_"), "name": c.name, "input": json.loads(c.arguments)}
                     for c in out.calls]  # fmt: skip
-        reason, stop = stop_reason(finish_reasons[0], self.handle.finals[0].stop_reason, bool(out.calls))
-        return self._message(content, reason, stop, usage["completion_tokens"])
+        return self._message(content, *stop_reason(finish.reason, finish.stop, finish.called), usage)
 
-    async def stream(self) -> AsyncIterator[str]:
-        """message_start, then per block content_block_start / _delta... / _stop, message_delta, message_stop."""
-        parser, called, block = self.plan.parser(), False, None  # block: the kind of the open block
-        index = -1
-        yield _event("message_start", message=self._message([], None, None, 0))
-        try:
-            async for _, out in self.handle.outputs():
-                events = parser.feed(out.delta) if out.delta else []
-                if out.finish_reason:
-                    events += parser.finish()
-                for e in events:
-                    kind = "tool_use" if isinstance(e, ToolCall) else "thinking" if isinstance(e, Reasoning) else "text"
-                    if block is not None and (kind != block or kind == "tool_use"):
-                        yield _close(index, block)
-                        block = None
-                    if block is None:
-                        index, block = index + 1, kind
-                        yield _event("content_block_start", index=index, content_block=_start(e))
-                    if isinstance(e, ToolCall):
-                        called = True
-                        yield _delta(index, {"type": "input_json_delta", "partial_json": e.arguments})
-                    elif isinstance(e, Reasoning):
-                        yield _delta(index, {"type": "thinking_delta", "thinking": e.text})
-                    elif isinstance(e, Content):
-                        yield _delta(index, {"type": "text_delta", "text": e.text})
-                if out.finish_reason:
-                    if block is not None:
-                        yield _close(index, block)
-                    reason, stop = stop_reason(out.finish_reason, out.stop_reason, called)
-                    tokens = len(out.token_ids)
-                    yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": stop},
-                                 usage={"output_tokens": tokens})  # fmt: skip
-                    yield _event("message_stop")
-        except RequestError as exc:  # the status line is gone already: the error travels as an event
-            yield _event("error", error=error_body(exc.status, exc.message)["error"])
+    def begin(self, usage: Usage) -> list[str]:
+        return [_event("message_start", message=self._message([], None, None, usage))]
+
+    def _open(self, kind: str, e: Content | Reasoning | ToolCall) -> list[str]:
+        """Close the open block unless `e` continues it (a tool_use block holds one call), and open one for `e`."""
+        frames = []
+        if self.block is not None and (kind != self.block or kind == "tool_use"):
+            frames += self._close()
+        if self.block is None:
+            self.index, self.block = self.index + 1, kind
+            frames.append(_event("content_block_start", index=self.index, content_block=_start(e)))
+        return frames
+
+    def _close(self) -> list[str]:
+        """Close the open block (a thinking block gets its signature first)."""
+        sign = {"type": "signature_delta", "signature": SIGNATURE}
+        frames = [_delta(self.index, sign)] if self.block == "thinking" else []
+        self.block = None
+        return frames + [_event("content_block_stop", index=self.index)]
+
+    def content(self, index: int, text: str) -> list[str]:
+        return self._open("text", Content(text)) + [_delta(self.index, {"type": "text_delta", "text": text})]
+
+    def reasoning(self, index: int, text: str) -> list[str]:
+        delta = {"type": "thinking_delta", "thinking": text}
+        return self._open("thinking", Reasoning(text)) + [_delta(self.index, delta)]
+
+    def tool_call(self, index: int, call: ToolCall) -> list[str]:
+        delta = {"type": "input_json_delta", "partial_json": call.arguments}
+        return self._open("tool_use", call) + [_delta(self.index, delta)]
+
+    def finish(self, index: int, finish: Finish) -> list[str]:
+        self.stop = stop_reason(finish.reason, finish.stop, finish.called)
+        return self._close() if self.block is not None else []
+
+    def end(self, usage: Usage) -> list[str]:
+        reason, stop = self.stop
+        delta = _event("message_delta", delta={"stop_reason": reason, "stop_sequence": stop}, usage=usage_body(usage))
+        return [delta, _event("message_stop")]
+
+    def error(self, exc: RequestError) -> list[str]:
+        return [_event("error", error=error_body(exc.status, exc.message)["error"])]
 
 
 def _start(e: Content | Reasoning | ToolCall) -> dict:
@@ -257,12 +271,6 @@ def _start(e: Content | Reasoning | ToolCall) -> dict:
     if isinstance(e, Reasoning):
         return {"type": "thinking", "thinking": "", "signature": ""}
     return {"type": "text", "text": ""}
-
-
-def _close(index: int, block: str) -> str:
-    """Close a block (a thinking block gets its signature first)."""
-    sign = _delta(index, {"type": "signature_delta", "signature": SIGNATURE}) if block == "thinking" else ""
-    return sign + _event("content_block_stop", index=index)
 
 
 def _delta(index: int, delta: dict) -> str:

@@ -3,9 +3,9 @@
 "type", "param", "code"}}`), or Anthropic's on /v1/messages (`{"type": "error", "error": {"type", "message"}}`).
 
 The three chat APIs (chat completions, messages, responses) share one path, `_chat`: the request converted to OpenAI
-chat messages, rendered by the model's chat template (`chat_format.py`), its output parsed into reasoning, content
-and tool calls, and written in the request's API by that API's builder (`openai_chat.py`, `anthropic.py`,
-`responses.py`).
+chat messages, rendered by the model's chat template (`chat_format.py`). Every API's answer, text completions' too,
+then goes through one answer loop (`answer.py`): its output parsed into reasoning, content and tool calls, and
+written in the request's API by that API's writer (`openai_chat.py`, `anthropic.py`, `responses.py`).
 
 Bodies are read and parsed here rather than by FastAPI so that each failure has its own status: 415 for
 a wrong content type, 413 for an oversized body (checked while reading, not after), 400 for bad JSON.
@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
 from edgemoe.engine.engine import LLMEngine
 from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.server import anthropic, openai_chat, responses, tokens
+from edgemoe.server.answer import Writer, answer, plain_parser
 from edgemoe.server.chat_format import ChatFormats, Conversation, announce, detect_formats, render_chat
 from edgemoe.server.engine_loop import EngineLoop, RequestHandle
 from edgemoe.server.http import ApiKeyGuard, add_error_handlers
@@ -37,11 +36,8 @@ from edgemoe.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
-    ResponseBuilder,
     error_body,
     parse_request,
-    sse,
-    usage,
 )
 
 
@@ -97,15 +93,15 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _chat(request, state, openai_chat.parse, openai_chat.ChatBuilder)
+        return await _chat(request, state, openai_chat.parse, openai_chat.ChatWriter)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await _chat(request, state, anthropic.parse, anthropic.MessagesBuilder)
+        return await _chat(request, state, anthropic.parse, anthropic.MessagesWriter)
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        return await _chat(request, state, responses.parse, responses.ResponsesBuilder)
+        return await _chat(request, state, responses.parse, responses.ResponsesWriter)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -183,15 +179,14 @@ async def _complete(request: Request, state: _State) -> Response:
     prompt_ids = await run_in_threadpool(_tokenize, engine, req)  # a long prompt must not stall the event loop
     handle = RequestHandle(prompt_ids, _sampling_params(req, len(prompt_ids), engine.max_model_len, _kv_tokens(engine)))
     await _submit(handle, engine_loop)
-    builder = ResponseBuilder(False, state.config.model_id, req.include_usage)
-    if req.stream:
-        return _EventStream(_stream(handle, builder), handle, engine_loop)
-    return JSONResponse(await _collect(request, handle, builder, engine_loop))
+    writer = openai_chat.CompletionWriter(req, state.config.model_id)
+    return await answer(request, handle, engine_loop, writer, plain_parser, req.stream)
 
 
-async def _chat(request: Request, state: _State, parse: Callable[[object], Conversation], builder: type) -> Response:
-    """A chat API's request: `parse` converts it; `builder(conversation, plan, handle, model)` writes the answer,
-    whole (`response`) or streamed (`stream`)."""
+async def _chat(
+    request: Request, state: _State, parse: Callable[[object], Conversation], writer: Callable[..., Writer]
+) -> Response:
+    """A chat API's request: `parse` converts it; `writer(conversation, plan, model)` writes the answer."""
     engine_loop = state.engine_loop
     conv = parse(await _read_json(request, state.config.max_body_bytes))
     req = conv.req
@@ -212,10 +207,8 @@ async def _chat(request: Request, state: _State, parse: Callable[[object], Conve
     params = _sampling_params(req, len(plan.prompt_ids), engine.max_model_len, _kv_tokens(engine))
     handle = RequestHandle(plan.prompt_ids, plan.sampling(params))
     await _submit(handle, engine_loop)
-    answer = builder(conv, plan, handle, state.config.model_id)
-    if req.stream:
-        return _EventStream(answer.stream(), handle, engine_loop)
-    return JSONResponse(await _collect(request, handle, answer, engine_loop))
+    out = writer(conv, plan, state.config.model_id)
+    return await answer(request, handle, engine_loop, out, plan.parser, req.stream)
 
 
 async def _read_json(request: Request, limit: int) -> object:
@@ -296,63 +289,3 @@ def _sampling_params(
         return [SamplingParams(**base, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
     except EdgeMoEError as exc:
         raise RequestError(400, str(exc), code="invalid_value") from None
-
-
-async def _stream(handle: RequestHandle, builder: ResponseBuilder) -> AsyncIterator[str]:
-    """The SSE body: chunks as the engine produces them, then the usage chunk if asked for, then [DONE]."""
-    try:
-        async for index, out in handle.outputs():
-            if out.delta or out.finish_reason:
-                yield builder.chunk(index, out.delta, out.finish_reason)
-        if builder.include_usage:
-            yield builder.usage_chunk(usage(*handle.usage()))
-    except RequestError as exc:  # the status line is gone already: the error travels as an event
-        yield sse(exc.body())
-    yield "data: [DONE]\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """When the client goes away, Starlette cancels the response; then the sequences are aborted. Done here
-    rather than in the body generator, whose `finally` never runs if it is cancelled before its first chunk."""
-
-    def __init__(self, body: AsyncIterator[str], handle: RequestHandle, engine_loop: EngineLoop) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(body, media_type="text/event-stream", headers=headers)
-        self.handle, self.engine_loop = handle, engine_loop
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self.handle.done:
-                self.engine_loop.abort(self.handle)
-
-
-class _Builder(Protocol):
-    def response(self, texts: list[str], finish_reasons: list[str], usage: dict) -> dict: ...
-
-
-async def _collect(request: Request, handle: RequestHandle, builder: _Builder, engine_loop: EngineLoop) -> dict:
-    """Wait for every choice, or for the client to leave (then abort: nobody will read the answer)."""
-
-    async def finish() -> None:
-        async for _ in handle.outputs():
-            pass
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, gone = asyncio.ensure_future(finish()), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (work, gone):
-            task.cancel()
-        if not handle.done:
-            engine_loop.abort(handle)
-    if not work.done() or work.cancelled():
-        raise RequestError(499, "the client disconnected", code="client_disconnected")
-    work.result()  # raises the engine loop's error, if any
-    texts = [f.text for f in handle.finals]
-    return builder.response(texts, [f.finish_reason for f in handle.finals], usage(*handle.usage()))

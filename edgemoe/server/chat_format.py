@@ -153,7 +153,7 @@ class Conversation:
     template_kwargs: dict = field(default_factory=dict)
     prefill: str = ""
     fit_max_tokens: bool = False
-    wire: object = None  # the API's own request, for its response builder
+    wire: object = None  # the API's own request, for its writer
 
 
 @dataclass

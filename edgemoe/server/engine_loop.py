@@ -66,15 +66,6 @@ class RequestHandle:
                     self.finals[index] = out
                 yield index, out
 
-    def usage(self) -> tuple[int, int, int]:
-        """(prompt tokens, completion tokens, prompt tokens whose K/V came from the prefix cache)."""
-        done = [f for f in self.finals if f is not None]
-        return (
-            len(self.prompt_ids),
-            sum(len(f.token_ids) for f in done),
-            max((f.cached_tokens for f in done), default=0),
-        )
-
     # engine thread -> event loop
 
     def _call(self, fn: Callable, *args: object) -> None:

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request models (strict pydantic), response and SSE chunk builders, error bodies.
+"""The OpenAI wire format: request models (strict pydantic) and error bodies (the answers' writers: `openai_chat.py`).
 
 Requests are validated strictly (no "1" for 1, no true for 1, no NaN) so that a client's mistake comes
 back as a 400 naming the field instead of being silently coerced. Fields we do not implement but that
@@ -9,10 +9,7 @@ their no-op value; harmless ones (user, metadata, ...) are ignored.
 from __future__ import annotations
 
 import functools
-import json
-import time
 import typing
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -230,65 +227,3 @@ _EXPECTED = {  # what a field of several types takes
     "prompt": "a string or a list of token ids (integers >= 0)",
 }
 _EXAMPLE = {"messages": ' like {"role": "user", "content": "Hello"}'}
-
-
-# ---------------------------------------------------------------------------------------------- responses
-
-
-class ResponseBuilder:
-    """Builds the bodies of one request's response: one id and one timestamp for every chunk."""
-
-    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
-        self.chat, self.model, self.include_usage = chat, model, include_usage
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def response(self, texts: list[str], finish_reasons: list[str], usage: dict) -> dict:
-        if self.chat:
-            choices = [
-                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
-                for i, (t, f) in enumerate(zip(texts, finish_reasons))
-            ]
-            body = self._envelope("chat.completion", choices)
-        else:
-            choices = [
-                {"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                for i, (t, f) in enumerate(zip(texts, finish_reasons))
-            ]
-            body = self._envelope("text_completion", choices)
-        body["usage"] = usage
-        return body
-
-    def chunk(self, index: int, text: str, finish_reason: str | None = None, role: bool = False) -> str:
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("chat.completion.chunk", [choice])
-        else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion", [choice])
-        if self.include_usage:  # OpenAI: with include_usage, every other chunk says usage: null
-            body["usage"] = None
-        return sse(body)
-
-    def usage_chunk(self, usage: dict) -> str:
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage
-        return sse(body)
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def sse(body: dict | str) -> str:
-    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"

@@ -12,13 +12,12 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgemoe.server.chat_format import ChatPlan, Conversation, new_call_id, parse_all
-from edgemoe.server.engine_loop import RequestHandle
+from edgemoe.server.answer import Finish, Usage, Writer
+from edgemoe.server.chat_format import ChatPlan, Conversation, Event, Parsed, new_call_id
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
 from edgemoe.server.reasoning import Reasoning
 from edgemoe.server.tool_calls import Content, ToolCall
@@ -147,59 +146,63 @@ def _tool_choice(choice: str | dict | None) -> str | dict | None:
     return choice
 
 
-class ResponsesBuilder:
-    """Builds one request's response, whole or as its event stream."""
+def usage_body(usage: Usage) -> dict:
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens}  # fmt: skip
 
-    def __init__(self, conv: Conversation, plan: ChatPlan, handle: RequestHandle, model: str) -> None:
+
+class ResponsesWriter(Writer):
+    """One request's response, whole or as its event stream: response.created, response.in_progress, the output
+    items' events, response.completed (or .incomplete) with the usage."""
+
+    def __init__(self, conv: Conversation, plan: ChatPlan, model: str) -> None:
         self.req: ResponsesRequest = conv.wire
-        self.plan, self.handle, self.model = plan, handle, model
+        self.parallel, self.model = plan.parallel, model
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        self.items = _Items()
+        self.reason: str | None = None  # the engine's finish reason, once the answer has ended
 
-    def _response(self, output: list[dict], finish: str | None, out_tokens: int = 0) -> dict:
+    def _response(self, output: list[dict], finish: str | None, usage: Usage | None) -> dict:
         status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
-        prompt = len(self.handle.prompt_ids)
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
-            "model": self.model, "output": output, "parallel_tool_calls": self.plan.parallel,
+            "model": self.model, "output": output, "parallel_tool_calls": self.parallel,
             "previous_response_id": None, "reasoning": self.req.reasoning or {"effort": None, "summary": None},
             "store": False, "temperature": 1.0 if self.req.temperature is None else self.req.temperature,
             "text": {"format": {"type": "text"}}, "tool_choice": self.req.tool_choice or "auto",
             "tools": self.req.tools or [], "top_p": 1.0 if self.req.top_p is None else self.req.top_p,
             "truncation": "disabled", "metadata": self.req.metadata or {},
-            "usage": None if finish is None else {
-                "input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": out_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + out_tokens},
+            "usage": None if usage is None else usage_body(usage),
         }  # fmt: skip
 
-    def response(self, texts: list[str], finish_reasons: list[str], usage: dict) -> dict:
-        out = parse_all(self.plan.parser(), texts[0])
+    def whole(self, choices: list[tuple[Parsed, Finish]], usage: Usage) -> dict:
+        (out, finish), *_ = choices
         items = [_reasoning(f"rs_{uuid.uuid4().hex}", out.reasoning)] if out.reasoning else []
         items += [_message(f"msg_{uuid.uuid4().hex}", out.content, "completed")] if out.content else []
         items += [_call(f"fc_{uuid.uuid4().hex}", new_call_id(), c.name, c.arguments, "completed") for c in out.calls]
-        return self._response(items, finish_reasons[0], usage["completion_tokens"])
+        return self._response(items, finish.reason, usage)
 
-    async def stream(self) -> AsyncIterator[str]:
-        """response.created, response.in_progress, the output items' events, response.completed (or .incomplete)."""
-        parser, items = self.plan.parser(), _Items()
-        yield items.event("response.created", response=self._response([], None))
-        yield items.event("response.in_progress", response=self._response([], None))
-        try:
-            async for _, out in self.handle.outputs():
-                events = parser.feed(out.delta) if out.delta else []
-                if out.finish_reason:
-                    events += parser.finish()
-                for e in events:
-                    for s in items.add(e):
-                        yield s
-                if out.finish_reason:
-                    for s in items.close():
-                        yield s
-                    final = self._response(items.done, out.finish_reason, len(out.token_ids))
-                    yield items.event(f"response.{final['status']}", response=final)
-        except RequestError as exc:  # the status line is gone already: the error travels as an event
-            yield items.event("error", code=exc.code, message=exc.message, param=exc.param)
+    def head(self) -> list[str]:
+        return [self.items.event(f"response.{kind}", response=self._response([], None, None))
+                for kind in ("created", "in_progress")]  # fmt: skip
+
+    def output(self, index: int, events: list[Event], finish: Finish | None) -> list[str]:
+        """Every event kind goes through `_Items`, which keeps the output's items in order."""
+        frames = [frame for e in events for frame in self.items.add(e)]
+        if finish is not None:
+            self.reason = finish.reason
+            frames += self.items.close()
+        return frames
+
+    def end(self, usage: Usage) -> list[str]:
+        final = self._response(self.items.done, self.reason, usage)
+        return [self.items.event(f"response.{final['status']}", response=final)]
+
+    def error(self, exc: RequestError) -> list[str]:
+        return [self.items.event("error", code=exc.code, message=exc.message, param=exc.param)]
 
 
 class _Items:

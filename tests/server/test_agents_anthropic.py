@@ -40,7 +40,7 @@ def test_text_and_usage(tool_server, client):
     assert blocks(m) == [{"type": "text", "text": "Sunny, 18 C."}] and m.stop_reason == "end_turn"
     assert m.usage.output_tokens == len(tool_server.script.tokenizer.encode("Sunny, 18 C.")) + 1  # + the end token
     count = client.messages.count_tokens(model=MODEL, messages=USER, system="Be brief.")
-    assert count.input_tokens == m.usage.input_tokens
+    assert count.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens  # input_tokens: the uncached
 
 
 def test_thinking_text_and_tool_use_whole_and_streamed(tool_server, client):
@@ -54,7 +54,9 @@ def test_thinking_text_and_tool_use_whole_and_streamed(tool_server, client):
     with client.messages.stream(model=MODEL, max_tokens=256, messages=USER, tools=TOOLS) as stream:
         final = stream.get_final_message()
     assert blocks(final) == expected and final.stop_reason == "tool_use"
-    assert final.usage.output_tokens == m.usage.output_tokens and final.usage.input_tokens == m.usage.input_tokens
+    assert final.usage.output_tokens == m.usage.output_tokens
+    prompt = m.usage.input_tokens + m.usage.cache_read_input_tokens  # the second request reads the first's prefix
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt
 
 
 def test_raw_event_sequence(tool_server):

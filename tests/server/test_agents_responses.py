@@ -57,7 +57,9 @@ def test_items_whole_and_streamed(tool_server, client):
     with client.responses.stream(model=MODEL, input="Weather in Paris and Rome?", tools=TOOLS) as stream:
         events = list(stream)
         final = stream.get_final_response()
-    assert items(final) == EXPECTED and final.usage == whole.usage
+    assert items(final) == EXPECTED
+    cached = {"input_tokens_details"}  # the second request reads the first's prefix from the cache
+    assert final.usage.model_dump(exclude=cached) == whole.usage.model_dump(exclude=cached)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"

@@ -116,10 +116,15 @@ class LLMEngine:
         chunk = config.max_num_batched_tokens or PREFILL_CHUNK
         ple = PLEOptions(config.ple_backend, config.ple_sync, max(chunk, config.max_num_seqs))
         try:
+            # the token embedding in host memory where experts are offloaded (the card's memory is then what limits);
+            # a GGUF's dense weights as stored wherever the quantized kernels run
+            host_embedding, kernels = offload and self.device.type == "cuda", self.device.type == "cuda"
             if gguf is None:
-                self.model = load_model(path, self.model_config, family, *args, offload, moe.expert_dtype, ple)
+                self.model = load_model(
+                    path, self.model_config, family, *args, offload, moe.expert_dtype, ple, host_embedding
+                )
             else:
-                self.model = load_gguf(gguf, self.model_config, family, *args, offload, ple)
+                self.model = load_gguf(gguf, self.model_config, family, *args, offload, ple, host_embedding, kernels)
         except SafetensorError as exc:
             raise EdgeMoEError(_unreadable_checkpoint(path, exc)) from None
         except torch.OutOfMemoryError:

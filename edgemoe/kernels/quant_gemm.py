@@ -126,12 +126,15 @@ class QuantTiles:
     stages: int = 2
 
 
+DECODE_TILES = QuantTiles(m=16, n=64, warps=4)
+
+
 @functools.cache
 def pick_tiles(tokens: int) -> QuantTiles:
     """Prefill tiles: 64 x 64 over 8 warps (as the bf16 grouped GEMM's; on 4 warps the two accumulators and a
     dequantized tile take ~240 registers: sm_90 offline compile); at most 16 tokens (decode, an agent's short turn)
     the weights are the tall side: 16 tokens by 64 rows, 4 warps."""
-    return QuantTiles(m=16, n=64, warps=4) if tokens <= 16 else QuantTiles()
+    return DECODE_TILES if tokens <= 16 else QuantTiles()
 
 
 def _unit_strides(w: torch.Tensor, q: QuantType) -> tuple[int, ...]:

@@ -203,8 +203,8 @@ class Attention(nn.Module):
     def fuses_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> bool:
         """Whether `add_norm_forward` runs `norm` inside the qkv GEMV: chosen (GPUs without PDL), one token, one dtype
         throughout, a row that `norm_gemv` holds."""
-        if self._norm_gemv is None or x.dim() != 2 or x.shape[0] != 1:
-            return False
+        if self._norm_gemv is None or x.dim() != 2 or x.shape[0] != 1 or not isinstance(self.qkv_proj, DecodeLinear):
+            return False  # (a `QuantLinear` qkv has its own kernel)
         from edgemoe.kernels.dense_gemv import MAX_NORM_HIDDEN
 
         tensors = (x, residual, norm.weight, self.qkv_proj.weight)

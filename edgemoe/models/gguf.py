@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.layers.quant import dequantize, quant_type
+from edgemoe.layers.quant import QUANT_TYPES, QuantType, dequantize, quant_type, row_bytes
 
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe"}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -43,6 +43,7 @@ _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight
 _GLOBAL["output.weight"] = "lm_head.weight"
 EXPERT_PARTS = ("gate", "up", "down")
 _FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type ids
+_KERNEL_TYPES = {q.ggml_type for q in QUANT_TYPES.values()}  # the block formats the quantized kernels read
 
 
 def gguf_files(path: Path) -> list[Path]:
@@ -177,6 +178,24 @@ class GGUFCheckpoint:
         if self.arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
             heads = cfg_heads[0] if ".q_proj." in hf_name else cfg_heads[1]
             t = unpermute(t, heads)
+        return t
+
+    def dense_formats(self) -> dict[str, QuantType]:
+        """Hugging Face name -> block format, for every dense 2-D tensor stored in a format the kernels read."""
+        out = {}
+        for hf_name, tensor in self.dense_tensors():
+            if len(tensor.shape) == 2 and int(tensor.tensor_type) in _KERNEL_TYPES:
+                out[hf_name] = quant_type(int(tensor.tensor_type))
+        return out
+
+    def raw_rows(self, tensor: Any, hf_name: str, cfg_heads: tuple[int, int]) -> torch.Tensor:
+        """A quantized dense tensor's blocks as stored, uint8 [rows, row_bytes], rows in Hugging Face's order (llama's
+        q/k rows un-permuted, as `to_torch` does to the dequantized tensor)."""
+        q = quant_type(int(tensor.tensor_type))
+        n = int(tensor.shape[0])
+        t = torch.from_numpy(np.ascontiguousarray(tensor.data)).reshape(-1, row_bytes(q, n))
+        if self.arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
+            t = unpermute(t, cfg_heads[0] if ".q_proj." in hf_name else cfg_heads[1])
         return t
 
     def expert_tensor(self, layer: int, part: str):  # noqa: ANN201 - gguf's ReaderTensor

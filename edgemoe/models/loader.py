@@ -22,8 +22,17 @@ from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.kernels import select_kernels
 from edgemoe.layers.ple import PLEOptions
-from edgemoe.layers.quant import QUANT_TYPES, quant_type, quantize, random_blocks
+from edgemoe.layers.quant import QUANT_TYPES, QuantType, quant_type, quantize, random_blocks
 from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.models.dense_store import (
+    EMBEDDING,
+    QKV,
+    Rows,
+    embedding_to_host,
+    fill_quantized,
+    keep_quantized,
+    quantized_buffers,
+)
 from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint
 from edgemoe.models.ple_store import Reader, place_ple
 from edgemoe.offload.experts import ResidentExperts
@@ -31,7 +40,6 @@ from edgemoe.offload.layout import QuantExpertLayout
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-_QKV = re.compile(r"^(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$")  # row blocks of our qkv_proj
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 GPU_PLE = PLEOptions()  # per-layer embeddings resident, as the family builds them
 
@@ -71,12 +79,14 @@ def load_model(
     offload: bool = False,
     expert_dtype: str = "auto",
     ple: PLEOptions = GPU_PLE,
+    host_embedding: bool = False,
 ) -> MoEForCausalLM:
     """The model of `folder`'s checkpoint (None: random weights, `fill_random`) built for `device`: on the meta device
     first, weights streamed into place, kernels chosen for the device. `offload`: routed experts go to host banks
     (`edgemoe.offload.banks`) instead of the device. `expert_dtype`: a GGUF block format (q8_0, q4_0, mxfp4) the
     routed experts are quantized to once, as the `gguf` package quantizes them (random weights: any format of
-    `edgemoe.layers.quant`); auto keeps `dtype`. `ple`: where per-layer embeddings live (`edgemoe.models.ple_store`)."""
+    `edgemoe.layers.quant`); auto keeps `dtype`. `ple`: where per-layer embeddings live (`edgemoe.models.ple_store`).
+    `host_embedding`: the token embedding's table in host memory (`edgemoe.models.dense_store.embedding_to_host`)."""
     layouts = {}
     if expert_dtype != "auto":
         q, (H, inter) = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size)
@@ -87,7 +97,9 @@ def load_model(
             )
         act = cfg.hidden_act
         layouts = {i: QuantExpertLayout(H, inter, q, q, dtype, act=act) for i, moe in enumerate(cfg.moe_layers) if moe}
-    model, host, readers = _empty_model(cfg, family, device, dtype, block_size, layouts, progress, offload, ple)
+    model, host, readers, _ = _empty_model(
+        cfg, family, device, dtype, block_size, layouts, progress, offload, ple, host_embedding=host_embedding
+    )
     if folder is None:
         _no_readers(readers, "random weights")
         fill_random(model, host)
@@ -111,17 +123,23 @@ def _empty_model(
     progress: bool,
     offload: bool,
     ple: PLEOptions,
-) -> tuple[MoEForCausalLM, dict[str, torch.Tensor], dict[str, Reader]]:
-    """The model built on the meta device, experts and per-layer embeddings placed (`_place_experts`, `place_ple`),
-    then given uninitialised storage on `device` -> (model, the host banks and tables by parameter name, the tensors
-    a backend reads itself by parameter name)."""  # fmt: skip
+    dense_formats: dict[str, QuantType] | None = None,
+    host_embedding: bool = False,
+) -> tuple[MoEForCausalLM, dict[str, torch.Tensor], dict[str, Reader], dict[str, Rows]]:
+    """The model built on the meta device, dense weights kept quantized where `dense_formats` (name -> block format)
+    says (`keep_quantized`), experts, per-layer embeddings and maybe the token embedding placed (`_place_experts`,
+    `place_ple`, `embedding_to_host`), then given uninitialised storage on `device` -> (model, the host banks and
+    tables by parameter name, the tensors a backend reads itself by parameter name, the weights kept as stored)."""
     with torch.device("meta"):
         model = build_model(cfg, family, block_size).to(dtype)
+    kept = keep_quantized(model, dense_formats, dtype) if dense_formats else {}
     host = _place_experts(model, layouts, dtype, device, progress, offload)
+    if host_embedding:
+        host |= embedding_to_host(model, dtype, device.type == "cuda")
     ple_tables, readers = place_ple(model, ple, device, dtype, progress)
     model.to_empty(device=device)
     model.tie_weights()
-    return model, host | ple_tables, readers
+    return model, host | ple_tables, readers, kept
 
 
 def _ready(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
@@ -166,8 +184,12 @@ def fill_random(model: MoEForCausalLM, host: dict[str, torch.Tensor], seed: int 
     """Random weights for benchmarks of real geometries: norms 1, biases 0, matrices N(0, 1/fan_in); the routed
     experts (device parameters or `host` banks alike, so resident and offloaded models hold the same values) a few
     random experts tiled, since filling tens of GB with fresh random numbers would dominate the run."""
-    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
-    experts = {n: p for n, p in model.named_parameters() if ".experts." in n} | host | _resident_targets(model)
+    gen = torch.Generator(device=model.model.norm.weight.device).manual_seed(seed)
+    if EMBEDDING in host:  # a host table gets what the device parameter (the first drawn) would
+        table = host[EMBEDDING]
+        table.copy_(torch.empty(table.shape, dtype=table.dtype, device=gen.device).normal_(0, 1, generator=gen))
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n} | _resident_targets(model)
+    experts |= {n: t for n, t in host.items() if n != EMBEDDING}
     for name, p in model.named_parameters():
         if name in experts:
             continue
@@ -252,7 +274,7 @@ def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausa
         w = _param(params, pname, name)[expert]
         half = w.shape[0] // 2
         return pname, w[:half] if part == "gate" else w[half:]
-    m = _QKV.match(name)
+    m = QKV.match(name)
     if m:
         pname = f"{m.group(1)}.qkv_proj.{m.group(3)}"
         qkv = _param(params, pname, name)
@@ -322,18 +344,32 @@ def load_gguf(
     progress: bool = True,
     offload: bool = False,
     ple: PLEOptions = GPU_PLE,
+    host_embedding: bool = False,
+    dense_as_stored: bool = False,
 ) -> MoEForCausalLM:
-    """`load_model` for a GGUF checkpoint: dense weights dequantized to `dtype`; routed experts kept as stored (their
-    raw blocks copied from the memory-mapped file into host banks or device storage) unless stored as floats."""
+    """`load_model` for a GGUF checkpoint: routed experts kept as stored (their raw blocks copied from the
+    memory-mapped file into host banks or device storage) unless stored as floats; dense weights dequantized to
+    `dtype`, or with `dense_as_stored` kept as stored where the kernels read their format (`QuantLinear`: the
+    projections and lm_head of a Q4_K_M file). `host_embedding` as `load_model`'s."""
     layouts = expert_layouts(ckpt, cfg, dtype)
-    model, host, readers = _empty_model(cfg, family, device, dtype, block_size, layouts, progress, offload, ple)
+    formats = ckpt.dense_formats() if dense_as_stored else None
+    model, host, readers, kept = _empty_model(
+        cfg, family, device, dtype, block_size, layouts, progress, offload, ple, formats, host_embedding
+    )
     _no_readers(readers, "GGUF files")
-    params = dict(model.named_parameters()) | host
+    params = dict(model.named_parameters()) | host | quantized_buffers(model)
     filled = dict.fromkeys(params, 0)
     heads = (cfg.num_heads, cfg.num_kv_heads)
     tensors = ckpt.dense_tensors()
     with torch.no_grad():
         for hf_name, tensor in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress or None):
+            if hf_name in kept:  # blocks as stored
+                rows, raw = kept[hf_name], ckpt.raw_rows(tensor, hf_name, heads)
+                if raw.shape[0] != rows.rows:
+                    raise EdgeMoEError(f"tensor {tensor.name} has {raw.shape[0]} rows, the config implies {rows.rows}")
+                name = fill_quantized(model, rows, raw)
+                filled[name] += raw.numel()
+                continue
             name, target = _target(hf_name, params, model)
             if target is None:
                 continue

@@ -42,7 +42,8 @@ from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.quant import QUANT_TYPES
 from edgemoe.models.decoder import MoEForCausalLM
-from edgemoe.models.loader import load_model
+from edgemoe.models.dense_store import quantized_buffers
+from edgemoe.models.loader import GPU_PLE, load_model
 from edgemoe.models.registry import FAMILIES
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.offload import cpu_split
@@ -73,14 +74,17 @@ def build_model(
     preset["max_position_embeddings"] = max(preset.get("max_position_embeddings") or 0, positions)
     family = FAMILIES[preset.pop("family", "qwen2_moe")]
     cfg = family.normalise(hf_config(family.MODEL_TYPE, preset, preset["vocab_size"] or 6144, layers))
-    return load_model(None, cfg, family, device, dtype, BLOCK_SIZE, False, not resident, expert_dtype)
+    host_embedding = not resident and device.type == "cuda"  # as the engine places it
+    return load_model(None, cfg, family, device, dtype, BLOCK_SIZE, False, not resident, expert_dtype, GPU_PLE,
+                      host_embedding)  # fmt: skip
 
 
 def make_runner(model: MoEForCausalLM, tokens: int) -> ModelRunner:
     """A batch-1 `ModelRunner` over a KV cache of `tokens` positions, whose one sequence's block table is every
     block in order (slot = position)."""
-    device = model.lm_head.weight.device
-    kv = KVCache(model.config, -(-tokens // BLOCK_SIZE), BLOCK_SIZE, model.lm_head.weight.dtype, device)
+    norm = model.model.norm.weight  # the model's device and dtype (the lm_head may hold GGUF blocks)
+    kv = KVCache(model.config, -(-tokens // BLOCK_SIZE), BLOCK_SIZE, norm.dtype, norm.device)
+    device = norm.device
     return ModelRunner(model, kv, device, 1, kv.num_blocks)
 
 
@@ -212,9 +216,11 @@ def run_bench(a: argparse.Namespace) -> dict:
     L, per_expert = sum(cfg.moe_layers), expert_bytes(model, dtype)
     runner = make_runner(model, max([a.context, *lengths]) + total_steps)
     kv = runner.kv
-    dense = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".experts." not in n)
-    embed = model.model.embed_tokens.weight
-    dense_read = dense - (0 if cfg.tie_word_embeddings else embed.numel() * embed.element_size())
+    tensors = [*model.named_parameters(), *quantized_buffers(model).items()]  # GGUF blocks of dense weights too
+    dense = sum(t.numel() * t.element_size() for n, t in tensors if ".experts." not in n)
+    embed = getattr(model.model.embed_tokens, "weight", None)  # None: the table is in host memory
+    read_embed = embed is not None and not cfg.tie_word_embeddings
+    dense_read = dense - (embed.numel() * embed.element_size() if read_embed else 0)
     kv_read = 2 * cfg.num_layers * a.context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     kv_bytes = 2 * kv.k.numel() * kv.k.element_size()
     bw = bandwidths(device, per_expert)

@@ -4,9 +4,10 @@
 Names come from the gguf package's own tables; experts are stacked per layer (`blk.N.ffn_{gate,up,down}_exps`,
 numpy shapes [E, I, H] and [E, H, I]); size-1 dimensions are squeezed and 1-D tensors, norms and the router are
 F32, as the converter does; the `llama` architecture (Mixtral) stores q and k with the converter's RoPE
-permutation. Dense weights equal the Hugging Face checkpoint's (same draws, same dtype); experts in a float type
-equal them too, Q8_0 / Q4_0 / MXFP4 are gguf's quantization of them, and the K types are random valid blocks
-(gguf has no K quantizer). The file is written under a temporary name and renamed when complete.
+permutation. Dense weights equal the Hugging Face checkpoint's (same draws, same dtype), except in a `q4_k_m` file,
+whose matrices are typed as llama-quantize's Q4_K_M types them (`dense_type`); experts in a float type equal them
+too, Q8_0 / Q4_0 / MXFP4 are gguf's quantization of them, and the K types are random valid blocks (gguf has no K
+quantizer). The file is written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _write(writer: gguf.GGUFWriter, partial: Path, plan: dict, family: str, conf
         for hf_name, t in random_tensors(family, config, "fused", seed, DTYPES[config["dtype"]]):
             for (_, shape, qtype), data in zip(plan[hf_name], _convert(hf_name, t, config, family)):
                 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # random valid blocks, weights of the drawn scale
-                    raw = random_blocks(shape, int(qtype), blocks, std=shape[-1] ** -0.5).numpy()
+                    std = 1.0 if hf_name.endswith("embed_tokens.weight") else shape[-1] ** -0.5
+                    raw = random_blocks(shape, int(qtype), blocks, std=std).numpy()
                 else:
                     raw = gguf.quants.quantize(data.reshape(shape).float().numpy(), qtype)
                 writer.write_tensor_data(raw)
@@ -142,8 +144,17 @@ def _plan(family: str, config: dict, dense: Q, expert_dtype: str) -> dict[str, l
         shape = tuple(d for d in shape if d != 1) or (1,)  # the converter squeezes ([1, H] gates become [H])
         router = gname.endswith("ffn_gate_inp.weight")
         f32 = len(shape) == 1 or router or gname.endswith("_norm.weight")
-        plan[hf_name] = [(gname, shape, Q.F32 if f32 else dense)]
+        plan[hf_name] = [(gname, shape, Q.F32 if f32 else dense_type(gname, shape, dense, expert_dtype))]
     return plan
+
+
+def dense_type(gname: str, shape: tuple, dense: Q, expert_dtype: str) -> Q:
+    """A dense matrix's GGML type: a Q4_K_M file's as llama-quantize types them (Q6_K for attn_v, ffn_down and the
+    output, Q4_K for the others, where rows are whole 256-weight blocks), else the checkpoint's float type."""
+    if expert_dtype != "q4_k_m" or shape[-1] % 256:
+        return dense
+    more_bits = ".attn_v." in gname or ".ffn_down" in gname or gname == "output.weight"
+    return Q.Q6_K if more_bits else Q.Q4_K
 
 
 def _expert_name(kind: str, layer: int) -> str:

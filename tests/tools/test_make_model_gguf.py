@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from edgemoe.cli import main
-from edgemoe.tools.make_gguf import llama_permute
+from edgemoe.tools.make_gguf import ARCHS, llama_permute
 from edgemoe.tools.make_model import make_model
 
 Q = gguf.GGMLQuantizationType
@@ -95,9 +95,20 @@ def test_qwen_loads_in_transformers_as_the_hf_checkpoint(tmp_path, family, dtype
     ref, ours = ref_model.state_dict(), model.state_dict()
     assert ref.keys() == ours.keys()
     stored = blocks(reader)
+    names = gguf.get_tensor_name_map(ARCHS[family], c.num_hidden_layers)
     for name, w in ref.items():
-        if ".experts." not in name:
+        if ".experts." in name:
+            continue
+        base, suffix = name.rsplit(".", 1)
+        kind, dense = stored[f"{names.get_name(base)}.{suffix}"]
+        if kind in (Q.Q4_K, Q.Q6_K):  # a Q4_K_M file's matrices: random blocks, which transformers dequantizes
+            assert torch.equal(ours[name], dense.reshape(w.shape)), name
+        else:
             assert torch.equal(ours[name], w), name  # dense: the same draws in the same dtype
+    if expert_dtype == "q4_k_m":  # as llama-quantize types a Q4_K_M file's matrices
+        kinds = {n: k for n, (k, _) in stored.items()}
+        assert kinds["blk.0.attn_q.weight"] == kinds["blk.1.attn_output.weight"] == Q.Q4_K
+        assert kinds["blk.0.attn_v.weight"] == kinds["output.weight"] == Q.Q6_K
     for layer in range(c.num_hidden_layers):  # transformers' experts: the blocks' dequantization
         e = {k: stored[f"blk.{layer}.ffn_{k}_exps.weight"][1] for k in ("gate", "up", "down")}
         assert torch.equal(ours[f"model.layers.{layer}.mlp.experts.gate_up_proj"], torch.cat([e["gate"], e["up"]], 1))

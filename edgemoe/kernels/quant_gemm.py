@@ -116,6 +116,57 @@ def _matmul(
     tl.store(y_ptr, acc.to(y.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
 
 
+@triton.jit
+def _up_pairs(
+    x, ids, w13, h, H, inter, top_k, stride_x, stride_e, stride_r, n_units, nblk, QTYPE: tl.constexpr,
+    EVEN: tl.constexpr, UNIT: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Decode's gate_up, program (pair, row block): the pair's x as row 0 of a 16-row MMA operand (rows 1-15 masked,
+    never read), BLOCK_N gate rows and the matching up rows of its expert as the tall side."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(n, inter - 1).to(tl.int64)
+    g_rows = w13 + (expert * stride_e + rows * stride_r) * UNIT
+    u_rows = g_rows + inter * stride_r * UNIT
+    m = tl.arange(0, 16)
+    a_rows = x + (pair // top_k).to(tl.int64) * stride_x + tl.zeros([16, 1], dtype=tl.int64)
+    a_ok = (m == 0)[:, None]
+    acc_g = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for u in tl.range(0, n_units, num_stages=STAGES):
+        acc_g = dot_unit(acc_g, a_rows, a_ok, g_rows, u, nblk, H, QTYPE, EVEN, True, PRECISION)
+        acc_u = dot_unit(acc_u, a_rows, a_ok, u_rows, u, nblk, H, QTYPE, EVEN, True, PRECISION)
+    gate = tl.sum(tl.where(m[None, :] == 0, acc_g, 0.0), axis=1)  # [BLOCK_N]: column 0
+    up = tl.sum(tl.where(m[None, :] == 0, acc_u, 0.0), axis=1)
+    tl.store(h + pair * inter + n, (gate * tl.sigmoid(gate) * up).to(h.dtype.element_ty), mask=n < inter)
+
+
+@triton.jit
+def _down_pairs(
+    h, ids, weights, w2, out, H, inter, top_k, stride_o, stride_e, stride_r, n_units, nblk, QTYPE: tl.constexpr,
+    EVEN: tl.constexpr, UNIT: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Decode's down, program (token, row block): each of the token's pairs in k order (its h as row 0 of the MMA
+    operand), weighted and summed in registers."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(n, H - 1).to(tl.int64)
+    m = tl.arange(0, 16)
+    a_ok = (m == 0)[:, None]
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(top_k):
+        pair = t * top_k + k
+        expert = tl.load(ids + pair).to(tl.int64)
+        w_rows = w2 + (expert * stride_e + rows * stride_r) * UNIT
+        a_rows = h + pair.to(tl.int64) * inter + tl.zeros([16, 1], dtype=tl.int64)
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        for u in tl.range(0, n_units, num_stages=STAGES):
+            acc = dot_unit(acc, a_rows, a_ok, w_rows, u, nblk, inter, QTYPE, EVEN, True, PRECISION)
+        y += tl.load(weights + pair).to(tl.float32) * tl.sum(tl.where(m[None, :] == 0, acc, 0.0), axis=1)
+    tl.store(out + t * stride_o + n, y.to(out.dtype.element_ty), mask=n < H)
+
+
 @dataclass(frozen=True)
 class QuantTiles:
     """Tile shapes of the quantized matrix kernels: pairs or tokens per tile, weight rows per tile, warps, stages."""
@@ -228,5 +279,41 @@ def quant_matmul(
         x, w, bias if bias is not None else x, out, M, N, K, x.stride(0), stride_w, out.stride(0), n_units,
         K // q.block_weights, q.ggml_type, even, unit, t.m, t.n, t.m <= 16, bias is not None, t.stages, _precision(x),
         num_warps=t.warps,
+    )  # fmt: skip
+    return out
+
+
+def quant_decode_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    q13: QuantLike,
+    q2: QuantLike,
+    tiles: QuantTiles = DECODE_TILES,
+) -> torch.Tensor:
+    """Decode's routed experts on the tensor cores: x [T, H], ids and weights [T, K], banks as `quant_pair_outputs`'
+    -> [T, H] (`quant_gemv.quant_fused_experts`' math: fp32 sums, h rounded to x's dtype)."""
+    q13, q2 = quant_type(q13), quant_type(q2)
+    (T, H), K = x.shape, ids.shape[1]
+    inter = w13.shape[1] // 2
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    h = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    prec = _precision(x)
+    *s13, u13 = _unit_strides(w13, q13)
+    n_units, even = units(q13.name, H)
+    _up_pairs[(T * K, triton.cdiv(inter, tiles.n))](
+        x, ids, w13, h, H, inter, K, x.stride(0), s13[0], s13[1], n_units, H // q13.block_weights, q13.ggml_type,
+        even, u13, tiles.n, tiles.stages, prec, num_warps=tiles.warps,
+    )  # fmt: skip
+    *s2, u2 = _unit_strides(w2, q2)
+    n_units, even = units(q2.name, inter)
+    _down_pairs[(T, triton.cdiv(H, tiles.n))](
+        h, ids, weights, w2, out, H, inter, K, out.stride(0), s2[0], s2[1], n_units, inter // q2.block_weights,
+        q2.ggml_type, even, u2, tiles.n, tiles.stages, prec, num_warps=tiles.warps,
     )  # fmt: skip
     return out

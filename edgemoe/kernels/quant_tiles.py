@@ -146,7 +146,7 @@ def _q45_k(acc, a_rows, a_ok, w_rows, u, K, FIVE: tl.constexpr, BITS: tl.constex
     for half in tl.static_range(2):  # byte groups g = 2 half, 2 half + 1: sub-blocks 4 half .. 4 half + 3
         g = 2 * half + tl.arange(0, 2)
         q = tl.load(base[:, None, None] + ((48 if FIVE else 16) + 32 * g[:, None] + lane[None, :])[None, :, :])
-        q = q.to(tl.int32)  # [BN, 2, 32]
+        q = q.to(tl.int32)  # [BN, 2, 32] (one sub-tile's bytes: both its nibble halves read them)
         pos = u * 256 + 64 * g[:, None] + lane[None, :]  # [2, 32]: the low nibbles' weights
         for hi in tl.static_range(2):
             nib = (q >> (4 * hi)) & 15
@@ -164,7 +164,7 @@ def _q6_k_quarter(ql, qh, ds, c: tl.constexpr):
     """Weights 128 h + 32 c + l of Q6_K super-blocks (all h < 2, l < 32) as [BN, 2, 2, 16] (h, l // 16, l % 16):
     the low nibble of ql (high for c >= 2) under bits 2c, 2c + 1 of qh; ds [BN, 2, 2] the 16-weight scales."""
     nib = (ql & 15) if c < 2 else (ql >> 4)
-    q = nib | (((qh >> (2 * c)) & 3) << 4)  # q + 32, 6 bits
+    q = (nib | (((qh >> (2 * c)) & 3) << 4)).to(tl.int32)  # q + 32, 6 bits
     s = ds * 64
     return _unit(q, 6) * s[:, :, :, None] + (-32 * ds - s)[:, :, :, None]
 
@@ -179,9 +179,10 @@ def _q6_k(acc, a_rows, a_ok, w_rows, u, K, W_IS_A: tl.constexpr, PRECISION: tl.c
     ell = (16 * r[:, None] + lane[None, :])[None, None, :, :]  # [1, 1, 2, 16]: l
     hh = h[None, :, None, None]  # [1, 2, 1, 1]
     ptr = base[:, None, None, None]
-    ql0 = tl.load(ptr + 64 * hh + ell).to(tl.int32)  # [BN, 2, 2, 16]: the low bits of c = 0 and c = 2
-    ql1 = tl.load(ptr + 64 * hh + 32 + ell).to(tl.int32)  # c = 1 and c = 3
-    qh = tl.load(ptr + 128 + 32 * hh + ell).to(tl.int32)
+    # bytes stay 8-bit until a sub-tile needs them (four to a register: the Q6_K tile's three loads live together)
+    ql0 = tl.load(ptr + 64 * hh + ell)  # [BN, 2, 2, 16]: the low bits of c = 0 and c = 2
+    ql1 = tl.load(ptr + 64 * hh + 32 + ell)  # c = 1 and c = 3
+    qh = tl.load(ptr + 128 + 32 * hh + ell)
     d = _f16(base + 208, "")[:, None, None]  # [BN, 1, 1]
     for_c = 8 * h[:, None] + r[None, :]  # [2, 2]: scale index of (h, l // 16) at c = 0
     pos0 = u * 256 + 128 * h[:, None, None] + 16 * r[None, :, None] + lane[None, None, :]  # [2, 2, 16] at c = 0

@@ -84,11 +84,8 @@ def measure(q13: str, q2: str, tokens: int, hbm: float) -> dict:
     w13, w2 = banks(q13, q2)
     x, ids, weights = routing(tokens)
     h = [quant_up_proj(x[i], ids[i], w13, q13, INTER, H) for i in range(SETS)]
-    from edgemoe.kernels.quant_gemm import quant_decode_experts
-
     calls = {
         "fused": lambda i: quant_fused_experts(x[i], ids[i], weights[i], w13, w2, q13, q2, INTER, H),
-        "mma": lambda i: quant_decode_experts(x[i], ids[i], weights[i], w13, w2, q13, q2),
         "up": lambda i: quant_up_proj(x[i], ids[i], w13, q13, INTER, H),
         "down": lambda i: quant_down_proj(h[i], ids[i], weights[i], w2, q2, INTER, H),
     }
@@ -96,13 +93,11 @@ def measure(q13: str, q2: str, tokens: int, hbm: float) -> dict:
     up_bytes, down_bytes = w13[0].numel() * tokens * TOP_K, w2[0].numel() * tokens * TOP_K
     r = {"bytes": up_bytes + down_bytes, "blocks": vars(pick_blocks(quant_type(q13), quant_type(q2), H, INTER))}
     r["rel_diff_vs_reference"] = ((calls["fused"](0).float() - ref).norm() / ref.norm()).item()
-    r["mma_rel_diff_vs_reference"] = ((calls["mma"](0).float() - ref).norm() / ref.norm()).item()
     for name, call in calls.items():
         r[f"{name}_graph_us"] = graph_seconds(call) * 1e6
     r["fused_eager_us"] = eager_seconds(calls["fused"]) * 1e6
     r["fused_bytes_per_s"] = r["bytes"] / (r["fused_graph_us"] / 1e6)
     r["fused_over_hbm"] = r["fused_bytes_per_s"] / hbm
-    r["mma_over_hbm"] = r["bytes"] / (r["mma_graph_us"] / 1e6) / hbm
     r["up_over_hbm"] = up_bytes / (r["up_graph_us"] / 1e6) / hbm
     r["down_over_hbm"] = down_bytes / (r["down_graph_us"] / 1e6) / hbm
     return r
@@ -150,30 +145,11 @@ def sweep(q13: str, q2: str, tokens: int) -> dict:
     return out
 
 
-def sweep_mma(q13: str, q2: str, tokens: int) -> dict:
-    """`quant_gemm.quant_decode_experts` (the tensor-core decode) per tile: rows per program, warps, stages."""
-    from edgemoe.kernels.quant_gemm import QuantTiles, quant_decode_experts
-
-    w13, w2 = banks(q13, q2)
-    x, ids, weights = routing(tokens)
-    out = {}
-    for n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
-        t = QuantTiles(m=16, n=n, warps=warps, stages=stages)
-        try:
-            out[f"n{n}_w{warps}_s{stages}"] = graph_seconds(
-                lambda i, t=t: quant_decode_experts(x[i], ids[i], weights[i], w13, w2, q13, q2, t)
-            ) * 1e6  # fmt: skip
-        except Exception as e:  # a shape the compiler refuses: noted, the sweep goes on
-            print(f"  mma n{n}_w{warps}_s{stages}: {type(e).__name__}: {str(e)[:100]}")
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1", help="decode batch sizes (default: 1)")
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"of {', '.join(FORMATS)} (default: all)")
     ap.add_argument("--sweep", action="store_true", help="also time block shapes (slow: many compilations)")
-    ap.add_argument("--sweep-mma", action="store_true", help="also time the tensor-core decode's tiles")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -183,7 +159,7 @@ def main() -> None:
     hbm = bandwidths(DEV, 1 << 20)["hbm_bytes_per_s"]
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm": hbm, "shape": [H, INTER]}
     print(f"{results['device']}: HBM copy {hbm / 1e9:.0f} GB/s (read + write); qwen3-30b-a3b experts, top_k {TOP_K}")
-    print("format, T: fused us (graph) -> GB/s, of HBM | eager us | up us, of HBM | down us, of HBM | mma us, of HBM")
+    print("format, T: fused us (graph) -> GB/s, of HBM | eager us | up us, of HBM | down us, of HBM")
     for tokens in map(int, a.tokens.split(",")):
         r = results[f"bf16/T{tokens}"] = measure_bf16(tokens, hbm)
         print(f"bf16, T={tokens}: {r['fused_graph_us']:.1f} us -> {r['fused_over_hbm']:.2f} of HBM (moe_gemv)")
@@ -194,13 +170,8 @@ def main() -> None:
                 f"{name}, T={tokens}: {r['fused_graph_us']:.1f} us -> {r['fused_bytes_per_s'] / 1e9:.0f} GB/s, "
                 f"{r['fused_over_hbm']:.2f} | {r['fused_eager_us']:.1f} us | {r['up_graph_us']:.1f} us "
                 f"{r['up_over_hbm']:.2f} | {r['down_graph_us']:.1f} us {r['down_over_hbm']:.2f} "
-                f"(rel diff {r['rel_diff_vs_reference']:.1e}) | mma {r['mma_graph_us']:.1f} us "
-                f"{r['mma_over_hbm']:.2f} (rel diff {r['mma_rel_diff_vs_reference']:.1e})"
+                f"(rel diff {r['rel_diff_vs_reference']:.1e})"
             )
-            if a.sweep_mma:
-                m = r["sweep_mma"] = sweep_mma(q13, q2, tokens)
-                ranked = sorted(m, key=m.get)[:4]
-                print("  sweep mma: " + ", ".join(f"{c} {m[c]:.1f}" for c in ranked))
             if a.sweep:
                 s = r["sweep"] = sweep(q13, q2, tokens)
                 for kernel in ("up", "down"):

@@ -1,21 +1,19 @@
-"""Matrix kernels on GGUF blocks (`edgemoe.kernels.quant_gemm`): dense quantized projections in decode and prefill's
-quantized grouped expert GEMM, against their bf16 counterparts and against HBM, in one run on one GPU:
+"""Quantized weights in matrix products, against bf16 and HBM in one run on one GPU:
 
-    python benchmarks/quant_matmul.py [--tokens 1,4] [--prefill 512,4096] [--sweep] [--json OUT]
+    python benchmarks/quant_matmul.py [--tokens 1,4] [--prefill 512,4096] [--json OUT]
 
-- decode: `quant_matmul` at decode tiles on qwen3-30b-a3b's projections as a Q4_K_M file stores them (qkv: q and k in
+- decode: `quant_gemv.quant_linear` on qwen3-30b-a3b's projections as a Q4_K_M file stores them (qkv: q and k in
   Q4_K, v in Q6_K; o in Q4_K; the lm_head in Q6_K), GB/s of blocks read and its ratio to a device copy; beside it
-  `dense_gemv.gemv` on the same shapes in bf16. Small weights rotate over SETS copies so that L2 does not serve them.
-- prefill: `quant_grouped_gemm` (Q4_K gate_up, Q6_K down: Q4_K_M's experts; and Q8_0) against the bf16
-  `grouped_gemm`, one MoE layer of qwen3-30b-a3b (128 experts, top 8) at each token count: ms and TFLOP/s.
-`--sweep` also times tile shapes (decode at one token; prefill's Q4_K_M at 4,096 tokens and more) and prints the
-fastest.
+  `dense_gemv.gemv` on the same shapes in bf16. Small weights rotate over copies so that L2 does not serve them.
+- dequantization (`dequant.dequantize_rows`): one MoE layer's 128 experts, GB/s read + written against the copy.
+- prefill: `dequant.quant_pair_outputs` (waves of experts dequantized, then the bf16 grouped GEMM; Q4_K gate_up and
+  Q6_K down, Q4_K_M's experts; and Q8_0) against `grouped_gemm` on bf16 banks, one MoE layer of qwen3-30b-a3b (128
+  experts, top 8) at each token count: ms and TFLOP/s.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -45,9 +43,9 @@ def seconds(call: Callable[[int], object], sets: int, reps: int = 20) -> float:
     return t
 
 
-def dense_case(name: str, tokens: int, hbm: float, sweep: bool) -> dict:
+def dense_case(name: str, tokens: int, hbm: float) -> dict:
     from edgemoe.kernels.dense_gemv import gemv
-    from edgemoe.kernels.quant_gemm import DECODE_TILES, QuantTiles, quant_matmul
+    from edgemoe.kernels.quant_gemv import quant_linear
     from edgemoe.layers.quant import random_blocks
 
     parts, K = DENSE[name]
@@ -60,63 +58,61 @@ def dense_case(name: str, tokens: int, hbm: float, sweep: bool) -> dict:
     x = torch.randn(sets, tokens, K, device=DEV, dtype=torch.bfloat16)
     out = torch.empty(tokens, N, device=DEV, dtype=torch.bfloat16)
 
-    def call(i: int, tiles: QuantTiles = DECODE_TILES) -> None:
+    def call(i: int) -> None:
         start = 0
         for (rows, q), w in zip(parts, weights[i]):
-            quant_matmul(x[i], w, q, out=out[:, start : start + rows], tiles=tiles)
+            quant_linear(x[i], w, q, out=out[:, start : start + rows])
             start += rows
 
     t = seconds(call, sets)
     r = {"bytes": nbytes, "us": t * 1e6, "over_hbm": nbytes / t / hbm, "sets": sets}
     bf = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16) / math.sqrt(K) for _ in range(max(1, sets // 4))]
     tb = seconds(lambda i: gemv(x[i], bf[i % len(bf)], None), sets)
-    r |= {"bf16_us": tb * 1e6, "bf16_over_hbm": N * K * 2 / tb / hbm}
-    if sweep and tokens == 1:
-        r["sweep"] = {}
-        for n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
-            tiles = QuantTiles(m=16, n=n, warps=warps, stages=stages)
-            try:
-                r["sweep"][f"n{n}_w{warps}_s{stages}"] = seconds(lambda i, t=tiles: call(i, t), sets) * 1e6
-            except Exception as e:  # a shape the compiler refuses: noted, the sweep goes on
-                print(f"  {name} n{n}_w{warps}_s{stages}: {type(e).__name__}: {str(e)[:100]}")
-    return r
+    return r | {"bf16_us": tb * 1e6, "bf16_over_hbm": N * K * 2 / tb / hbm}
 
 
-def prefill_case(q13: str, q2: str, tokens: int, sweep: bool) -> dict:
-    from edgemoe.kernels.grouped_gemm import grouped_gemm
-    from edgemoe.kernels.quant_gemm import QuantTiles, quant_grouped_gemm, quant_pair_outputs
+def banks(q13: str, q2: str) -> tuple[torch.Tensor, torch.Tensor]:
     from edgemoe.layers.quant import random_blocks
 
-    g = torch.Generator().manual_seed(1)
-    tile = 8
+    g, tile = torch.Generator().manual_seed(1), 8
     w13 = random_blocks((tile, 2 * INTER, H), q13, g, std=H**-0.5).to(DEV).repeat(EXPERTS // tile, 1, 1)
     w2 = random_blocks((tile, H, INTER), q2, g, std=INTER**-0.5).to(DEV).repeat(EXPERTS // tile, 1, 1)
+    return w13, w2
+
+
+def dequant_case(hbm: float) -> dict:
+    from edgemoe.kernels.dequant import dequantize_rows
+
+    w13, w2 = banks("Q4_K", "Q6_K")
+    idx = torch.arange(EXPERTS, device=DEV)
+    t = seconds(lambda i: (dequantize_rows(w13, idx, "Q4_K", H), dequantize_rows(w2, idx, "Q6_K", INTER)), 1)
+    moved = w13.numel() + w2.numel() + EXPERTS * 3 * H * INTER * 2
+    return {"us": t * 1e6, "bytes": moved, "over_hbm": moved / t / hbm}
+
+
+def prefill_case(q13: str, q2: str, tokens: int) -> dict:
+    from edgemoe.kernels.dequant import quant_pair_outputs
+    from edgemoe.kernels.grouped_gemm import grouped_gemm, sum_pairs
+
+    w13, w2 = banks(q13, q2)
     x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16)
     ids = torch.rand(tokens, EXPERTS, device=DEV).argsort(dim=-1)[:, :TOP_K]
     wts = torch.rand(tokens, TOP_K, device=DEV)
     flops = 2 * tokens * TOP_K * 3 * H * INTER
-    t = seconds(lambda i: quant_grouped_gemm(x, ids, wts, w13, w2, q13, q2), 1, reps=10)
+    from edgemoe.tools.measure import timed
+
+    # eager (its one host sync a call), as prefill runs it
+    t = timed(lambda: sum_pairs(quant_pair_outputs(x, ids.flatten(), wts.flatten(), w13, w2, q13, q2), TOP_K), DEV, 5)
     b13 = torch.randn(EXPERTS, 2 * INTER, H, device=DEV, dtype=torch.bfloat16) / math.sqrt(H)
     b2 = torch.randn(EXPERTS, H, INTER, device=DEV, dtype=torch.bfloat16) / math.sqrt(INTER)
-    tb = seconds(lambda i: grouped_gemm(x, ids, wts, b13, b2), 1, reps=10)
-    r = {"ms": t * 1e3, "tflops": flops / t / 1e12, "bf16_ms": tb * 1e3, "bf16_tflops": flops / tb / 1e12}
-    if sweep and tokens >= 4096 and q13 == "Q4_K":
-        r["sweep"] = {}
-        for m, n, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
-            tiles = QuantTiles(m=m, n=n, warps=warps, stages=stages)
-            call = lambda i, t=tiles: quant_pair_outputs(x, ids.flatten(), wts.flatten(), w13, w2, q13, q2, tiles=t)  # noqa: E731
-            try:
-                r["sweep"][f"m{m}_n{n}_w{warps}_s{stages}"] = seconds(call, 1, reps=10) * 1e3
-            except Exception as e:  # a shape the compiler refuses: noted, the sweep goes on
-                print(f"  prefill m{m}_n{n}_w{warps}_s{stages}: {type(e).__name__}: {str(e)[:100]}")
-    return r
+    tb = timed(lambda: grouped_gemm(x, ids, wts, b13, b2), DEV, 5)
+    return {"ms": t * 1e3, "tflops": flops / t / 1e12, "bf16_ms": tb * 1e3, "bf16_tflops": flops / tb / 1e12}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,4", help="decode batch sizes")
     ap.add_argument("--prefill", default="512,4096", help="prefill token counts (0: none)")
-    ap.add_argument("--sweep", action="store_true", help="also time tile shapes (slow: many compilations)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -128,23 +124,19 @@ def main() -> None:
     print(f"{res['device']}: HBM copy {hbm / 1e9:.0f} GB/s; qwen3-30b-a3b as a Q4_K_M file stores it")
     for tokens in map(int, a.tokens.split(",")):
         for name in DENSE:
-            r = res["dense"][f"{name}/T{tokens}"] = dense_case(name, tokens, hbm, a.sweep)
+            r = res["dense"][f"{name}/T{tokens}"] = dense_case(name, tokens, hbm)
             line = f"decode {name} T={tokens}: {r['us']:.1f} us, {r['over_hbm']:.2f} of HBM"
             print(f"{line} | bf16 gemv {r['bf16_us']:.1f} us, {r['bf16_over_hbm']:.2f}")
-            if "sweep" in r:
-                best = sorted(r["sweep"], key=r["sweep"].get)[:4]
-                print("  sweep: " + ", ".join(f"{k} {r['sweep'][k]:.1f}" for k in best))
             torch.cuda.empty_cache()
+    r = res["dequant"] = dequant_case(hbm)
+    print(f"dequantize 128 Q4_K_M experts to bf16: {r['us']:.0f} us, {r['over_hbm']:.2f} of HBM (read + write)")
     for tokens in (int(t) for t in a.prefill.split(",") if int(t)):
         for q13, q2 in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0")):
-            r = res["prefill"][f"{q13}+{q2}/{tokens}"] = prefill_case(q13, q2, tokens, a.sweep)
+            r = res["prefill"][f"{q13}+{q2}/{tokens}"] = prefill_case(q13, q2, tokens)
             print(
                 f"prefill {q13}+{q2} {tokens} tokens: {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s | bf16 "
                 f"{r['bf16_ms']:.2f} ms, {r['bf16_tflops']:.0f} TFLOP/s"
             )
-            if "sweep" in r:
-                best = sorted(r["sweep"], key=r["sweep"].get)[:4]
-                print("  sweep: " + ", ".join(f"{k} {r['sweep'][k]:.2f}" for k in best))
             torch.cuda.empty_cache()
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))

@@ -112,6 +112,28 @@ def _down(
     tl.store(out + t * stride_o + n, y.to(out.dtype.element_ty), mask=n < H)
 
 
+@triton.jit
+def _linear(
+    x, w, bias, y, N, nblk, stride_x, stride_w, stride_y, QTYPE: tl.constexpr, NB: tl.constexpr, G: tl.constexpr,
+    L: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, UNIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A dense quantized weight's GEMV, program (token, row block): BLOCK_N rows of w [N, row_bytes] against the
+    token's x, over all K (`up`'s loop, one [1, BLOCK_N] tile of rows)."""
+    wait_for_inputs(PDL)
+    t = tl.program_id(0)  # tokens fastest: a row block's programs are neighbours, its blocks read once from HBM
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = w + (tl.minimum(n, N - 1).to(tl.int64) * stride_w * UNIT)[None, :]  # [1, BLOCK_N]
+    vec = x + t.to(tl.int64) * stride_x + tl.zeros([1, 1], dtype=tl.int64)
+    acc = tl.zeros([1, BLOCK_N, G, L], dtype=tl.float32)
+    for blk in tl.range(0, nblk, NB, num_stages=STAGES):
+        acc = decode_step(acc, rows, vec, blk, nblk, QTYPE, NB, EVEN, "", "")
+    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)  # [BLOCK_N]
+    if HAS_BIAS:
+        out += tl.load(bias + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(y + t.to(tl.int64) * stride_y + n, out.to(y.dtype.element_ty), mask=n < N)
+
+
 @dataclass(frozen=True)
 class QuantBlocks:
     """Rows per program, quant blocks per loop step, warps and pipelining of each kernel."""
@@ -287,3 +309,34 @@ def quant_experts_reference(
     h = (F.silu(gate) * up).to(x.dtype).float()[:, :, None]
     out = torch.bmm(g2, h)[:, :, 0].view(tokens, top_k, -1)  # [tokens, top_k, H]
     return (out * weights.float()[:, :, None]).sum(dim=1).to(x.dtype)
+
+
+def quant_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    qtype: QuantLike,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode's dense projection on GGUF blocks: x [T, K] @ dequant(w).T (+ bias) -> [T, N] in x's dtype (or into
+    `out`, any [T, N] view with unit column stride: a part of a fused projection's output); w uint8 [N, row_bytes].
+    Each token's row is computed by its own programs alike whatever T (batch-invariant); graph-capturable. Blocks:
+    `pick_blocks`' up kernel's, its [2, up_n] rows as one tile of 2 up_n."""
+    q = quant_type(qtype)
+    (T, K), N = x.shape, w.shape[0]
+    assert w.dtype == torch.uint8 and w.dim() == 2 and w.shape[1] == row_bytes(q, K) and w.stride(1) == 1
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device) if out is None else out
+    assert out.shape == (T, N) and out.stride(1) == 1
+    if T == 0:
+        return out
+    b = pick_blocks(q, q, K, N)
+    (_, stride_w, unit), nblk = _strides(w[None], N, q, K), K // q.block_weights
+    groups, lanes = GROUPS[q.name]
+    block_n = 2 * b.up_n
+    x = x if x.stride(1) == 1 else x.contiguous()
+    _linear[(T, triton.cdiv(N, block_n))](
+        x, w, x if bias is None else bias, out, N, nblk, x.stride(0), stride_w, out.stride(0), int(q.ggml_type),
+        b.up_blocks, groups * b.up_blocks, lanes, block_n, nblk % b.up_blocks == 0, b.up_stages, unit,
+        bias is not None, num_warps=b.up_warps, **launch_args(x.device),
+    )  # fmt: skip
+    return out

@@ -2,9 +2,10 @@
 
 `QuantLinear` stands in for a `DecodeLinear` whose weight the file holds in block formats the kernels read (Q4_K_M
 files: attention, shared experts and the lm_head in Q4_K / Q6_K): the blocks stay as stored on the device (3.5x fewer
-bytes than bf16, counted by `--vram-budget` as they are) and every forward reads them through the quantized matrix
-kernel (`edgemoe.kernels.quant_gemm.quant_matmul`). A fused projection whose checkpoint parts differ in format (q and k
-in Q4_K, v in Q6_K) keeps one part per run of rows of one format, each written into its columns of one output.
+bytes than bf16, counted by `--vram-budget` as they are). Decode reads them in place (`edgemoe.kernels.quant_gemv.
+quant_linear`, batch-invariant); prefill dequantizes a weight for the step (`edgemoe.kernels.dequant`) and multiplies
+with cuBLAS. A fused projection whose checkpoint parts differ in format (q and k in Q4_K, v in Q6_K) keeps one part per
+run of rows of one format, each written into its columns of one output.
 
 `HostEmbedding` keeps the token embedding in (pinned) host memory: a step needs a row per token, gathered by the
 device through unified addressing (`edgemoe.kernels.ple_gather`), so the table's hundreds of MiB leave the card.
@@ -19,6 +20,9 @@ from torch import nn
 from edgemoe.engine.context import get_context
 from edgemoe.layers.ple import gather_rows_reference
 from edgemoe.layers.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
+
+GEMV_ROWS = 16  # prefill rows up to which the GEMV reads the blocks (a step's logits, a short chunk)
+DEQUANTIZE_BYTES = 256 << 20  # larger weights are never dequantized whole (an lm_head: 622 MiB in bf16)
 
 
 class QuantLinear(nn.Module):
@@ -40,33 +44,36 @@ class QuantLinear(nn.Module):
             start += rows
         assert start == out_features, f"parts of {start} rows for {out_features} outputs"
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-        self._matmul = None  # the kernel, once `use_kernels` chose it
+        self._gemv = self._dequantize = None  # the kernels, once `use_kernels` chose them
 
     def use_kernels(self, device: torch.device) -> None:
-        from edgemoe.kernels.quant_gemm import quant_matmul
+        from edgemoe.kernels.dequant import dequantize_weight
+        from edgemoe.kernels.quant_gemv import quant_linear
 
-        self._matmul = quant_matmul
+        self._gemv, self._dequantize = quant_linear, dequantize_weight
 
     def raw(self, i: int) -> torch.Tensor:
         return getattr(self, f"raw{i}")
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """W dequantized, [out_features, in_features] in `dtype` (the reference's weight)."""
-        parts = [dequantize(self.raw(i), q, self.in_features) for i, (_, _, q) in enumerate(self.parts)]
+        """W dequantized, [out_features, in_features] in `dtype` (the reference's weight; prefill's on CUDA)."""
+        K = self.in_features
+        if self._dequantize is not None:  # the device kernel: bitwise the reference, rounded to dtype
+            parts = [self._dequantize(self.raw(i), q, K, dtype) for i, (_, _, q) in enumerate(self.parts)]
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+        parts = [dequantize(self.raw(i), q, K) for i, (_, _, q) in enumerate(self.parts)]
         return torch.cat(parts).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._matmul is None:  # the reference: the weight dequantized (float32, as the loader would), F.linear
-            return F.linear(x, self.dense_weight(x.dtype), self.bias)
-        from edgemoe.kernels.quant_gemm import DECODE_TILES, pick_tiles
-
         flat = x.reshape(-1, self.in_features)
-        # decode: one tile shape for every batch size (a token's row is then bitwise the same in any batch)
-        tiles = pick_tiles(flat.shape[0]) if get_context().is_prefill else DECODE_TILES
+        small = self.out_features * self.in_features * x.element_size() <= DEQUANTIZE_BYTES
+        if self._gemv is None or (get_context().is_prefill and flat.shape[0] > GEMV_ROWS and small):
+            # the reference, and prefill on CUDA: the weight dequantized for the step, then cuBLAS
+            return F.linear(x, self.dense_weight(x.dtype), self.bias)
         out = torch.empty(flat.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        for i, (start, rows, q) in enumerate(self.parts):
+        for i, (start, rows, q) in enumerate(self.parts):  # decode: the blocks read in place, each part's columns
             bias = None if self.bias is None else self.bias[start : start + rows]
-            self._matmul(flat, self.raw(i), q, bias=bias, out=out[:, start : start + rows], tiles=tiles)
+            self._gemv(flat, self.raw(i), q, bias=bias, out=out[:, start : start + rows])
         return out.view(*x.shape[:-1], self.out_features)
 
 

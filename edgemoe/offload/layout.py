@@ -150,11 +150,11 @@ class QuantExpertLayout(ExpertLayout):
     def use_kernels(self, device: torch.device) -> None:
         if self.act_name != "silu":  # the kernels compute SiLU
             return
-        from edgemoe.kernels.quant_gemm import quant_pair_outputs
+        from edgemoe.kernels.dequant import quant_pair_outputs
         from edgemoe.kernels.quant_gemv import quant_fused_experts
 
         q_gu, q_down, inter, hidden = self.q_gate_up, self.q_down, self.inter, self.hidden
-        self.pair_outputs = partial(quant_pair_outputs, q13=q_gu, q2=q_down)  # prefill, blocks read as stored
+        self.pair_outputs = partial(quant_pair_outputs, q13=q_gu, q2=q_down)  # prefill: waves dequantized for the GEMM
 
         def decode(x, ids, weights, w13, w2, arrivals=None):  # noqa: ANN001, ANN202 - decode's signature
             return quant_fused_experts(x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals)

@@ -221,3 +221,24 @@ def test_cpu_pairs(q13: str, q2: str) -> None:
     kernel = quant_fused_experts(x, on_cpu, weights, w13, w2, q13, q2, inter, hidden, b, cpu_out=cpu_out, cpu_wait=wait)
     assert torch.equal(kernel, out)
     await_cpu_rows(wait)
+
+
+@pytest.mark.parametrize("name", list(QUANT_TYPES))
+def test_dense_linear_matches_gguf_and_is_batch_invariant(name: str) -> None:
+    """`quant_linear` (decode's dense projections on GGUF blocks): against gguf's dequantization with a float64
+    matmul, a bias, rows not a whole tile, a token's row bitwise the same alone and among five, written into a
+    column slice of a wider output."""
+    from edgemoe.kernels.quant_gemv import quant_linear
+
+    K = 256 if quant_type(name).block_weights == 256 else 96
+    g = torch.Generator().manual_seed(31)
+    w = random_blocks((40, K), name, g, std=K**-0.5)
+    x, bias = torch.randn(5, K, generator=g), torch.randn(40, generator=g)
+    dense = gguf.quants.dequantize(w.numpy(), gguf.GGMLQuantizationType[name]).astype(np.float64)
+    ref = torch.from_numpy(x.double().numpy() @ dense.T + bias.double().numpy())
+    wide = torch.full((5, 60), float("nan"), device=DEVICE)
+    y = quant_linear(x.to(DEVICE), w.to(DEVICE), name, bias=bias.to(DEVICE), out=wide[:, 10:50])
+    assert float((y.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    assert torch.isnan(wide[:, :10]).all() and torch.isnan(wide[:, 50:]).all()
+    alone = quant_linear(x[:1].to(DEVICE), w.to(DEVICE), name, bias=bias.to(DEVICE))
+    assert torch.equal(alone, y[:1])

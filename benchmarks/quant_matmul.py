@@ -1,6 +1,6 @@
 """Quantized weights in matrix products, against bf16 and HBM in one run on one GPU:
 
-    python benchmarks/quant_matmul.py [--tokens 1,4] [--prefill 512,4096] [--json OUT]
+    python benchmarks/quant_matmul.py [--tokens 1,4] [--prefill 512,4096] [--sweep] [--json OUT]
 
 - decode: `quant_gemv.quant_linear` on qwen3-30b-a3b's projections as a Q4_K_M file stores them (qkv: q and k in
   Q4_K, v in Q6_K; o in Q4_K; the lm_head in Q6_K), GB/s of blocks read and its ratio to a device copy; beside it
@@ -43,7 +43,7 @@ def seconds(call: Callable[[int], object], sets: int, reps: int = 20) -> float:
     return t
 
 
-def dense_case(name: str, tokens: int, hbm: float) -> dict:
+def dense_case(name: str, tokens: int, hbm: float, sweep: bool = False) -> dict:
     from edgemoe.kernels.dense_gemv import gemv
     from edgemoe.kernels.quant_gemv import quant_linear
     from edgemoe.layers.quant import random_blocks
@@ -58,17 +58,21 @@ def dense_case(name: str, tokens: int, hbm: float) -> dict:
     x = torch.randn(sets, tokens, K, device=DEV, dtype=torch.bfloat16)
     out = torch.empty(tokens, N, device=DEV, dtype=torch.bfloat16)
 
-    def call(i: int) -> None:
+    def call(i: int, tile: tuple[int, int] | None = None) -> None:
         start = 0
         for (rows, q), w in zip(parts, weights[i]):
-            quant_linear(x[i], w, q, out=out[:, start : start + rows])
+            quant_linear(x[i], w, q, out=out[:, start : start + rows], tile=tile)
             start += rows
 
     t = seconds(call, sets)
     r = {"bytes": nbytes, "us": t * 1e6, "over_hbm": nbytes / t / hbm, "sets": sets}
     bf = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16) / math.sqrt(K) for _ in range(max(1, sets // 4))]
     tb = seconds(lambda i: gemv(x[i], bf[i % len(bf)], None), sets)
-    return r | {"bf16_us": tb * 1e6, "bf16_over_hbm": N * K * 2 / tb / hbm}
+    r |= {"bf16_us": tb * 1e6, "bf16_over_hbm": N * K * 2 / tb / hbm}
+    if sweep and tokens == 1:  # rows a program, warps
+        r["sweep"] = {f"r{n}_w{w}": seconds(lambda i, t=(n, w): call(i, t), sets) * 1e6
+                      for n in (2, 4, 8, 16, 32) for w in (2, 4, 8)}  # fmt: skip
+    return r
 
 
 def banks(q13: str, q2: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +117,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,4", help="decode batch sizes")
     ap.add_argument("--prefill", default="512,4096", help="prefill token counts (0: none)")
+    ap.add_argument("--sweep", action="store_true", help="also time quant_linear's rows a program and warps")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -124,9 +129,12 @@ def main() -> None:
     print(f"{res['device']}: HBM copy {hbm / 1e9:.0f} GB/s; qwen3-30b-a3b as a Q4_K_M file stores it")
     for tokens in map(int, a.tokens.split(",")):
         for name in DENSE:
-            r = res["dense"][f"{name}/T{tokens}"] = dense_case(name, tokens, hbm)
+            r = res["dense"][f"{name}/T{tokens}"] = dense_case(name, tokens, hbm, a.sweep)
             line = f"decode {name} T={tokens}: {r['us']:.1f} us, {r['over_hbm']:.2f} of HBM"
             print(f"{line} | bf16 gemv {r['bf16_us']:.1f} us, {r['bf16_over_hbm']:.2f}")
+            if "sweep" in r:
+                best = sorted(r["sweep"], key=r["sweep"].get)[:5]
+                print("  sweep: " + ", ".join(f"{k} {r['sweep'][k]:.1f}" for k in best))
             torch.cuda.empty_cache()
     r = res["dequant"] = dequant_case(hbm)
     print(f"dequantize 128 Q4_K_M experts to bf16: {r['us']:.0f} us, {r['over_hbm']:.2f} of HBM (read + write)")

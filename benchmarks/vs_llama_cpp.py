@@ -84,9 +84,10 @@ def edgemoe_in_subprocess(model: str, budget: str, prompt: int, tokens: int) -> 
         str(tokens),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("edgemoe:")]  # its start-up lines
     if done.returncode:
-        return {"config": budget, "error": done.stderr.strip().splitlines()[-1:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return {"config": budget, "error": done.stderr.strip().splitlines()[-1:], "lines": lines}
+    return json.loads(done.stdout.strip().splitlines()[-1]) | {"lines": lines}
 
 
 _BUFFER = re.compile(r"CUDA0 (model|KV|compute|RS) buffer size\s*=\s*([\d.]+) MiB")

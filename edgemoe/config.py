@@ -151,10 +151,10 @@ class ExpertCacheConfig:
     )
     moe_collect_stats: bool = option(False, "offload: count accesses, hits, misses, evictions, bytes per layer")
     moe_cpu_compute: str | int = option(
-        "off",
-        "offload: compute some missed experts of each decode step on the CPU beside the copy of the others: off, auto "
-        "(CUDA: measured at start-up; the split is never slower than copying every miss), or N (at most N misses a "
-        "layer-step on the CPU, for experiments)",
+        "auto",
+        "offload: compute some missed experts of each decode step on the CPU beside the copy of the others: auto "
+        "(CUDA: measured at start-up, kept only where it beats copying every miss; off on the CPU device), off, or N "
+        "(at most N misses a layer-step on the CPU, for experiments)",
     )
     moe_cpu_threads: int | None = option(
         None, "offload with moe_cpu_compute: threads of the CPU expert pool (default: the physical cores)"
@@ -188,7 +188,7 @@ class ExpertCacheConfig:
         cpu_compute = str(self.moe_cpu_compute)
         if cpu_compute not in ("off", "auto") and not (cpu_compute.isdigit() and cpu_compute.isascii()):
             raise EdgeMoEError(f"moe_cpu_compute must be off, auto or a number of misses >= 0, got {cpu_compute!r}")
-        if cpu_compute != "off" and self.moe_strategy != "offload":
+        if cpu_compute not in ("off", "auto") and self.moe_strategy != "offload":
             raise EdgeMoEError("moe_cpu_compute computes missed experts: it needs moe_strategy offload")
         threads = self.moe_cpu_threads
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):

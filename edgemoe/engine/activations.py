@@ -69,3 +69,24 @@ def offload_prefill_chunk(
     ):
         chunk *= 2
     return chunk
+
+
+def dequant_scratch_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Device bytes prefill adds for weights kept as GGUF blocks where kernels run (CUDA): a wave of a layer's
+    experts dequantized for the grouped GEMM (`edgemoe.kernels.dequant.quant_pair_outputs`), or the largest dense
+    projection dequantized for a step (`QuantLinear`), whichever is larger (they never coexist)."""
+    from edgemoe.layers.quant_linear import QuantLinear
+    from edgemoe.offload.layout import QuantExpertLayout
+
+    most = 0
+    for m in model.modules():
+        layout = getattr(m, "layout", None)
+        if isinstance(layout, QuantExpertLayout) and layout.pair_outputs is not None:
+            from edgemoe.kernels.dequant import wave_experts
+
+            per = 3 * layout.inter * layout.hidden * dtype.itemsize
+            experts = getattr(m, "num_experts", 1)
+            most = max(most, min(experts, wave_experts(layout.inter, layout.hidden, dtype)) * per)
+        elif isinstance(m, QuantLinear):
+            most = max(most, m.prefill_scratch_bytes(dtype))
+    return most

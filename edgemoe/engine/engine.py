@@ -17,6 +17,7 @@ from edgemoe.engine.activations import (
     ACTIVATION_SHARE,
     OFFLOAD_CHUNK_CAP,
     PREFILL_CHUNK,
+    dequant_scratch_bytes,
     offload_prefill_chunk,
     prefill_activation_bytes,
 )
@@ -132,6 +133,9 @@ class LLMEngine:
                 f"the weights do not fit the memory of {self.device}{'' if offload else ': try moe_strategy offload'}"
             ) from None
         self.max_num_batched_tokens = chunk  # the prefill chunk, set by `_place`
+        self.plan: dict[str, int] = {}  # device bytes by part, as `_place` planned them
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at start-up: placement onwards
         self.expert_cache = self._place(moe)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, config.batch_invariant)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
@@ -150,6 +154,7 @@ class LLMEngine:
             self._warm_up()
         if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs()
+        self.memory_line = self._memory_line(moe) if self.device.type == "cuda" else None
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -180,7 +185,10 @@ class LLMEngine:
         cache = None
         if offload and budget is None:
             cache = self._attach_cache(moe, cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, None))
-        acts, chunk_why = self._prefill_chunk(offload, None if budget is None else budget - weights - reserve)
+        scratch = dequant_scratch_bytes(self.model, self.dtype)  # GGUF blocks dequantized for prefill's GEMMs
+        room = None if budget is None else budget - weights - reserve - scratch
+        acts, chunk_why = self._prefill_chunk(offload, room)
+        acts += scratch
         if budget is not None and budget - weights - acts - reserve < per_block:
             parts = (
                 f"{'dense ' if offload else ''}weights take {weights / MiB:.1f} MiB, prefill activations "
@@ -204,6 +212,7 @@ class LLMEngine:
                 "lower kv_cache_memory, kv_cache_tokens, max_model_len or max_num_seqs"
             ) from None
         kv_bytes = 2 * self.kv.k.numel() * self.kv.k.element_size()
+        self.plan = {"weights": weights, "prefill": acts, "kv": kv_bytes}
         if budget is not None and weights + acts + kv_bytes + reserve > budget:
             raise EdgeMoEError(
                 f"vram_budget {moe.vram_budget} is too small for the KV cache ({why}): the "
@@ -266,6 +275,21 @@ class LLMEngine:
             self.expert_cache.reset()  # capture's warm-up steps are not the user's: start empty, as eager does
         if self.recorder is not None:
             self.recorder.routed_ids.zero_()
+
+    def _memory_line(self, moe: ExpertCacheConfig) -> str:
+        """One line on where the device's bytes went: the plan by part, and the peak torch allocated from placement
+        through warm-up and graph capture (the CUDA context and the driver's own are outside both); a warning where
+        the peak passed `vram_budget`."""
+        plan = self.plan | {"expert cache": 0 if self.expert_cache is None else self.expert_cache.pool_bytes}
+        peak = torch.cuda.max_memory_allocated(self.device)
+        parts = ", ".join(f"{k} {v / MiB:.0f}" for k, v in plan.items())
+        line = f"edgemoe: GPU memory (MiB): {parts}; peak allocated {peak / MiB:.0f} after warm-up and graph capture"
+        if moe.vram_budget is not None:
+            budget = parse_size(moe.vram_budget)
+            over = peak - budget
+            line += f", budget {budget / MiB:.0f}" + (f" (over by {over / MiB:.0f})" if over > 0 else "")
+        print(line, file=sys.stderr)
+        return line
 
     def _attach_cache(self, moe: ExpertCacheConfig, slots: int, note: str = "") -> ExpertCache:
         cfg = self.model_config

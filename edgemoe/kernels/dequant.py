@@ -221,20 +221,23 @@ def quant_pair_outputs(
     grouped GEMM over it (the other pairs skipped). Every expert's pairs form the tiles they form in one launch, so
     the result is bitwise the same whatever the waves and whichever bank rows hold the experts (resident, a slot
     pool, a streamed area). One host sync (the used rows)."""
-    from edgemoe.kernels.grouped_gemm import pair_outputs
+    from edgemoe.kernels.grouped_gemm import pair_outputs, pick_blocks, schedule
 
-    H, inter = x.shape[1], w13.shape[1] // 2
+    H, inter, N = x.shape[1], w13.shape[1] // 2, w13.shape[0]
     out = torch.empty(rows.numel(), H, dtype=x.dtype, device=x.device) if out is None else out
-    used = torch.unique(rows[rows >= 0])  # sorted bank rows
+    if rows.numel() == 0:
+        return out
+    used = torch.unique(rows[rows >= 0])  # sorted bank rows (the host sync)
     wave = wave or wave_experts(inter, H, x.dtype)
-    slot = torch.full((w13.shape[0],), -1, dtype=torch.long, device=x.device)
+    plan = schedule(rows.flatten(), N, pick_blocks(x.dtype).m)  # one schedule for every wave
+    bank_of = torch.full((N,), -1, dtype=torch.long, device=x.device)
     for start in range(0, used.numel(), wave):
         these = used[start : start + wave]
         d13 = dequantize_rows(w13, these, q13, H, dtype=x.dtype)  # [G, 2I, H]
         d2 = dequantize_rows(w2, these, q2, inter, dtype=x.dtype)  # [G, H, I]
-        slot.fill_(-1)
-        slot[these] = torch.arange(these.numel(), device=x.device)
-        pair_outputs(x, torch.where(rows >= 0, slot[rows.clamp(min=0)], -1), weights, d13, d2, out=out)
+        bank_of.fill_(-1)
+        bank_of[these] = torch.arange(these.numel(), device=x.device)
+        pair_outputs(x, rows, weights, d13, d2, out=out, plan=plan, bank_of=bank_of)
     return out
 
 

@@ -37,10 +37,10 @@ import triton.language as tl
 
 @triton.jit
 def _gate_up(
-    x, order, tile_expert, tile_first, starts, w13, h,
+    x, order, tile_expert, tile_first, starts, w13, h, bank_of,
     n_rows, H, inter, top_k, stride_x, stride_e, stride_r,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr, PRECISION: tl.constexpr,
+    STAGES: tl.constexpr, PRECISION: tl.constexpr, MAP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_n = tl.cdiv(inter, BLOCK_N)
@@ -48,6 +48,11 @@ def _gate_up(
     e = tl.load(tile_expert + tile)
     if e >= n_rows:
         return
+    w = e
+    if MAP:  # the row's expert is read from bank row bank_of[e] (-1: not in this launch)
+        w = tl.load(bank_of + e)
+        if w < 0:
+            return
     row0 = tl.load(starts + e) + (tile - tl.load(tile_first + e)) * BLOCK_M
     m = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] sorted positions
     in_tile = m < tl.load(starts + e + 1)
@@ -56,7 +61,7 @@ def _gate_up(
     k = tl.arange(0, BLOCK_K)
     cols = n < inter
     a_ptr = x + tok.to(tl.int64)[:, None] * stride_x + k[None, :]  # [BLOCK_M, BLOCK_K]
-    g_ptr = w13 + e.to(tl.int64) * stride_e + n[None, :] * stride_r + k[:, None]  # [BLOCK_K, BLOCK_N]
+    g_ptr = w13 + w.to(tl.int64) * stride_e + n[None, :] * stride_r + k[:, None]  # [BLOCK_K, BLOCK_N]
     u_ptr = g_ptr + inter * stride_r
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -77,10 +82,10 @@ def _gate_up(
 
 @triton.jit
 def _down(
-    h, order, weights, tile_expert, tile_first, starts, w2, y,
+    h, order, weights, tile_expert, tile_first, starts, w2, y, bank_of,
     n_rows, H, inter, stride_e, stride_r, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr, PRECISION: tl.constexpr,
+    STAGES: tl.constexpr, PRECISION: tl.constexpr, MAP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -88,6 +93,11 @@ def _down(
     e = tl.load(tile_expert + tile)
     if e >= n_rows:
         return
+    w = e
+    if MAP:
+        w = tl.load(bank_of + e)
+        if w < 0:
+            return
     row0 = tl.load(starts + e) + (tile - tl.load(tile_first + e)) * BLOCK_M
     m = row0 + tl.arange(0, BLOCK_M)
     in_tile = m < tl.load(starts + e + 1)
@@ -95,7 +105,7 @@ def _down(
     k = tl.arange(0, BLOCK_K)
     cols = n < H
     a_ptr = h + m.to(tl.int64)[:, None] * inter + k[None, :]  # [BLOCK_M, BLOCK_K]
-    b_ptr = w2 + e.to(tl.int64) * stride_e + n[None, :] * stride_r + k[:, None]  # [BLOCK_K, BLOCK_N]
+    b_ptr = w2 + w.to(tl.int64) * stride_e + n[None, :] * stride_r + k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
@@ -155,11 +165,16 @@ def pair_outputs(
     w2: torch.Tensor,
     out: torch.Tensor | None = None,
     blocks: Blocks | None = None,
+    plan: tuple[torch.Tensor, ...] | None = None,
+    bank_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, H]; rows: [T * K] the bank row of each pair (token t = pair // K; -1: skipped); weights: [T * K];
     w13: [N, 2I, H] (gate rows, then up rows); w2: [N, H, I] -> out [T * K, H] in x's dtype: each computed pair's
     expert output times its weight (skipped pairs' rows untouched; a fresh `out` leaves them uninitialised). The banks
-    may be any [N, ...] views contiguous in their last dim (a slot pool's)."""
+    may be any [N, ...] views contiguous in their last dim (a slot pool's). `plan`, `bank_of`: `rows` index experts
+    [0, R) whose weights lie at bank rows bank_of [R] (-1: the expert's pairs are skipped), scheduled once by `plan`
+    (`schedule(rows, R, blocks.m)`), so that several launches over other banks reuse one schedule (quantized
+    prefill's waves)."""
     (T, H), P, (N, two_i, _) = x.shape, rows.numel(), w13.shape
     inter, K = two_i // 2, P // max(T, 1)
     assert w13.shape[2] == H and w2.shape[1:] == (H, inter) and w13.stride(2) == 1 and w2.stride(2) == 1
@@ -171,17 +186,20 @@ def pair_outputs(
         return out
     b = blocks or pick_blocks(x.dtype)
     x, weights = x if x.stride(1) == 1 else x.contiguous(), weights.contiguous()
-    order, starts, tile_expert, tile_first = schedule(rows.flatten(), N, b.m)
+    order, starts, tile_expert, tile_first = plan or schedule(rows.flatten(), N, b.m)
+    R = N if bank_of is None else bank_of.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 as torch's matmul computes it (no TF32)
     h = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # [pairs, I] in sorted order
-    tiles = tile_expert.numel()
+    tiles, mapped = tile_expert.numel(), bank_of if bank_of is not None else rows
     _gate_up[(tiles * triton.cdiv(inter, b.up_n),)](
-        x, order, tile_expert, tile_first, starts, w13, h, N, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1),
-        b.m, b.up_n, b.up_k, H % b.up_k == 0, b.stages, precision, num_warps=b.warps,
+        x, order, tile_expert, tile_first, starts, w13, h, mapped, R, H, inter, K, x.stride(0), w13.stride(0),
+        w13.stride(1), b.m, b.up_n, b.up_k, H % b.up_k == 0, b.stages, precision, bank_of is not None,
+        num_warps=b.warps,
     )  # fmt: skip
     _down[(tiles * triton.cdiv(H, b.down_n),)](
-        h, order, weights, tile_expert, tile_first, starts, w2, out, N, H, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), b.m, b.down_n, b.down_k, inter % b.down_k == 0, b.stages, precision, num_warps=b.warps,
+        h, order, weights, tile_expert, tile_first, starts, w2, out, mapped, R, H, inter, w2.stride(0), w2.stride(1),
+        out.stride(0), b.m, b.down_n, b.down_k, inter % b.down_k == 0, b.stages, precision, bank_of is not None,
+        num_warps=b.warps,
     )  # fmt: skip
     return out
 

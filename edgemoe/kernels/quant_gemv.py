@@ -317,11 +317,13 @@ def quant_linear(
     qtype: QuantLike,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Decode's dense projection on GGUF blocks: x [T, K] @ dequant(w).T (+ bias) -> [T, N] in x's dtype (or into
     `out`, any [T, N] view with unit column stride: a part of a fused projection's output); w uint8 [N, row_bytes].
     Each token's row is computed by its own programs alike whatever T (batch-invariant); graph-capturable. Blocks:
-    `pick_blocks`' up kernel's, its [2, up_n] rows as one tile of 2 up_n."""
+    `pick_blocks`' up kernel's, its [2, up_n] rows as one tile of 2 up_n, fewer for short weights (`linear_rows`);
+    `tile` (rows a program, warps) is for benchmarks."""
     q = quant_type(qtype)
     (T, K), N = x.shape, w.shape[0]
     assert w.dtype == torch.uint8 and w.dim() == 2 and w.shape[1] == row_bytes(q, K) and w.stride(1) == 1
@@ -332,11 +334,24 @@ def quant_linear(
     b = pick_blocks(q, q, K, N)
     (_, stride_w, unit), nblk = _strides(w[None], N, q, K), K // q.block_weights
     groups, lanes = GROUPS[q.name]
-    block_n = 2 * b.up_n
+    block_n, warps = tile or linear_rows(N, 2 * b.up_n, b.up_warps)
     x = x if x.stride(1) == 1 else x.contiguous()
     _linear[(T, triton.cdiv(N, block_n))](
         x, w, x if bias is None else bias, out, N, nblk, x.stride(0), stride_w, out.stride(0), int(q.ggml_type),
         b.up_blocks, groups * b.up_blocks, lanes, block_n, nblk % b.up_blocks == 0, b.up_stages, unit,
-        bias is not None, num_warps=b.up_warps, **launch_args(x.device),
+        bias is not None, num_warps=warps, **launch_args(x.device),
     )  # fmt: skip
     return out
+
+
+LINEAR_PROGRAMS = 512  # a GEMV's programs at least, where rows allow: ~4 a multiprocessor, enough loads in flight
+
+
+def linear_rows(n: int, most: int, warps: int) -> tuple[int, int]:
+    """(rows a program, warps) of `quant_linear` over n rows: `most` (the up kernel's tile) where that still makes
+    LINEAR_PROGRAMS programs, else fewer rows (at least 2) on 4 warps: a short projection at `most` rows has too few
+    programs, each a long serial loop (docs/findings.md, "Quantized dense weights")."""
+    rows = most
+    while rows > 2 and n // rows < LINEAR_PROGRAMS:
+        rows //= 2
+    return rows, warps if rows == most else 4

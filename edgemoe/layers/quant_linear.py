@@ -64,6 +64,11 @@ class QuantLinear(nn.Module):
         parts = [dequantize(self.raw(i), q, K) for i, (_, _, q) in enumerate(self.parts)]
         return torch.cat(parts).to(dtype)
 
+    def prefill_scratch_bytes(self, dtype: torch.dtype) -> int:
+        """Device bytes prefill dequantizes this weight into (0: it never does)."""
+        size = self.out_features * self.in_features * dtype.itemsize
+        return size if self._gemv is not None and size <= DEQUANTIZE_BYTES else 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         small = self.out_features * self.in_features * x.element_size() <= DEQUANTIZE_BYTES

@@ -162,8 +162,7 @@ def resolve(
     if setting == "off" or not layers:
         return None
     layout, experts = layers[0].layout, layers[0].num_experts
-    if setting == "auto" and device.type != "cuda":
-        _say("auto weighs the CPU against copies over PCIe, which a CPU device does not make: off")
+    if setting == "auto" and device.type != "cuda":  # the CPU device copies nothing over PCIe to weigh against
         return None
     # a CPU device's own work runs on torch's threads, which spin between ops and starve a second pool (measured on
     # 2 cores: a job 200x slower), so there the calling thread computes alone

@@ -67,6 +67,12 @@ class ExpertCache:
         else:
             self._ensure_impl, self._copy_rows = None, None
 
+    @property
+    def pool_bytes(self) -> int:
+        """Device bytes of the slot pool (the scratch slot included)."""
+        parts = [self.joined] if self.joined is not None else [t for t in (self.w13, self.w2) if t is not None]
+        return sum(t.numel() * t.element_size() for t in parts)
+
     def attach_pool(self, w13: torch.Tensor, w2: torch.Tensor, joined: torch.Tensor | None = None) -> None:
         """The slot pool: (w13, w2) the two parts of each slot the miss copy moves, views of `joined` [S + 1, row]
         (the storage the layers view in their own layout) where there is one."""

@@ -212,9 +212,9 @@ def test_settings_and_lines(capfd) -> None:
                  "lots"]) == 2  # fmt: skip
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "moe_cpu_compute must be off, auto or a number" in err[0]
-    llm = LLM(progress=False, max_num_seqs=2, moe_strategy="offload", moe_cache_slots=16, moe_cpu_compute="auto")
-    assert llm.engine.expert_cache.cpu_split is None
-    assert "cpu experts: auto weighs the CPU against copies over PCIe" in capfd.readouterr().err
+    llm = LLM(progress=False, max_num_seqs=2, moe_strategy="offload", moe_cache_slots=16)  # auto, the default
+    assert llm.engine.config.moe.moe_cpu_compute == "auto" and llm.engine.expert_cache.cpu_split is None
+    assert "cpu experts" not in capfd.readouterr().err  # the CPU device copies nothing to weigh the CPU against
 
 
 # ---------------------------------------------------------------------------------------------- the replayed check

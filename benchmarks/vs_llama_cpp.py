@@ -8,8 +8,9 @@ token) and the GPU memory each holds, resident and under memory limits.
   sampler, detokeniser), two requests of `--prompt` random token ids, `--tokens` greedy tokens each; per request the
   time to first token (the prompt's prefill: prompt / TTFT tok/s) and the decode rate after it. The second request
   is reported (the first pays one-time costs: graph capture replays, cold caches). GPU memory: torch's peak
-  allocation, and the device's used memory (NVML's view through `torch.cuda.mem_get_info`, CUDA context included)
-  at its peak. `resident` keeps every expert on the GPU; a budget runs `--vram-budget` with offloaded experts.
+  allocation while loading and while serving, and the device's used memory (NVML's view through
+  `torch.cuda.mem_get_info`, CUDA context included) at its peak. `resident` keeps every expert on the GPU; a budget
+  runs `--vram-budget` with offloaded experts.
 - llama.cpp: `llama-bench -ngl 99 -fa 1 -p PROMPT -n TOKENS -ncmoe N` (N layers' experts on the CPU; 0: all on the
   GPU), tokens/s of pp and tg as it reports them; its GPU memory is the CUDA buffers it prints when loading
   (model, KV, compute: `-v`).
@@ -38,6 +39,8 @@ def run_edgemoe(model: str, budget: str, prompt: int, tokens: int) -> dict:
     start = time.perf_counter()
     llm = LLM(model, device="cuda", progress=False, max_num_seqs=1, max_model_len=prompt + tokens + 16, **opts)
     load = time.perf_counter() - start
+    load_peak = torch.cuda.max_memory_allocated()  # loading's transients included
+    torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.model_config.vocab_size
@@ -63,7 +66,8 @@ def run_edgemoe(model: str, budget: str, prompt: int, tokens: int) -> dict:
         "config": budget,
         "load_s": load,
         "runs": runs,
-        "peak_allocated_mib": torch.cuda.max_memory_allocated() / MiB,
+        "peak_allocated_mib": torch.cuda.max_memory_allocated() / MiB,  # serving the two requests
+        "load_peak_allocated_mib": load_peak / MiB,
         "peak_used_mib": peak_used / MiB,
         "cached_experts": None if cache is None else cache.num_slots,
         "start_line": getattr(llm.engine, "memory_line", None),

@@ -117,9 +117,10 @@ class LLMEngine:
         chunk = config.max_num_batched_tokens or PREFILL_CHUNK
         ple = PLEOptions(config.ple_backend, config.ple_sync, max(chunk, config.max_num_seqs))
         try:
-            # the token embedding in host memory where experts are offloaded (the card's memory is then what limits);
-            # a GGUF's dense weights as stored wherever the quantized kernels run
-            host_embedding, kernels = offload and self.device.type == "cuda", self.device.type == "cuda"
+            # where experts are offloaded the card's memory is what limits: the token embedding in host memory, a
+            # GGUF's dense weights as stored (resident, they are dequantized: the bf16 GEMV reads qwen3's qkv in 8.9 us,
+            # its Q4_K blocks take 18-26 us; docs/findings.md, "Quantized dense weights")
+            host_embedding = kernels = offload and self.device.type == "cuda"
             if gguf is None:
                 self.model = load_model(
                     path, self.model_config, family, *args, offload, moe.expert_dtype, ple, host_embedding

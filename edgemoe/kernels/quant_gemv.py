@@ -121,8 +121,11 @@ def _linear(
     """A dense quantized weight's GEMV, program (token, row block): BLOCK_N rows of w [N, row_bytes] against the
     token's x, over all K (`up`'s loop, one [1, BLOCK_N] tile of rows)."""
     wait_for_inputs(PDL)
-    t = tl.program_id(0)  # tokens fastest: a row block's programs are neighbours, its blocks read once from HBM
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    T = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
+    # tokens fastest: a row block's programs are neighbours, its blocks read once from HBM (one grid dimension: an
+    # lm_head's row blocks outnumber a second dimension's 65,535)
+    t, nb = tl.program_id(0) % T, tl.program_id(0) // T
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w + (tl.minimum(n, N - 1).to(tl.int64) * stride_w * UNIT)[None, :]  # [1, BLOCK_N]
     vec = x + t.to(tl.int64) * stride_x + tl.zeros([1, 1], dtype=tl.int64)
     acc = tl.zeros([1, BLOCK_N, G, L], dtype=tl.float32)
@@ -336,7 +339,7 @@ def quant_linear(
     groups, lanes = GROUPS[q.name]
     block_n, warps = tile or linear_rows(N, 2 * b.up_n, b.up_warps)
     x = x if x.stride(1) == 1 else x.contiguous()
-    _linear[(T, triton.cdiv(N, block_n))](
+    _linear[(T * triton.cdiv(N, block_n),)](
         x, w, x if bias is None else bias, out, N, nblk, x.stride(0), stride_w, out.stride(0), int(q.ggml_type),
         b.up_blocks, groups * b.up_blocks, lanes, block_n, nblk % b.up_blocks == 0, b.up_stages, unit,
         bias is not None, num_warps=warps, **launch_args(x.device),
@@ -344,14 +347,14 @@ def quant_linear(
     return out
 
 
-LINEAR_PROGRAMS = 512  # a GEMV's programs at least, where rows allow: ~4 a multiprocessor, enough loads in flight
+LINEAR_PROGRAMS = 256  # a GEMV's programs at least, where rows allow (the H100 sweep's best for qkv and o)
 
 
 def linear_rows(n: int, most: int, warps: int) -> tuple[int, int]:
     """(rows a program, warps) of `quant_linear` over n rows: `most` (the up kernel's tile) where that still makes
-    LINEAR_PROGRAMS programs, else fewer rows (at least 2) on 4 warps: a short projection at `most` rows has too few
-    programs, each a long serial loop (docs/findings.md, "Quantized dense weights")."""
+    LINEAR_PROGRAMS programs, else fewer rows (at least 2): a short projection at `most` rows has too few programs,
+    each a long serial loop (docs/findings.md, "Quantized dense weights")."""
     rows = most
     while rows > 2 and n // rows < LINEAR_PROGRAMS:
         rows //= 2
-    return rows, warps if rows == most else 4
+    return rows, warps

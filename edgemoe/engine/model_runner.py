@@ -210,11 +210,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, length: int) -> None:
-        """Prefill a prompt of `length` tokens 0 and sample its next token (thrown away). Its blocks are all the KV
+        """Prefill a prompt of `length` tokens and sample its next token (thrown away). Its blocks are all the KV
         cache's pad block, which padding rows write and read too: no block is allocated or cached, no sequence's K/V
         is touched. Logits processors are not called (they may expect real requests)."""
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)  # every filter of the sampler
-        seq = Sequence([0] * length, params, None, None)
+        # varied ids, so that routing spreads as a real prompt's does: one token repeated routes every position to
+        # the same top_k experts, and the prefill paths of many experts (quantized experts' dequantized waves, the
+        # grouped GEMM's tiles) would meet their first real prompt unwarmed and unmeasured
+        vocab = self.model.config.vocab_size
+        seq = Sequence([(7919 * i + 13) % vocab for i in range(length)], params, None, None)
         seq.block_table = [self.kv.pad_block] * -(-length // self.kv.block_size)
         _, logits = self.compute_logits(Batch([seq], [length], True))
         gen = torch.Generator(self.device).manual_seed(0)  # not the global generator

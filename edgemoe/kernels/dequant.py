@@ -231,10 +231,13 @@ def quant_pair_outputs(
     wave = wave or wave_experts(inter, H, x.dtype)
     plan = schedule(rows.flatten(), N, pick_blocks(x.dtype).m)  # one schedule for every wave
     bank_of = torch.full((N,), -1, dtype=torch.long, device=x.device)
+    size = min(wave, used.numel())  # one scratch for every wave (a new one a wave would briefly hold two)
+    s13 = torch.empty(size, 2 * inter, H, dtype=x.dtype, device=x.device)
+    s2 = torch.empty(size, H, inter, dtype=x.dtype, device=x.device)
     for start in range(0, used.numel(), wave):
         these = used[start : start + wave]
-        d13 = dequantize_rows(w13, these, q13, H, dtype=x.dtype)  # [G, 2I, H]
-        d2 = dequantize_rows(w2, these, q2, inter, dtype=x.dtype)  # [G, H, I]
+        d13 = dequantize_rows(w13, these, q13, H, out=s13[: these.numel()], dtype=x.dtype)  # [G, 2I, H]
+        d2 = dequantize_rows(w2, these, q2, inter, out=s2[: these.numel()], dtype=x.dtype)  # [G, H, I]
         bank_of.fill_(-1)
         bank_of[these] = torch.arange(these.numel(), device=x.device)
         pair_outputs(x, rows, weights, d13, d2, out=out, plan=plan, bank_of=bank_of)

@@ -14,6 +14,13 @@ token) and the GPU memory each holds, resident and under memory limits.
 - llama.cpp: `llama-bench -ngl 99 -fa 1 -p PROMPT -n TOKENS -ncmoe N` (N layers' experts on the CPU; 0: all on the
   GPU), tokens/s of pp and tg as it reports them; its GPU memory is the CUDA buffers it prints when loading
   (model, KV, compute: `-v`).
+
+llama.cpp as measured (RESULTS.md): the llama-cpp-python sdist's `vendor/llama.cpp` configured with `-DGGML_CUDA=ON
+-DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON`, targets `llama-bench`, `llama-quantize`,
+`ggml-cuda` and the CPU variants; run with its folder and cuBLAS 13's on `LD_LIBRARY_PATH` and the driver's libcuda in
+`LD_PRELOAD` where the build linked a stub (else the CUDA backend fails to load, silently, and everything runs on the
+CPU: check for "CUDA0 model buffer" in its log). On the H100 machine its sapphirerapids CPU variant died of SIGILL;
+without it the loader took zen4's.
 """
 
 from __future__ import annotations

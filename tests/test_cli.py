@@ -42,6 +42,27 @@ def test_version_and_help() -> None:
         assert proc.returncode == 0 and "usage:" in proc.stdout
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["generate", "--help"], ["serve", "--help"],
+                                  ["make-model", "--help"], ["bench", "--help"], ["cache-sim", "--help"]])  # fmt: skip
+def test_version_and_help_do_not_import_torch(args: list[str]) -> None:
+    """Importing torch takes ~2 s: a user who asks for the version or a command's flags must not wait for it."""
+    code = f"""
+import contextlib, io, sys
+from edgemoe.cli import main
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    try:
+        main({args!r})
+    except SystemExit as exc:
+        assert exc.code == 0, exc.code
+assert out.getvalue().strip(), "nothing printed"
+heavy = sorted(m for m in ("torch", "numpy", "transformers", "tokenizers", "safetensors") if m in sys.modules)
+print(" ".join(heavy))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "", f"{args} imported {proc.stdout.strip()}"
+
+
 def test_generate_streams_the_greedy_text(demo_llm) -> None:
     expected = demo_llm.generate("ROMEO.\n", SamplingParams(max_tokens=30, temperature=0))[0].text
     proc = edgemoe("generate", "ROMEO.\n", "--temperature", "0", "--max-tokens", "30")

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.tools.random_weights import DTYPES, PRESETS, hf_config, random_tensors, tokenizer_files
+from edgemoe.tools.presets import PRESETS
+from edgemoe.tools.random_weights import DTYPES, hf_config, random_tensors, tokenizer_files
 
 
 def make_model(

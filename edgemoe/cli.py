@@ -13,6 +13,7 @@ from typing import NoReturn
 from edgemoe.config import EngineConfig, ExpertCacheConfig, add_flags, flag_values
 from edgemoe.errors import EdgeMoEError
 from edgemoe.server.cli import add_serve_parser  # argparse only: the web stack is imported by cmd_serve
+from edgemoe.tools.presets import FAMILIES, PRESETS
 
 GENERATE_DEFAULTS = {"max_num_seqs": 1}  # generate runs one sequence (and sizes the KV cache for it, cmd_generate)
 
@@ -70,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a random-weight checkpoint in Hugging Face layout, with a tokenizer.",
     )
     mk.add_argument("out", type=Path, help="output folder")
-    mk.add_argument("--family", default="qwen2_moe", help="qwen2_moe, qwen3_moe, mixtral or olmoe")
+    mk.add_argument("--family", default="qwen2_moe", help=f"{', '.join(FAMILIES)} (default: qwen2_moe)")
     mk.add_argument(
         "--size",
         default="tiny",
-        help="tiny, small, or a real geometry: qwen3-30b-a3b, qwen1.5-moe-a2.7b, mixtral-8x7b (these fix the family)",
+        help=f"{_sizes()} (default: tiny); tiny-k's expert rows are whole 256-weight blocks, as the K types need",
     )
     mk.add_argument("--layers", type=int, help="truncate to this many layers")
     mk.add_argument("--layout", default="per-expert", help="per-expert (Hub style) or fused (transformers 5)")
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sizes() -> str:
+    """The presets by name, a real model's with its family (it fixes --family)."""
+    return ", ".join(f"{name} ({g['family']})" if "family" in g else name for name, g in PRESETS.items())
+
+
 def _add_bench_parser(sub) -> None:
     b = sub.add_parser(
         "bench",
@@ -109,11 +115,7 @@ def _add_bench_parser(sub) -> None:
         description="Offloaded decode at batch 1 on a random-weight model of a real geometry, "
         "against the bound t >= HBM bytes / HBM bw + missed bytes / PCIe bw, measured in the same run.",
     )
-    b.add_argument(
-        "--geometry",
-        default="qwen3-30b-a3b",
-        help="qwen3-30b-a3b (default), qwen1.5-moe-a2.7b, mixtral-8x7b; tiny, small",
-    )
+    b.add_argument("--geometry", default="qwen3-30b-a3b", help=f"{_sizes()} (default: qwen3-30b-a3b)")
     b.add_argument("--layers", type=int, help="truncate to this many layers (quick runs)")
     b.add_argument("--context", type=int, default=4096, help="tokens already in the KV cache (default: 4096)")
     b.add_argument(

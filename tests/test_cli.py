@@ -3,6 +3,7 @@ input a new user meets first: flags, models, prompts, chat templates, a closed p
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -61,6 +62,32 @@ print(" ".join(heavy))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", f"{args} imported {proc.stdout.strip()}"
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    from edgemoe.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_no_flag_says_what_it_turns_off() -> None:
+    """A --no-X flag's help says what the flag does (turn X off), not what X does when on."""
+    seen = 0
+    for name, parser in subparsers().items():
+        for action in parser._actions:
+            flag = next((o for o in action.option_strings if o.startswith("--no-")), None)
+            if flag is not None:
+                seen += 1
+                assert action.help.startswith(("turn off", "skip")), f"{name} {flag}: {action.help}"
+    assert seen >= 9  # generate's and serve's four each, bench's --no-warmup-prefill
+
+
+def test_make_model_help_lists_every_size_and_family() -> None:
+    from edgemoe.tools.presets import FAMILIES, PRESETS
+
+    helps = {a.dest: a.help for a in subparsers()["make-model"]._actions}
+    assert all(size in helps["size"] for size in PRESETS) and all(f in helps["family"] for f in FAMILIES)
 
 
 def test_generate_streams_the_greedy_text(demo_llm) -> None:

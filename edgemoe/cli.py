@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from edgemoe.config import EngineConfig, ExpertCacheConfig, add_flags, flag_values
+from edgemoe.config import EngineConfig, ExpertCacheConfig, add_flags, check_model_path, flag_values
 from edgemoe.errors import EdgeMoEError
 from edgemoe.server.cli import add_serve_parser  # argparse only: the web stack is imported by cmd_serve
 from edgemoe.tools.presets import FAMILIES, PRESETS
@@ -186,6 +186,7 @@ def _add_bench_parser(sub) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> None:
     from edgemoe import LLM, SamplingParams
+    from edgemoe.engine.summary import startup_line
 
     prompt = _read_prompt(a.prompt)
     params = SamplingParams(  # checked here, before the weights load
@@ -199,12 +200,15 @@ def cmd_generate(a: argparse.Namespace) -> None:
         ignore_eos=a.ignore_eos,
     )
     kwargs = _engine_kwargs(a)
+    check_model_path(kwargs["model"])
     request = [{"role": "user", "content": prompt}] if a.chat else prompt
     if kwargs["kv_cache_memory"] == "auto" and kwargs["kv_cache_tokens"] is None:
         prompt_tokens = _count_tokens(kwargs["model"], request, a.chat)
         if prompt_tokens is not None:  # else the engine says what is wrong with the model folder
             kwargs["kv_cache_tokens"] = prompt_tokens + a.max_tokens
+    print(f"edgemoe: loading {kwargs['model'] or 'the demo model'} ...", file=sys.stderr, flush=True)
     llm = LLM(**kwargs)
+    print(startup_line(llm.engine), file=sys.stderr, flush=True)
     start = time.perf_counter()
     first = now = start
     last = None
@@ -282,10 +286,14 @@ def cmd_make_model(a: argparse.Namespace) -> None:
 
     if a.layers is not None and a.layers < 1:
         raise EdgeMoEError(f"--layers must be >= 1, got {a.layers}")
+    start = time.perf_counter()
     out = make_model(
         a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype, format=a.format, expert_dtype=a.expert_dtype
     )
-    print(f"wrote {out}")
+    files = [out] if out.is_file() else [f for f in out.iterdir() if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    written = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+    print(f"wrote {out} ({written} in {time.perf_counter() - start:.1f} s)")
 
 
 def cmd_serve(a: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from edgemoe.errors import EdgeMoEError
@@ -115,6 +116,16 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise EdgeMoEError(f"cannot read size {text!r}: use a number with a unit, e.g. 16GiB or 512MB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def check_model_path(model: str | None) -> None:
+    """The cheap check of a --model before anything loads (the engine checks the rest): it exists, and is a folder or
+    a .gguf file."""
+    if model is None:
+        return
+    path = Path(model).resolve()
+    if not (path.is_dir() or path.suffix == ".gguf" and path.is_file()):
+        raise EdgeMoEError(f"model path {model} does not exist, or is neither a folder nor a .gguf file")
 
 
 MOE_STRATEGIES = ("resident", "offload")

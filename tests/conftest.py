@@ -154,7 +154,7 @@ def tiny_checkpoint(tmp_path_factory):
 def demo_llm():
     from edgemoe import LLM
 
-    return LLM(progress=False)
+    return LLM(progress=False, dtype="float32")  # compared with transformers in float32
 
 
 @pytest.fixture(scope="session")

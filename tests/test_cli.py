@@ -28,9 +28,13 @@ def edgemoe(*args: str | bytes, stdin: str | bytes | None = None) -> subprocess.
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    """Exit 2 and one error line, after at most the line that says the model is loading (a model whose weights turn
+    out unreadable)."""
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    if len(lines) == 2 and re.fullmatch(r"edgemoe: loading .* \.\.\.", lines[0]):
+        lines.pop(0)
     assert len(lines) == 1 and lines[0].startswith("edgemoe: error:") and fragment in lines[0], proc.stderr
 
 
@@ -92,7 +96,7 @@ def test_make_model_help_lists_every_size_and_family() -> None:
 
 def test_generate_streams_the_greedy_text(demo_llm) -> None:
     expected = demo_llm.generate("ROMEO.\n", SamplingParams(max_tokens=30, temperature=0))[0].text
-    proc = edgemoe("generate", "ROMEO.\n", "--temperature", "0", "--max-tokens", "30")
+    proc = edgemoe("generate", "ROMEO.\n", "--temperature", "0", "--max-tokens", "30", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected + "\n"
     # time to first token (prefill) apart from the decode rate, which no longer divides by the prefill too
@@ -100,7 +104,7 @@ def test_generate_streams_the_greedy_text(demo_llm) -> None:
     # the KV cache holds this one sequence: the prompt's tokens + max_tokens, in whole blocks of 16
     prompt = len(demo_llm.tokenizer.encode("ROMEO.\n"))
     assert f"KV cache: {-(-(prompt + 30) // 16) * 16} tokens" in proc.stderr, proc.stderr
-    piped = edgemoe("generate", "--temperature", "0", "--max-tokens", "30", stdin="ROMEO.\n")
+    piped = edgemoe("generate", "--temperature", "0", "--max-tokens", "30", "--dtype", "float32", stdin="ROMEO.\n")
     assert piped.stdout == proc.stdout
 
 
@@ -108,6 +112,13 @@ def test_chat_and_seed() -> None:
     a = edgemoe("generate", "--chat", "Good morrow!", "--seed", "3", "--max-tokens", "20")
     b = edgemoe("generate", "--chat", "Good morrow!", "--seed", "3", "--max-tokens", "20")
     assert a.returncode == 0 and a.stdout == b.stdout and a.stdout.strip()
+    # what loads, then what runs where (float32: the demo model is under auto's bf16 threshold), before any text
+    lines = a.stderr.splitlines()
+    assert lines[0] == "edgemoe: loading the demo model ...", a.stderr
+    assert any(
+        re.fullmatch(r"edgemoe: the demo model \(qwen2_moe\) on cpu, float32 \(auto: [^)]*\): 12\.6 M parameters "
+                     r"\(4\.4 M dense, 8\.3 M in experts\), all in RAM, loaded in \d+\.\d s", line) for line in lines
+    ), a.stderr  # fmt: skip
     help_text = " ".join(edgemoe("generate", "--help").stdout.split())
     assert "the same seed gives the same text (default: a new one each run)" in help_text
 

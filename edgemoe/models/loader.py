@@ -41,6 +41,14 @@ def build_model(cfg: ModelConfig, family: ModuleType, block_size: int) -> MoEFor
     return getattr(family, "MODEL", MoEForCausalLM)(cfg, family.LAYER, block_size)
 
 
+def count_parameters(cfg: ModelConfig, family: ModuleType) -> int:
+    """The model's parameters, counted on the meta device (nothing allocated), whatever dtype experts are stored in."""
+    with torch.device("meta"):
+        model = build_model(cfg, family, 16)
+    model.tie_weights()  # a tied lm_head is the embedding: counted once
+    return sum(p.numel() for p in model.parameters())
+
+
 def checkpoint_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():

@@ -45,7 +45,7 @@ def with_gguf_experts(hf, expert_dtype: str):
 @pytest.mark.parametrize("case", CASES)
 def test_quantized_experts_match_transformers_on_the_same_blocks(tiny_checkpoint, case: str, expert_dtype: str) -> None:
     folder, hf = tiny_checkpoint(case, "fused")
-    llm = LLM(str(folder), progress=False, expert_dtype=expert_dtype)
+    llm = LLM(str(folder), progress=False, dtype="float32", expert_dtype=expert_dtype)
     model = llm.engine.model
     state = dict(hf.named_parameters())
     for i, layer in enumerate(model.model.layers):

@@ -72,7 +72,7 @@ def transformers_greedy(path: Path, llm: LLM, batch: list[list[int]]) -> list[li
 )
 def test_greedy_matches_transformers(tmp_path_factory, family: str, size: str, expert_dtype: str) -> None:
     path = gguf_file(tmp_path_factory, family, size, expert_dtype)
-    llm = LLM(str(path), progress=False, max_num_seqs=2)
+    llm = LLM(str(path), progress=False, dtype="float32", max_num_seqs=2)
     batch = prompts()
     ours = [o.token_ids for o in llm.generate(batch, GREEDY)]
     assert ours == transformers_greedy(path, llm, batch)
@@ -108,8 +108,8 @@ def test_matches_its_safetensors_checkpoint(tmp_path, family: str) -> None:
     path = make_model(tmp_path / "gguf", family, "tiny", dtype="float32", format="gguf", expert_dtype="q8_0")
     folder = make_model(tmp_path / "hf", family, "tiny", dtype="float32")
     batch = prompts()
-    ours = [o.token_ids for o in LLM(str(path), progress=False).generate(batch, GREEDY)]
-    ref = LLM(str(folder), progress=False, expert_dtype="q8_0")
+    ours = [o.token_ids for o in LLM(str(path), progress=False, dtype="float32").generate(batch, GREEDY)]
+    ref = LLM(str(folder), progress=False, dtype="float32", expert_dtype="q8_0")
     assert ours == [o.token_ids for o in ref.generate(batch, GREEDY)]
 
 

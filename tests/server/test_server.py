@@ -69,6 +69,9 @@ def test_health_models(server, http, client):
     assert "edgemoe_expert_cache_hit_rate" not in http.get("/metrics").text  # experts resident: nothing to count
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    # the start-up line, as `edgemoe generate` prints it: what runs where
+    line = r"edgemoe: the demo model \(qwen2_moe\) on cpu, float32 \(auto: [^)]*\): 12\.6 M parameters .*, loaded in "
+    assert re.search(line, server.err.read_text()), server.err.read_text()
     # while loading, /health may only have said 503 (with an error body) before it said 200
     for r in server.health_seen:
         assert r.status_code in (200, 503)

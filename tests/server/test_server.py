@@ -41,7 +41,7 @@ def metrics(http: httpx.Client) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
 
-def wait_idle(http: httpx.Client, timeout: float = 15) -> dict[str, float]:
+def wait_idle(http: httpx.Client, timeout: float = 120) -> dict[str, float]:  # generous: a busy machine
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(http)
@@ -407,7 +407,7 @@ def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
             next(long)
             first_short = next(short)
             server.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while http.get("/health").status_code != 503:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)

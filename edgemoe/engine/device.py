@@ -1,10 +1,8 @@
 """The device and compute dtype a run uses, and why (the start-up line says it, `edgemoe.engine.summary`).
 
-`--dtype auto` on the CPU: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX) and the model is large
-enough for decode to stream its weights from RAM, else float32. Measured on a 2-core Sapphire Rapids (docs/findings.md,
-"bf16 on the CPU"): the 12.6 M-parameter demo model decodes faster in float32 (212 against 176 tok/s), a 22 M one
-runs level, a 125 M one 1.2-1.4x faster in bf16, a 2-layer qwen3-30b-a3b (1.8 B) 2x faster in half the RAM of its
-weights. On CUDA, auto is the checkpoint's dtype (bfloat16 becomes float16 on a GPU without it).
+`--dtype auto` on CUDA is the checkpoint's dtype (bfloat16 becomes float16 on a GPU without it). On the CPU it is
+bfloat16 where the CPU computes it natively (AMX or AVX512-BF16) and the model is large enough for decode to stream
+its weights from RAM, else float32: small models decode faster in float32 (docs/findings.md, "bf16 on the CPU").
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from edgemoe.kernels.ensure import BLOCK_S, NUM_WARPS, ensure_fused
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.tools.cache_sim import synthetic_trace
 from edgemoe.tools.measure import capture, timed
-from edgemoe.tools.random_weights import PRESETS
+from edgemoe.tools.presets import PRESETS
 
 GEOMETRIES = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b")
 

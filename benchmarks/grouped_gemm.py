@@ -20,7 +20,7 @@ import torch
 from edgemoe.kernels.grouped_gemm import grouped_gemm
 from edgemoe.moe.experts import grouped_experts
 from edgemoe.tools.measure import timed
-from edgemoe.tools.random_weights import PRESETS
+from edgemoe.tools.presets import PRESETS
 
 DEV = torch.device("cuda")
 GEOMETRIES = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b")

@@ -25,7 +25,7 @@ from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.kernels.miss_copy import BLOCK, PROGRAMS_PER_SM, copy_rows_pair
 from edgemoe.offload.banks import allocate_bank
 from edgemoe.tools.measure import timed
-from edgemoe.tools.random_weights import PRESETS
+from edgemoe.tools.presets import PRESETS
 
 GiB = 2**30
 

@@ -27,7 +27,7 @@ from edgemoe import demo_model_path
 from edgemoe.kernels.moe_gemv import down_proj, fused_experts, pick_blocks, up_proj
 from edgemoe.moe.experts import gathered_experts
 from edgemoe.tools.measure import bandwidths, capture, timed
-from edgemoe.tools.random_weights import PRESETS
+from edgemoe.tools.presets import PRESETS
 
 SETS = 16
 DEV = torch.device("cuda")

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from edgemoe.config import EngineConfig, ExpertCacheConfig, add_flags, flag_values
+from edgemoe.config import EngineConfig, ExpertCacheConfig, add_flags, check_model_path, flag_values
 from edgemoe.errors import EdgeMoEError
 from edgemoe.server.cli import add_serve_parser  # argparse only: the web stack is imported by cmd_serve
+from edgemoe.tools.presets import FAMILIES, PRESETS
 
 GENERATE_DEFAULTS = {"max_num_seqs": 1}  # generate runs one sequence (and sizes the KV cache for it, cmd_generate)
 
@@ -70,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a random-weight checkpoint in Hugging Face layout, with a tokenizer.",
     )
     mk.add_argument("out", type=Path, help="output folder")
-    mk.add_argument("--family", default="qwen2_moe", help="qwen2_moe, qwen3_moe, mixtral or olmoe")
+    mk.add_argument("--family", default="qwen2_moe", help=f"{', '.join(FAMILIES)} (default: qwen2_moe)")
     mk.add_argument(
         "--size",
         default="tiny",
-        help="tiny, small, or a real geometry: qwen3-30b-a3b, qwen1.5-moe-a2.7b, mixtral-8x7b (these fix the family)",
+        help=f"{_sizes()} (default: tiny); tiny-k's expert rows are whole 256-weight blocks, as the K types need",
     )
     mk.add_argument("--layers", type=int, help="truncate to this many layers")
     mk.add_argument("--layout", default="per-expert", help="per-expert (Hub style) or fused (transformers 5)")
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sizes() -> str:
+    """The presets by name, a real model's with its family (it fixes --family)."""
+    return ", ".join(f"{name} ({g['family']})" if "family" in g else name for name, g in PRESETS.items())
+
+
 def _add_bench_parser(sub) -> None:
     b = sub.add_parser(
         "bench",
@@ -109,11 +115,7 @@ def _add_bench_parser(sub) -> None:
         description="Offloaded decode at batch 1 on a random-weight model of a real geometry, "
         "against the bound t >= HBM bytes / HBM bw + missed bytes / PCIe bw, measured in the same run.",
     )
-    b.add_argument(
-        "--geometry",
-        default="qwen3-30b-a3b",
-        help="qwen3-30b-a3b (default), qwen1.5-moe-a2.7b, mixtral-8x7b; tiny, small",
-    )
+    b.add_argument("--geometry", default="qwen3-30b-a3b", help=f"{_sizes()} (default: qwen3-30b-a3b)")
     b.add_argument("--layers", type=int, help="truncate to this many layers (quick runs)")
     b.add_argument("--context", type=int, default=4096, help="tokens already in the KV cache (default: 4096)")
     b.add_argument(
@@ -184,6 +186,7 @@ def _add_bench_parser(sub) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> None:
     from edgemoe import LLM, SamplingParams
+    from edgemoe.engine.summary import startup_line
 
     prompt = _read_prompt(a.prompt)
     params = SamplingParams(  # checked here, before the weights load
@@ -197,12 +200,15 @@ def cmd_generate(a: argparse.Namespace) -> None:
         ignore_eos=a.ignore_eos,
     )
     kwargs = _engine_kwargs(a)
+    check_model_path(kwargs["model"])
     request = [{"role": "user", "content": prompt}] if a.chat else prompt
     if kwargs["kv_cache_memory"] == "auto" and kwargs["kv_cache_tokens"] is None:
         prompt_tokens = _count_tokens(kwargs["model"], request, a.chat)
         if prompt_tokens is not None:  # else the engine says what is wrong with the model folder
             kwargs["kv_cache_tokens"] = prompt_tokens + a.max_tokens
+    print(f"edgemoe: loading {kwargs['model'] or 'the demo model'} ...", file=sys.stderr, flush=True)
     llm = LLM(**kwargs)
+    print(startup_line(llm.engine), file=sys.stderr, flush=True)
     start = time.perf_counter()
     first = now = start
     last = None
@@ -280,10 +286,14 @@ def cmd_make_model(a: argparse.Namespace) -> None:
 
     if a.layers is not None and a.layers < 1:
         raise EdgeMoEError(f"--layers must be >= 1, got {a.layers}")
+    start = time.perf_counter()
     out = make_model(
         a.out, a.family, a.size, a.layers, a.layout, a.seed, a.dtype, format=a.format, expert_dtype=a.expert_dtype
     )
-    print(f"wrote {out}")
+    files = [out] if out.is_file() else [f for f in out.iterdir() if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    written = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+    print(f"wrote {out} ({written} in {time.perf_counter() - start:.1f} s)")
 
 
 def cmd_serve(a: argparse.Namespace) -> None:

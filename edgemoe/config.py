@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from edgemoe.errors import EdgeMoEError
@@ -117,6 +118,16 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def check_model_path(model: str | None) -> None:
+    """The cheap check of a --model before anything loads (the engine checks the rest): it exists, and is a folder or
+    a .gguf file."""
+    if model is None:
+        return
+    path = Path(model).resolve()
+    if not (path.is_dir() or path.suffix == ".gguf" and path.is_file()):
+        raise EdgeMoEError(f"model path {model} does not exist, or is neither a folder nor a .gguf file")
+
+
 MOE_STRATEGIES = ("resident", "offload")
 EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
 GRAPH_UPLOADS = ("auto", "capture", "none")
@@ -126,10 +137,11 @@ TOOL_PARSERS = ("auto", "none", "qwen", "qwen3_coder", "mistral")  # edgemoe/ser
 REASONING_PARSERS = ("auto", "none", "qwen3")  # edgemoe/server/reasoning.py
 
 
-def option(default, help: str, cli: bool = True, metavar: str | None = None):  # noqa: A002
+def option(default, help: str, cli: bool = True, metavar: str | None = None, off: str | None = None):  # noqa: A002
     """A config field that is also a command-line flag (`--field-name`), its help and default written once here
-    (`add_flags` derives the flags). `cli=False`: the Python API only."""
-    return field(default=default, metadata={"help": help, "cli": cli, "metavar": metavar})
+    (`add_flags` derives the flags). `cli=False`: the Python API only. A bool that defaults to True is the flag
+    `--no-field-name`: `off` is its help, what the flag turns off (`help` says what the field does)."""
+    return field(default=default, metadata={"help": help, "cli": cli, "metavar": metavar, "off": off})
 
 
 @dataclass(frozen=True)
@@ -222,6 +234,8 @@ class EngineConfig:
     prefix_cache: bool = option(
         True,
         "reuse the KV cache of the longest cached whole-block prefix of a prompt (agent loops, shared system prompts)",
+        off="turn off the prefix cache: compute every prompt whole, even a prefix an earlier request computed (greedy "
+        "output is the same)",
     )
     batch_invariant: bool = option(
         False,
@@ -232,7 +246,11 @@ class EngineConfig:
         None, "seed of the seeds of requests that give none (None: a fresh one per engine)", cli=False
     )
     progress: bool = option(True, "progress bar while loading weights", cli=False)
-    cuda_graphs: bool = option(True, "CUDA: decode by replaying one captured graph per batch size (off: eagerly)")
+    cuda_graphs: bool = option(
+        True,
+        "CUDA: decode by replaying one captured graph per batch size (off: eagerly)",
+        off="turn off CUDA graphs: decode eagerly, launching each kernel from Python (slower; the output is the same)",
+    )
     graph_upload: str = option(
         "auto",
         "CUDA graphs: upload each graph when captured (capture), on first replay (none), or only where a first "
@@ -243,9 +261,13 @@ class EngineConfig:
         True,
         "CUDA: at start-up, prefill dummy prompts of a few lengths (kernels compiled, libraries loaded, memory grown), "
         "so that the first request runs as fast as later ones (off: a faster start-up, a slower first request)",
+        off="turn off the start-up warm-up (CUDA): a faster start-up, a slower first request",
     )
     shared_expert_overlap: bool = option(
-        True, "CUDA: the shared expert on a side stream beside the routed experts and their miss copy (off: inline)"
+        True,
+        "CUDA: the shared expert on a side stream beside the routed experts and their miss copy (off: inline)",
+        off="turn off the shared expert's side stream (CUDA): run it inline, after the routed experts (the output is "
+        "the same)",
     )
     ple_backend: str = option(
         "gpu",
@@ -344,15 +366,17 @@ _TYPES = {"int": int, "float": float, "str": str}
 def add_flags(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, defaults: dict[str, Any] | None = None
 ) -> None:
-    """One flag per `option` field of `cls`: `--name` (a bool that defaults to True: `--no-name`), typed from the
-    field's annotation, its default and help from the field. `defaults`: a command's own defaults of some fields
-    (`edgemoe generate` runs one sequence), help included."""
+    """One flag per `option` field of `cls`: `--name` (a bool that defaults to True: `--no-name`, helped by what it
+    turns off), typed from the field's annotation, its default and help from the field. `defaults`: a command's own
+    defaults of some fields (`edgemoe generate` runs one sequence), help included."""
     for f in cli_fields(cls):
         flag, help_text = f"--{f.name.replace('_', '-')}", f.metadata["help"]
         default = (defaults or {}).get(f.name, f.default)
         if f.type == "bool":
             if f.default:
-                parser.add_argument(f"--no-{flag[2:]}", dest=f.name, action="store_false", help=help_text)
+                if not f.metadata["off"]:
+                    raise TypeError(f"{cls.__name__}.{f.name}: a flag --no-{flag[2:]} needs the help of option(off=)")
+                parser.add_argument(f"--no-{flag[2:]}", dest=f.name, action="store_false", help=f.metadata["off"])
             else:
                 parser.add_argument(flag, dest=f.name, action="store_true", help=help_text)
             continue

@@ -31,15 +31,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from edgemoe.tools.chat_templates import chat_template
+
 BOS = "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, IM_START, IM_END]
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
 HELD_OUT = {  # file stem -> why it is excluded from training
     "tempest_gut": "held out (The Tempest)",
     "tempest_gut_f": "held out (The Tempest, Folio spelling)",
@@ -199,7 +195,7 @@ def tokenizer_config() -> dict:
         "add_bos_token": False,
         "model_max_length": 2048,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template("qwen2_moe"),  # ChatML turns, as trained; a tools branch in Qwen's format
     }
 
 

@@ -9,7 +9,14 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
+
+# Before torch loads OpenMP (and inherited by the CLI and server subprocesses): OpenMP's threads wait for work by
+# spinning, which on a busy 2-core machine (CI beside other jobs) makes each parallel region wait for a descheduled
+# spinner; tests/engine/test_scheduler.py + tests/test_demo_model.py took 260 s beside other work, 16 s with passive
+# waits (docs/findings.md, "OpenMP on a busy machine"). Results do not depend on how threads wait.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Without CUDA the Triton kernels run under Triton's interpreter (numpy). The variable must be set before `triton.jit`
 # decorates them, i.e. before any edgemoe.kernels module is imported by any test module: here, the first conftest.
@@ -154,7 +161,7 @@ def tiny_checkpoint(tmp_path_factory):
 def demo_llm():
     from edgemoe import LLM
 
-    return LLM(progress=False)
+    return LLM(progress=False, dtype="float32")  # compared with transformers in float32
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ input a new user meets first: flags, models, prompts, chat templates, a closed p
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -27,9 +28,13 @@ def edgemoe(*args: str | bytes, stdin: str | bytes | None = None) -> subprocess.
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    """Exit 2 and one error line, after at most the line that says the model is loading (a model whose weights turn
+    out unreadable)."""
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    if len(lines) == 2 and re.fullmatch(r"edgemoe: loading .* \.\.\.", lines[0]):
+        lines.pop(0)
     assert len(lines) == 1 and lines[0].startswith("edgemoe: error:") and fragment in lines[0], proc.stderr
 
 
@@ -42,9 +47,56 @@ def test_version_and_help() -> None:
         assert proc.returncode == 0 and "usage:" in proc.stdout
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["generate", "--help"], ["serve", "--help"],
+                                  ["make-model", "--help"], ["bench", "--help"], ["cache-sim", "--help"]])  # fmt: skip
+def test_version_and_help_do_not_import_torch(args: list[str]) -> None:
+    """Importing torch takes ~2 s: a user who asks for the version or a command's flags must not wait for it."""
+    code = f"""
+import contextlib, io, sys
+from edgemoe.cli import main
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    try:
+        main({args!r})
+    except SystemExit as exc:
+        assert exc.code == 0, exc.code
+assert out.getvalue().strip(), "nothing printed"
+heavy = sorted(m for m in ("torch", "numpy", "transformers", "tokenizers", "safetensors") if m in sys.modules)
+print(" ".join(heavy))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "", f"{args} imported {proc.stdout.strip()}"
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    from edgemoe.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_no_flag_says_what_it_turns_off() -> None:
+    """A --no-X flag's help says what the flag does (turn X off), not what X does when on."""
+    seen = 0
+    for name, parser in subparsers().items():
+        for action in parser._actions:
+            flag = next((o for o in action.option_strings if o.startswith("--no-")), None)
+            if flag is not None:
+                seen += 1
+                assert action.help.startswith(("turn off", "skip")), f"{name} {flag}: {action.help}"
+    assert seen >= 9  # generate's and serve's four each, bench's --no-warmup-prefill
+
+
+def test_make_model_help_lists_every_size_and_family() -> None:
+    from edgemoe.tools.presets import FAMILIES, PRESETS
+
+    helps = {a.dest: a.help for a in subparsers()["make-model"]._actions}
+    assert all(size in helps["size"] for size in PRESETS) and all(f in helps["family"] for f in FAMILIES)
+
+
 def test_generate_streams_the_greedy_text(demo_llm) -> None:
     expected = demo_llm.generate("ROMEO.\n", SamplingParams(max_tokens=30, temperature=0))[0].text
-    proc = edgemoe("generate", "ROMEO.\n", "--temperature", "0", "--max-tokens", "30")
+    proc = edgemoe("generate", "ROMEO.\n", "--temperature", "0", "--max-tokens", "30", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected + "\n"
     # time to first token (prefill) apart from the decode rate, which no longer divides by the prefill too
@@ -52,7 +104,7 @@ def test_generate_streams_the_greedy_text(demo_llm) -> None:
     # the KV cache holds this one sequence: the prompt's tokens + max_tokens, in whole blocks of 16
     prompt = len(demo_llm.tokenizer.encode("ROMEO.\n"))
     assert f"KV cache: {-(-(prompt + 30) // 16) * 16} tokens" in proc.stderr, proc.stderr
-    piped = edgemoe("generate", "--temperature", "0", "--max-tokens", "30", stdin="ROMEO.\n")
+    piped = edgemoe("generate", "--temperature", "0", "--max-tokens", "30", "--dtype", "float32", stdin="ROMEO.\n")
     assert piped.stdout == proc.stdout
 
 
@@ -60,6 +112,13 @@ def test_chat_and_seed() -> None:
     a = edgemoe("generate", "--chat", "Good morrow!", "--seed", "3", "--max-tokens", "20")
     b = edgemoe("generate", "--chat", "Good morrow!", "--seed", "3", "--max-tokens", "20")
     assert a.returncode == 0 and a.stdout == b.stdout and a.stdout.strip()
+    # what loads, then what runs where (float32: the demo model is under auto's bf16 threshold), before any text
+    lines = a.stderr.splitlines()
+    assert lines[0] == "edgemoe: loading the demo model ...", a.stderr
+    assert any(
+        re.fullmatch(r"edgemoe: the demo model \(qwen2_moe\) on cpu, float32 \(auto: [^)]*\): 12\.6 M parameters "
+                     r"\(4\.4 M dense, 8\.3 M in experts\), all in RAM, loaded in \d+\.\d s", line) for line in lines
+    ), a.stderr  # fmt: skip
     help_text = " ".join(edgemoe("generate", "--help").stdout.split())
     assert "the same seed gives the same text (default: a new one each run)" in help_text
 

@@ -6,13 +6,14 @@ Entry points (`LLM`, the CLI, the server) drive it with `add_request` / `step` /
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from edgemoe.config import EngineConfig, ExpertCacheConfig, ModelConfig, parse_size
+from edgemoe.config import EngineConfig, ExpertCacheConfig, parse_size
 from edgemoe.engine.activations import (
     ACTIVATION_SHARE,
     OFFLOAD_CHUNK_CAP,
@@ -22,6 +23,7 @@ from edgemoe.engine.activations import (
     prefill_activation_bytes,
 )
 from edgemoe.engine.cuda_graphs import default_batch_sizes
+from edgemoe.engine.device import resolve_device, resolve_dtype
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Scheduler
@@ -29,7 +31,7 @@ from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.ple import PLEOptions
-from edgemoe.models.loader import checkpoint_files, load_gguf, load_model
+from edgemoe.models.loader import checkpoint_files, count_parameters, load_gguf, load_model
 from edgemoe.models.registry import read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.routing_trace import RoutingRecorder
@@ -38,49 +40,10 @@ from edgemoe.offload.experts import MiB, attach_expert_cache, cache_slots, exper
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tokenizer import IncrementalDetokenizer, Tokenizer
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
 
 def demo_model_path() -> Path:
     """The bundled demo model (a small qwen2_moe trained on Shakespeare and Milton)."""
     return Path(__file__).resolve().parent.parent / "demo_model"
-
-
-def resolve_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise EdgeMoEError(f"unknown device {name!r}: use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EdgeMoEError("device cuda requested but CUDA is not available (no GPU, or a CPU build of torch)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise EdgeMoEError(f"no device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type not in ("cpu", "cuda"):
-        raise EdgeMoEError(f"unsupported device {name!r}: use cpu or cuda")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        wanted = _DTYPES.get(cfg.torch_dtype, torch.float32)
-        return wanted if wanted != torch.bfloat16 or torch.cuda.is_bf16_supported() else torch.float16
-    if name not in _DTYPES:
-        raise EdgeMoEError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16")
-    dtype = _DTYPES[name]
-    if device.type == "cpu" and dtype == torch.float16:
-        raise EdgeMoEError("float16 is not supported on the cpu device: use float32 or bfloat16")
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise EdgeMoEError("this GPU cannot do bfloat16: use float16 or float32")
-    return dtype
 
 
 def _unreadable_checkpoint(folder: Path, exc: SafetensorError) -> str:
@@ -101,11 +64,14 @@ def _unreadable_checkpoint(folder: Path, exc: SafetensorError) -> str:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
         self.config = config
         path = Path(config.model) if config.model else demo_model_path()
+        self.model_name = path.name if config.model else "the demo model"
         self.model_config, family, gguf = read_checkpoint(path)
+        self.num_params = count_parameters(self.model_config, family)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device, self.model_config, self.num_params)
         self.tokenizer = Tokenizer(path) if gguf is None else Tokenizer.from_gguf(gguf)
         self.max_model_len = min(config.max_model_len or sys.maxsize, self.model_config.max_position_embeddings)
         moe = config.moe
@@ -165,6 +131,7 @@ class LLMEngine:
         else:
             self._seed_gen.manual_seed(config.seed)
         self._seqs: dict[str, Sequence] = {}
+        self.load_seconds = time.perf_counter() - start  # the whole start-up: weights, KV cache, warm-up, graphs
 
     def _place(self, moe: ExpertCacheConfig) -> ExpertCache | None:
         """Choose the prefill chunk (`_prefill_chunk`) and allocate the KV cache and, when experts are offloaded, the

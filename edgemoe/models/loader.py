@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from edgemoe.config import ModelConfig
+from edgemoe.config import EXPERT_DTYPES, ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.kernels import select_kernels
 from edgemoe.layers.ple import PLEOptions
@@ -47,6 +47,14 @@ GPU_PLE = PLEOptions()  # per-layer embeddings resident, as the family builds th
 def build_model(cfg: ModelConfig, family: ModuleType, block_size: int) -> MoEForCausalLM:
     """The family's model (its `MODEL` class where it has one, else `MoEForCausalLM`) over its `LAYER`s."""
     return getattr(family, "MODEL", MoEForCausalLM)(cfg, family.LAYER, block_size)
+
+
+def count_parameters(cfg: ModelConfig, family: ModuleType) -> int:
+    """The model's parameters, counted on the meta device (nothing allocated), whatever dtype experts are stored in."""
+    with torch.device("meta"):
+        model = build_model(cfg, family, 16)
+    model.tie_weights()  # a tied lm_head is the embedding: counted once
+    return sum(p.numel() for p in model.parameters())
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -89,13 +97,8 @@ def load_model(
     `host_embedding`: the token embedding's table in host memory (`edgemoe.models.dense_store.embedding_to_host`)."""
     layouts = {}
     if expert_dtype != "auto":
-        q, (H, inter) = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size)
-        if H % q.block_weights or inter % q.block_weights:
-            raise EdgeMoEError(
-                f"expert_dtype {expert_dtype} stores rows in blocks of {q.block_weights} weights; this model's experts "
-                f"have rows of {H} and {inter}"
-            )
-        act = cfg.hidden_act
+        _check_rows(expert_dtype, cfg)
+        q, (H, inter), act = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size), cfg.hidden_act
         layouts = {i: QuantExpertLayout(H, inter, q, q, dtype, act=act) for i, moe in enumerate(cfg.moe_layers) if moe}
     model, host, readers, _ = _empty_model(
         cfg, family, device, dtype, block_size, layouts, progress, offload, ple, host_embedding=host_embedding
@@ -106,6 +109,29 @@ def load_model(
     else:
         load_weights(model, folder, family, progress, host | _resident_targets(model), readers)
     return _ready(model, device)
+
+
+def _check_rows(expert_dtype: str, cfg: ModelConfig) -> None:
+    """A block format stores a row in whole blocks: refuse, in one line, a model whose expert rows are not, naming the
+    row and the formats that fit. (Zero-padding the rows would keep the products exact, but every kernel and layout
+    would then carry a second width: not worth it for the demo model, the only one seen with such rows.)"""
+    rows = {"gate/up": ("hidden_size", cfg.hidden_size), "down": ("moe_intermediate_size", cfg.moe_intermediate_size)}
+
+    def fits(name: str) -> bool:
+        return all(n % quant_type(name).block_weights == 0 for _, n in rows.values())
+
+    if fits(expert_dtype):
+        return
+    block = quant_type(expert_dtype).block_weights
+    part, (field, width) = next((k, v) for k, v in rows.items() if v[1] % block)
+    usable = [t for t in EXPERT_DTYPES[1:] if fits(t)]
+    others = f"these fit: {', '.join(usable)}" if usable else "no expert_dtype fits this model"
+    blocks = " or ".join(str(b) for b in sorted({quant_type(t).block_weights for t in EXPERT_DTYPES[1:]}))
+    raise EdgeMoEError(
+        f"expert_dtype {expert_dtype} stores rows in blocks of {block} weights, and this model's expert {part} rows "
+        f"are {width} wide ({field}); {others} (each needs hidden_size and moe_intermediate_size in whole blocks of "
+        f"{blocks}: Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B, Mixtral-8x7B or make-model's tiny do, the demo model does not)"
+    )
 
 
 def _no_readers(readers: dict[str, Reader], source: str) -> None:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from edgemoe.config import ServeConfig, add_flags, flag_values
+from edgemoe.config import ServeConfig, add_flags, check_model_path, flag_values
 from edgemoe.errors import EdgeMoEError
 
 SHUTDOWN_GRACE_S = 30.0
@@ -63,27 +63,28 @@ def _url(sock: socket.socket) -> str:
 def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
     serve = ServeConfig(**flag_values(a, ServeConfig))  # the cheap checks first: a typo fails before the imports
     model = engine_kwargs.get("model")
+    check_model_path(model)
     path = Path(model).resolve() if model else None
-    if path is not None and not (path.is_dir() or path.suffix == ".gguf" and path.is_file()):  # the engine checks more
-        raise EdgeMoEError(f"model path {model} does not exist, or is neither a folder nor a .gguf file")
     model_id = DEMO_MODEL_ID if path is None else path.stem if path.suffix == ".gguf" else path.name
     sock = _bind(serve.host, serve.port)
 
     import uvicorn
 
+    from edgemoe.engine.engine import LLMEngine
+    from edgemoe.engine.summary import startup_line
     from edgemoe.llm import LLM
     from edgemoe.server.app import ServerConfig, create_app
     from edgemoe.server.engine_loop import EngineLoop
     from edgemoe.server.http import GracefulServer
     from edgemoe.server.metrics import Metrics
 
+    def load() -> LLMEngine:
+        engine = LLM(**engine_kwargs, progress=sys.stderr.isatty()).engine
+        print(startup_line(engine), file=sys.stderr, flush=True)
+        return engine
+
     metrics = Metrics()
-    engine_loop = EngineLoop(
-        lambda: LLM(**engine_kwargs, progress=sys.stderr.isatty()).engine,
-        engine_kwargs["max_num_seqs"],
-        serve.max_queue,
-        metrics,
-    )
+    engine_loop = EngineLoop(load, engine_kwargs["max_num_seqs"], serve.max_queue, metrics)
     config = ServerConfig(
         model_id,
         frozenset({model} if model else ()),

@@ -51,7 +51,8 @@ from edgemoe.offload.experts import OffloadedExperts, attach_expert_cache, cache
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tools.cache_sim import load_trace, synthetic_trace
 from edgemoe.tools.measure import bandwidths, capture, plot, profile_lines, run_line, set_bound, settled, timed
-from edgemoe.tools.random_weights import PRESETS, hf_config
+from edgemoe.tools.presets import PRESETS
+from edgemoe.tools.random_weights import hf_config
 
 PREFILL_REPS = 3  # warm prompts per length (their median is reported)
 GEOMETRIES = list(PRESETS)  # real ones fix their family; tiny and small are qwen2_moe (smoke runs)

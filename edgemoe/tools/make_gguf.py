@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.quant import random_blocks
-from edgemoe.tools.random_weights import DTYPES, TOKENIZER_PRE, checkpoint_shapes, random_tensors
+from edgemoe.tools.presets import TOKENIZER_PRE
+from edgemoe.tools.random_weights import DTYPES, checkpoint_shapes, random_tensors
 
 Q = gguf.GGMLQuantizationType
 ARCHS = {

@@ -9,13 +9,17 @@ families split text before BPE with Qwen2's regex, as their real tokenizers do (
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from edgemoe.engine.summary import count
 from edgemoe.errors import EdgeMoEError
-from edgemoe.tools.random_weights import DTYPES, PRESETS, hf_config, random_tensors, tokenizer_files
+from edgemoe.tools.presets import PRESETS
+from edgemoe.tools.random_weights import DTYPES, checkpoint_shapes, hf_config, random_tensors, tokenizer_files
 
 
 def make_model(
@@ -53,6 +57,15 @@ def make_model(
     config = hf_config(family, geometry, vocab, layers)
     config["dtype"] = dtype
     tokenizer, tokenizer_config = tokenizer_files(family)
+    shapes = checkpoint_shapes(family, config)
+    params = sum(math.prod(shape) for _, shape in shapes)
+    stored = f"experts {expert_dtype or dtype}, dense {dtype}" if format == "gguf" else dtype
+    print(
+        f"edgemoe: writing {out}: random {family} weights ({size}, {config['num_hidden_layers']} layers, "
+        f"{count(params)} parameters, {stored}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     out.mkdir(parents=True, exist_ok=True)
     if format == "gguf":
         from edgemoe.tools.make_gguf import write_gguf
@@ -65,20 +78,17 @@ def make_model(
     (out / "tokenizer_config.json").write_text(tokenizer_config)
     shards: list[list[str]] = []  # tensor names per shard, written as each fills (bounded memory)
     current, size_now = {}, 0
-    for name, t in tqdm(
-        random_tensors(family, config, layout, seed, torch_dtype),
-        desc="writing",
-        unit="tensor",
-        leave=False,
-        disable=None,
-    ):
-        current[name] = t
-        size_now += t.numel() * t.element_size()
-        if size_now >= shard_bytes:
+    total = params * torch_dtype.itemsize
+    with tqdm(total=total, desc="writing", unit="B", unit_scale=True, leave=False, disable=None) as bar:
+        for name, t in random_tensors(family, config, layout, seed, torch_dtype):
+            current[name] = t
+            size_now += t.numel() * t.element_size()
+            bar.update(t.numel() * t.element_size())
+            if size_now >= shard_bytes:
+                _flush(out, shards, current)
+                current, size_now = {}, 0
+        if current:
             _flush(out, shards, current)
-            current, size_now = {}, 0
-    if current:
-        _flush(out, shards, current)
     _name_shards(out, shards)
     return out
 

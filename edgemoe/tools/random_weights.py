@@ -4,6 +4,7 @@ Hugging Face folder, `make_gguf` as a GGUF file; `edgemoe bench` builds its mode
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -13,97 +14,11 @@ from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.gguf_tokenizer import QWEN2_SPLIT, byte_level_pre_tokenizer
 from edgemoe.models.registry import FAMILIES
+from edgemoe.tools.chat_templates import chat_template
+from edgemoe.tools.presets import TOKENIZER_PRE
 
-PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        intermediate_size=96,
-        shared_expert_intermediate_size=48,
-        vocab_size=None,
-        max_position_embeddings=1024,
-    ),
-    "small": dict(
-        hidden_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        num_experts=32,
-        num_experts_per_tok=4,
-        moe_intermediate_size=128,
-        intermediate_size=512,
-        shared_expert_intermediate_size=512,
-        vocab_size=None,
-        max_position_embeddings=4096,
-    ),
-    # tiny, with every expert row a whole number of 256-weight blocks (the K types): GGUF tests
-    "tiny-k": dict(
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        intermediate_size=512,
-        shared_expert_intermediate_size=256,
-        vocab_size=None,
-        max_position_embeddings=1024,
-    ),
-    "qwen3-30b-a3b": dict(
-        family="qwen3_moe",
-        hidden_size=2048,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        intermediate_size=6144,
-        vocab_size=151936,
-        norm_topk_prob=True,
-        rope_theta=1e6,
-        max_position_embeddings=40960,
-    ),
-    "qwen1.5-moe-a2.7b": dict(
-        family="qwen2_moe",
-        hidden_size=2048,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        num_experts=60,
-        num_experts_per_tok=4,
-        moe_intermediate_size=1408,
-        intermediate_size=5632,
-        shared_expert_intermediate_size=5632,
-        vocab_size=151936,
-        rope_theta=1e6,
-        max_position_embeddings=8192,
-    ),
-    "mixtral-8x7b": dict(
-        family="mixtral",
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=14336,
-        vocab_size=32000,
-        rope_theta=1e6,
-        max_position_embeddings=32768,
-    ),
-}
 _PER_EXPERT = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # default: mlp, gate/up/down_proj
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-# family -> how its tokenizer splits text before byte-level BPE, by llama.cpp's name (tokenizer.ggml.pre)
-TOKENIZER_PRE = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "mixtral": "gpt-2", "olmoe": "gpt-2"}
 
 
 def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) -> dict:
@@ -228,13 +143,14 @@ def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: tor
 
 def tokenizer_files(family: str) -> tuple[str, str]:
     """The random checkpoints' tokenizer.json and tokenizer_config.json (texts): the demo model's, the Qwen
-    families' splitting text with Qwen2's regex (TOKENIZER_PRE)."""
+    families' splitting text with Qwen2's regex (TOKENIZER_PRE), each with its family's chat template
+    (`edgemoe.tools.chat_templates`)."""
     from edgemoe.engine.engine import demo_model_path
 
     demo = demo_model_path()
-    tokenizer, config = (demo / "tokenizer.json").read_text(), (demo / "tokenizer_config.json").read_text()
+    tokenizer, config = (demo / "tokenizer.json").read_text(), json.loads((demo / "tokenizer_config.json").read_text())
     if TOKENIZER_PRE[family] == "qwen2":
         tok = Tokenizer.from_str(tokenizer)
         tok.pre_tokenizer = byte_level_pre_tokenizer(QWEN2_SPLIT)
         tokenizer = tok.to_str(pretty=True)
-    return tokenizer, config
+    return tokenizer, json.dumps({**config, "chat_template": chat_template(family)}, indent=1)

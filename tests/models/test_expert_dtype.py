@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
+from edgemoe.config import EXPERT_DTYPES
 from edgemoe.errors import EdgeMoEError
 
 gguf = pytest.importorskip("gguf")
@@ -44,7 +45,7 @@ def with_gguf_experts(hf, expert_dtype: str):
 @pytest.mark.parametrize("case", CASES)
 def test_quantized_experts_match_transformers_on_the_same_blocks(tiny_checkpoint, case: str, expert_dtype: str) -> None:
     folder, hf = tiny_checkpoint(case, "fused")
-    llm = LLM(str(folder), progress=False, expert_dtype=expert_dtype)
+    llm = LLM(str(folder), progress=False, dtype="float32", expert_dtype=expert_dtype)
     model = llm.engine.model
     state = dict(hf.named_parameters())
     for i, layer in enumerate(model.model.layers):
@@ -81,7 +82,13 @@ def test_offloaded_quantized_experts_equal_resident(tiny_checkpoint, expert_dtyp
 
 
 def test_rows_that_are_not_whole_blocks_are_refused() -> None:
-    with pytest.raises(EdgeMoEError, match="blocks of 32 weights"):
-        LLM(progress=False, expert_dtype="q8_0")  # the demo model's experts have rows of 48
+    """In one line naming the row that does not fit and the formats that would (none for the demo model: every
+    format here has 32-weight blocks, its down rows are 48 wide)."""
+    for expert_dtype in EXPERT_DTYPES[1:]:
+        with pytest.raises(EdgeMoEError) as err:
+            LLM(progress=False, expert_dtype=expert_dtype)
+        message = str(err.value)
+        assert "\n" not in message and "blocks of 32 weights" in message, message
+        assert "expert down rows are 48 wide (moe_intermediate_size); no expert_dtype fits this model" in message
     with pytest.raises(EdgeMoEError, match="unknown expert_dtype 'q3_k'"):
         LLM(progress=False, expert_dtype="q3_k")

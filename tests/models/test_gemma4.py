@@ -111,7 +111,7 @@ def checkpoint(tmp_path_factory):
 
 
 def generate(folder: Path, batch: list[list[int]], **engine) -> list[list[int]]:
-    llm = LLM(str(folder), progress=False, **engine)
+    llm = LLM(str(folder), progress=False, dtype="float32", **engine)
     outs = llm.generate(batch, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     return [out.token_ids for out in outs]
 
@@ -131,7 +131,9 @@ def test_greedy_matches_transformers(checkpoint, case: str, layout: str) -> None
 def test_logits_match_transformers(checkpoint, case: str) -> None:
     """Teacher-forced: transformers' greedy continuation through our (chunked) prefill and batched decode."""
     folder, hf = checkpoint(case)
-    engine = LLM(str(folder), progress=False, max_num_batched_tokens=16).engine  # chunks cross the window
+    engine = LLM(
+        str(folder), progress=False, dtype="float32", max_num_batched_tokens=16
+    ).engine  # chunks cross the window
     batch = prompts(len(case) + 1)
     full = [p + hf_greedy(hf, p) for p in batch]
     with torch.no_grad():
@@ -195,7 +197,7 @@ def test_kv_shared_layers_read_their_source_cache(checkpoint) -> None:
 def test_per_layer_embeddings_rows_match_transformers(checkpoint) -> None:
     """The PLE interface: `rows(ids)` is transformers' `get_per_layer_inputs`."""
     folder, hf = checkpoint("ple")
-    model = LLM(str(folder), progress=False).engine.model
+    model = LLM(str(folder), progress=False, dtype="float32").engine.model
     ids = torch.tensor([3, 17, 5000, 17])
     rows = model.model.embed_tokens_per_layer.rows(ids)
     assert rows.shape == (4, 4, 8)

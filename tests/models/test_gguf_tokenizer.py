@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.gguf_tokenizer import bytes_to_unicode, tokenizer_from_gguf
 from edgemoe.tools.make_model import make_model
-from edgemoe.tools.random_weights import PRESETS, tokenizer_files
+from edgemoe.tools.presets import PRESETS
+from edgemoe.tools.random_weights import tokenizer_files
 
 TEXTS = [
     "Hello world",

@@ -27,7 +27,7 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("case", list(TINY))
 def test_greedy_matches_transformers(tiny_checkpoint, case: str, layout: str) -> None:
     folder, hf = tiny_checkpoint(case, layout)
-    llm = LLM(str(folder), progress=False)
+    llm = LLM(str(folder), progress=False, dtype="float32")
     batch = prompts(len(case))
     outs = llm.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     for prompt, out in zip(batch, outs):
@@ -41,7 +41,7 @@ def test_greedy_matches_transformers(tiny_checkpoint, case: str, layout: str) ->
 def test_logits_match_transformers(tiny_checkpoint, case: str) -> None:
     """Teacher-forced: feed transformers' greedy continuation through our prefill and batched decode."""
     folder, hf = tiny_checkpoint(case, "per-expert")
-    engine = LLM(str(folder), progress=False, max_num_batched_tokens=16).engine  # chunked prefill too
+    engine = LLM(str(folder), progress=False, dtype="float32", max_num_batched_tokens=16).engine  # chunked prefill too
     batch = prompts(len(case) + 1)
     full = [p + hf_greedy(hf, p) for p in batch]
     with torch.no_grad():

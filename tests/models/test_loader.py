@@ -23,8 +23,8 @@ def test_make_model_layouts_and_shards_agree_with_transformers(tmp_path, family)
     a = make_model(tmp_path / "a", family, "tiny", layout="per-expert", dtype="float32")
     b = make_model(tmp_path / "b", family, "tiny", layout="fused", dtype="float32", shard_bytes=100_000)
     assert (b / "model.safetensors.index.json").is_file() and len(list(b.glob("*.safetensors"))) > 2
-    outs_a = [o.token_ids for o in LLM(str(a), progress=False).generate(PROMPTS, GREEDY)]
-    outs_b = [o.token_ids for o in LLM(str(b), progress=False).generate(PROMPTS, GREEDY)]
+    outs_a = [o.token_ids for o in LLM(str(a), progress=False, dtype="float32").generate(PROMPTS, GREEDY)]
+    outs_b = [o.token_ids for o in LLM(str(b), progress=False, dtype="float32").generate(PROMPTS, GREEDY)]
     assert outs_a == outs_b
     hf = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32).eval()
     for prompt, ours in zip(PROMPTS, outs_a):

@@ -191,7 +191,7 @@ def test_the_runner_hands_every_step_its_ids(ple_checkpoint, tmp_path: Path, mon
     monkeypatch.setattr(DiskPerLayerEmbeddings, "before_step", lambda self, ids: (calls.append(list(ids)),
                                                                                    original(self, ids))[1])  # fmt: skip
     folder = copy_folder(ple_checkpoint[1], tmp_path / "ckpt")
-    llm = LLM(str(folder), progress=False, max_num_batched_tokens=16, ple_backend="disk")
+    llm = LLM(str(folder), progress=False, dtype="float32", max_num_batched_tokens=16, ple_backend="disk")
     prompt = batch()[0] * 3  # 30 tokens, 5 distinct: chunks of 16 and 14
     out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
     assert calls == [prompt[:16], prompt[16:], *[[t] for t in out[:-1]]]

@@ -38,7 +38,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         self.health_seen: list[httpx.Response] = []
 
-    def wait_ready(self, timeout: float = 90) -> None:
+    def wait_ready(self, timeout: float = 300) -> None:  # generous: a busy machine imports and loads slowly
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

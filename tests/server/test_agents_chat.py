@@ -183,11 +183,6 @@ def test_bad_tool_requests(tool_server, body, param):
     assert_error(r, 400, param)
 
 
-def test_demo_template_has_no_tools(http):
-    r = http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS})
-    assert "does not support tools" in assert_error(r, 400, "tools")["message"]
-
-
 def test_api_key(tool_server):
     bad = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

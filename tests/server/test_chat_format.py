@@ -7,12 +7,19 @@ import json
 
 import pytest
 
-from edgemoe import SamplingParams, demo_model_path
+from edgemoe import SamplingParams
 from edgemoe.server.chat_format import ChatFormats, detect_formats, render_chat
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
 from edgemoe.tokenizer import Tokenizer
 
 from .scripted import CODER_TEMPLATE, MISTRAL_TEMPLATE, MISTRAL_TOKENS, QWEN3_TEMPLATE, QWEN_TOKENS, make_model
+
+# ChatML without a tools branch (the demo model's template before it had one)
+PLAIN_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
@@ -34,6 +41,7 @@ def folders(tmp_path_factory):
         "qwen": make_model(root / "qwen", QWEN3_TEMPLATE, QWEN_TOKENS),
         "coder": make_model(root / "coder", CODER_TEMPLATE, ["<tool_call>", "</tool_call>"]),
         "mistral": make_model(root / "mistral", MISTRAL_TEMPLATE, MISTRAL_TOKENS, special=True),
+        "plain": make_model(root / "plain", PLAIN_TEMPLATE, []),
     }
 
 
@@ -50,7 +58,7 @@ def test_detection(folders):
     assert detect_formats(qwen) == ChatFormats("qwen", True, True)
     assert detect_formats(coder) == ChatFormats("qwen3_coder", False, True)
     assert detect_formats(mistral) == ChatFormats("mistral", False, True)
-    assert detect_formats(Tokenizer(demo_model_path())) == ChatFormats(None, False, False)
+    assert detect_formats(Tokenizer(folders["plain"])) == ChatFormats(None, False, False)
     assert detect_formats(qwen, "mistral", "none") == ChatFormats("mistral", False, True)  # the flags win
 
 
@@ -129,8 +137,8 @@ def test_bad_conversations(folders, body, param):
     assert (err.value.status, err.value.param) == (400, param), err.value.message
 
 
-def test_template_without_tools_says_so():
-    tok = Tokenizer(demo_model_path())
+def test_template_without_tools_says_so(folders):
+    tok = Tokenizer(folders["plain"])
     formats = detect_formats(tok)
     for body in ({"tools": TOOLS}, {"messages": TURNS[1:4]}):
         with pytest.raises(RequestError, match="chat template does not support tools"):

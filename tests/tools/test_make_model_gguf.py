@@ -10,6 +10,8 @@ gguf's own reader.
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -171,7 +173,11 @@ def test_expert_types_per_layer_and_cli(tmp_path, capsys) -> None:
     out = tmp_path / "m"
     assert main(["make-model", str(out), "--family", "qwen3_moe", "--size", "tiny-k", "--layers", "3", "--format",
                  "gguf", "--expert-dtype", "mixed"]) == 0  # fmt: skip
-    assert capsys.readouterr().out.strip() == f"wrote {out / 'model.gguf'}"
+    said = capsys.readouterr()
+    assert re.fullmatch(rf"wrote {re.escape(str(out / 'model.gguf'))} \(\d+\.\d MB in \d+\.\d s\)", said.out.strip())
+    assert said.err.startswith(
+        f"edgemoe: writing {out}: random qwen3_moe weights (tiny-k, 3 layers, 6.1 M parameters, experts mixed, "
+    )
     reader = gguf.GGUFReader(out / "model.gguf")
     types = {t.name: t.tensor_type for t in reader.tensors}
     for layer, q in enumerate((Q.Q4_K, Q.Q8_0, Q.Q4_K)):

@@ -1,0 +1,98 @@
+"""The chat templates that the demo model and `edgemoe make-model` checkpoints ship: ChatML turns with a tools branch in
+Qwen's format (tools listed in the system turn, calls as `<tool_call>{json}</tool_call>`, results as
+`<tool_response>` in a user turn), and Mistral's (`[AVAILABLE_TOOLS]`, `[TOOL_CALLS]`, `[TOOL_RESULTS]`) for the
+Mixtral family. `edgemoe.server.chat_format.detect_formats` reads the first as the `qwen` tool-call format and the
+second as `mistral`.
+
+Without tools, the Qwen template renders exactly what the demo model was trained on, `<|im_start|>ROLE\\nTEXT<|im_end|>`
+per message, with no default system turn."""
+
+from __future__ import annotations
+
+# Qwen2.5's tools branch, word for word where it instructs the model
+QWEN = """
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within ' }}
+{{- '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}' }}
+{{- '\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first and tools %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for call in message.tool_calls %}
+{{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' }}
+{%- if call.function.arguments is string %}{{- call.function.arguments }}
+{%- else %}{{- call.function.arguments | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+# Mistral's v3 tokenizer format (Mixtral-8x22B-Instruct): tools before the last user turn, calls as a JSON list with
+# 9-character ids, results with their call's id; a system turn goes in front of the last user turn
+MISTRAL = """
+{%- if messages[0].role == 'system' %}
+{%- set system = messages[0].content %}{%- set loop_messages = messages[1:] %}
+{%- else %}
+{%- set system = none %}{%- set loop_messages = messages %}
+{%- endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in loop_messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+{%- if message.role == 'user' %}
+{%- if tools and loop.index0 == ns.last_user %}
+{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}
+{%- endif %}
+{%- if system and loop.index0 == ns.last_user %}
+{{- '[INST] ' + system + '\\n\\n' + message.content + '[/INST]' }}
+{%- else %}
+{{- '[INST] ' + message.content + '[/INST]' }}
+{%- endif %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '[TOOL_CALLS] [' }}
+{%- for call in message.tool_calls %}
+{%- if call.id | length != 9 %}{{- raise_exception('tool call ids must be 9 alphanumeric characters') }}{%- endif %}
+{{- '{"name": "' + call.function.name + '", "arguments": ' }}
+{%- if call.function.arguments is string %}{{- call.function.arguments }}
+{%- else %}{{- call.function.arguments | tojson }}{%- endif %}
+{{- ', "id": "' + call.id + '"}' }}
+{%- if not loop.last %}{{- ', ' }}{%- endif %}
+{%- endfor %}
+{{- ']' + eos_token }}
+{%- elif message.role == 'assistant' %}
+{{- ' ' + message.content + eos_token }}
+{%- elif message.role == 'tool' %}
+{{- '[TOOL_RESULTS] {"content": ' + (message.content | tojson) + ', "call_id": "' + message.tool_call_id + '"}' }}
+{{- '[/TOOL_RESULTS]' }}
+{%- else %}
+{{- raise_exception('roles are system (first), user, assistant and tool') }}
+{%- endif %}
+{%- endfor %}
+"""
+
+TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL}
+# family -> the tool-call format of its template; OLMoE's chat models have no tool format of their own: Qwen's
+# (Hermes') is the common one
+FAMILY_TOOL_FORMAT = {"qwen2_moe": "qwen", "qwen3_moe": "qwen", "mixtral": "mistral", "olmoe": "qwen"}
+
+
+def chat_template(family: str) -> str:
+    """The chat template (jinja source) of `family`'s random checkpoints."""
+    return TEMPLATES[FAMILY_TOOL_FORMAT[family]].strip()

@@ -79,8 +79,8 @@ class Problem:
         self.active = batch * kv_heads * cdiv(context, self.split_len)  # its programs that hold tokens
         self.attn = []
         for i in range(self.layers):
-            attn = PagedAttention(heads, kv_heads, dim, BLOCK_SIZE)
-            attn.k_cache, attn.v_cache = self.k[i], self.v[i]
+            attn = PagedAttention(heads, kv_heads, dim)
+            attn.bind(self.k[i], self.v[i], BLOCK_SIZE)
             self.attn.append(attn)
         self.ctx = ForwardContext(False, torch.empty(0, dtype=torch.long, device=DEV), self.lens, self.tables)
 

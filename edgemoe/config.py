@@ -48,6 +48,9 @@ class ModelConfig:
     # Per layer, the layer whose KV cache it reads (a KV-shared layer reads an earlier one's, writing none); empty:
     # each its own
     kv_sources: tuple[int, ...] = ()
+    # Layers that hold no KV cache (a linear-attention layer keeps per-sequence state instead): the KV cache neither
+    # counts nor binds them
+    no_kv_layers: tuple[int, ...] = ()
     # A family's own settings that only its file reads (a frozen dataclass there, e.g. `gemma4.Gemma4Settings`)
     family_config: Any = None
 
@@ -61,7 +64,7 @@ class ModelConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
-        for _, kv_heads, _ in self.kv_layers():
+        for _, kv_heads, _ in filter(None, self.kv_layers()):
             if self.num_heads % kv_heads:
                 raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {kv_heads}")
         for name in ("rms_norm_eps", "rope_theta"):
@@ -69,16 +72,18 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
-    def kv_layers(self) -> list[tuple[int, int, int]]:
-        """Per layer: (the layer whose KV cache it reads, kv_heads, head_dim); a layer reading another's has that
-        layer's shape, and a layer that is read from reads its own."""
+    def kv_layers(self) -> list[tuple[int, int, int] | None]:
+        """Per layer: (the layer whose KV cache it reads, kv_heads, head_dim), or None for a layer without KV
+        (`no_kv_layers`); a layer reading another's has that layer's shape, and a layer that is read from reads its
+        own."""
         shapes = self.kv_shapes or ((self.num_kv_heads, self.head_dim),) * self.num_layers
         sources = self.kv_sources or tuple(range(self.num_layers))
         if len(shapes) != self.num_layers or len(sources) != self.num_layers:
             raise ValueError(f"kv_shapes and kv_sources need one entry per layer ({self.num_layers})")
-        if any(not 0 <= s <= i or sources[s] != s for i, s in enumerate(sources)):
+        no_kv = set(self.no_kv_layers)
+        if any(not 0 <= s <= i or sources[s] != s or (s in no_kv and i not in no_kv) for i, s in enumerate(sources)):
             raise ValueError(f"kv_sources {sources}: a layer reads its own KV cache or an earlier layer's own")
-        return [(s, *shapes[s]) for s in sources]
+        return [None if i in self.no_kv_layers else (s, *shapes[s]) for i, s in enumerate(sources)]
 
     @property
     def expert_params(self) -> int:

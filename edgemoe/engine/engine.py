@@ -31,7 +31,7 @@ from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.ple import PLEOptions
-from edgemoe.models.loader import checkpoint_files, count_parameters, load_gguf, load_model
+from edgemoe.models.loader import LoadOptions, checkpoint_files, count_parameters, load_gguf, load_model
 from edgemoe.models.registry import read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.routing_trace import RoutingRecorder
@@ -75,9 +75,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(path) if gguf is None else Tokenizer.from_gguf(gguf)
         self.max_model_len = min(config.max_model_len or sys.maxsize, self.model_config.max_position_embeddings)
         moe = config.moe
-        offload, args = moe.moe_strategy == "offload", (self.device, self.dtype, config.block_size, config.progress)
-        if gguf is not None and moe.expert_dtype != "auto":
-            raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
+        offload = moe.moe_strategy == "offload"
         # the disk backend's staging holds a step's tokens: a prefill chunk's or a decode batch's (a default chunk is
         # chosen only once the weights are placed; a longer step than the staging holds is gathered in pieces)
         chunk = config.max_num_batched_tokens or PREFILL_CHUNK
@@ -86,13 +84,12 @@ class LLMEngine:
             # where experts are offloaded the card's memory is what limits: the token embedding in host memory, a
             # GGUF's dense weights as stored (resident, they are dequantized: the bf16 GEMV reads qwen3's qkv in 8.9 us,
             # its Q4_K blocks take 18-26 us; docs/findings.md, "Quantized dense weights")
-            host_embedding = kernels = offload and self.device.type == "cuda"
+            placed = offload and self.device.type == "cuda"
+            opts = LoadOptions(self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, placed)
             if gguf is None:
-                self.model = load_model(
-                    path, self.model_config, family, *args, offload, moe.expert_dtype, ple, host_embedding
-                )
+                self.model = load_model(path, self.model_config, family, opts)
             else:
-                self.model = load_gguf(gguf, self.model_config, family, *args, offload, ple, host_embedding, kernels)
+                self.model = load_gguf(gguf, self.model_config, family, opts)
         except SafetensorError as exc:
             raise EdgeMoEError(_unreadable_checkpoint(path, exc)) from None
         except torch.OutOfMemoryError:

@@ -24,7 +24,9 @@ GPU_SHARE, CPU_BYTES = 0.8, 1 << 30  # what an automatic KV cache may take at mo
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * block_size * sum(h * d for i, (s, h, d) in enumerate(cfg.kv_layers()) if s == i) * dtype.itemsize
+    """K and V of one block in every layer that holds its own (not those reading another's, nor those without)."""
+    own = sum(kv[1] * kv[2] for i, kv in enumerate(cfg.kv_layers()) if kv is not None and kv[0] == i)
+    return 2 * block_size * own * dtype.itemsize
 
 
 def kv_blocks(
@@ -71,17 +73,18 @@ class KVCache:
         prefix_cache: bool = False,
     ) -> None:
         self.num_blocks, self.block_size, self.prefix_cache = num_blocks, block_size, prefix_cache
-        rows, layers = (num_blocks + 1) * block_size, cfg.kv_layers()
-        total = sum(rows * h * d for i, (s, h, d) in enumerate(layers) if s == i)
+        rows = (num_blocks + 1) * block_size
+        layers = [kv for kv in cfg.kv_layers() if kv is not None]  # the layers that attend, in order
+        own = {s: (h, d) for s, h, d in layers}  # each source layer once
+        total = sum(rows * h * d for h, d in own.values())
         self.k = torch.zeros(total, dtype=dtype, device=device)  # every layer's own cache, one after another
         self.v = torch.zeros(total, dtype=dtype, device=device)
         views, start = {}, 0
-        for i, (s, h, d) in enumerate(layers):
-            if s == i:
-                n = rows * h * d
-                views[i] = (self.k[start : start + n].view(rows, h, d), self.v[start : start + n].view(rows, h, d))
-                start += n
-        self.layers = [views[s] for s, _, _ in layers]  # per layer: (k, v) [slots, kv_heads, head_dim]
+        for s, (h, d) in sorted(own.items()):
+            n = rows * h * d
+            views[s] = (self.k[start : start + n].view(rows, h, d), self.v[start : start + n].view(rows, h, d))
+            start += n
+        self.layers = [views[s] for s, _, _ in layers]  # per attending layer: (k, v) [slots, kv_heads, head_dim]
         self.pad_block = num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives low ids first
         self.refs = [0] * num_blocks  # sequences holding each block
@@ -91,9 +94,16 @@ class KVCache:
         self.queried_tokens = self.hit_tokens = 0  # prompt tokens looked up, and found, in the prefix cache
         self.evicted = 0  # known blocks given up to make room
 
-    def bind(self, attention_layers: list) -> None:
-        for attn, (k, v) in zip(attention_layers, self.layers):
-            attn.k_cache, attn.v_cache = k, v
+    def bind(self, model: torch.nn.Module) -> None:
+        """Give every paged-attention module of `model` (found by type, in order: one per layer that attends) its
+        views of the pool and the block size; a layer that keeps other state binds to its own cache likewise."""
+        from edgemoe.layers.attention import PagedAttention
+
+        found = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        if len(found) != len(self.layers):
+            raise ValueError(f"the model has {len(found)} paged-attention layers; the KV cache has {len(self.layers)}")
+        for attn, (k, v) in zip(found, self.layers):
+            attn.bind(k, v, self.block_size)
 
     @property
     def num_free(self) -> int:

@@ -106,7 +106,7 @@ class ModelRunner:
         self.step_hooks: list[Callable[[list[int]], None]] = [
             m.before_step for m in model.modules() if callable(getattr(m, "before_step", None))
         ]  # each module's `before_step`, called with a step's token ids (see the module docstring)
-        kv.bind([layer.self_attn.attn for layer in model.model.layers])
+        kv.bind(model)
 
     def record_routing(self) -> torch.Tensor:
         """From now on every MoE layer writes each step's routed ids here (graphs included) -> the buffer."""

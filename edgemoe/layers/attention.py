@@ -38,14 +38,19 @@ PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.block_size = block_size
         self.scale = head_dim**-0.5
-        self.k_cache = torch.empty(0)  # assigned by the KV cache
+        # the cache binds these (`KVCache.bind`): its block size and this layer's views of its pool
+        self.block_size = 0
+        self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self._decode_kernel = None  # the Triton kernel, once `use_kernels` chose it
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> None:
+        """This layer's views of a KV cache's pool, [slots, kv_heads, head_dim] each, in blocks of `block_size`."""
+        self.k_cache, self.v_cache, self.block_size = k_cache, v_cache, block_size
 
     def use_kernels(self, device: torch.device) -> None:
         if self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0:  # its tiles need a power of 2
@@ -139,7 +144,6 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         rotary: RotaryEmbedding,
-        block_size: int,
         qkv_bias: bool = False,
         o_bias: bool = False,
         head_norm_eps: float | None = None,
@@ -155,7 +159,7 @@ class Attention(nn.Module):
         if self.head_norm:
             self.q_norm, self.k_norm = RMSNorm(head_dim, head_norm_eps), RMSNorm(head_dim, head_norm_eps)
         self.rotary = [rotary]  # shared, and kept out of this module's parameters
-        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, block_size)
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim)
         self._prologue = self._prologue_reference
         self._norm_gemv = None  # decode's input norm inside the qkv GEMV (GPUs without PDL), once chosen
 

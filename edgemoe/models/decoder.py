@@ -73,14 +73,14 @@ class DecoderModel(nn.Module):
     per-layer embeddings handed to each layer, RoPE per layer type) subclasses it and names the subclass in its
     `MoEForCausalLM` subclass's `model_class`."""
 
-    def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer], block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer]) -> None:
         super().__init__()
         self.rotary = self.make_rotary(cfg)
         # _weight skips Embedding's random init, which on the meta device pulls in torch._dynamo (~1 s)
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
-        self.layers = nn.ModuleList(layer_class(cfg, i, self.rotary, block_size) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, i, self.rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @staticmethod
@@ -102,10 +102,10 @@ class MoEForCausalLM(nn.Module):
 
     model_class: type[DecoderModel] = DecoderModel
 
-    def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer], block_size: int = 16) -> None:
+    def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer]) -> None:
         super().__init__()
         self.config = cfg
-        self.model = self.model_class(cfg, layer_class, block_size)
+        self.model = self.model_class(cfg, layer_class)
         self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def tie_weights(self) -> None:

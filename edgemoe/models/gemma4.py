@@ -79,8 +79,8 @@ class Gemma4PagedAttention(PagedAttention):
     """Scaling 1 (q and k are normed); a sliding layer sees only the last `window` keys. Sliding layers keep the
     torch decode on every device: the Triton decode kernel cannot window."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, window: int | None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
         self.scale, self.window = 1.0, window
 
     def use_kernels(self, device: torch.device) -> None:
@@ -98,12 +98,12 @@ class Gemma4Attention(Attention):
     the layer it shares (bound to it by the KV cache), writing none. The prologue stays plain torch on every device
     (the fused prologue kernel has no v norm)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Gemma4Rotaries, block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Gemma4Rotaries) -> None:
         s = cfg.family_config
-        source, kv_heads, d = cfg.kv_layers()[layer]
+        source, kv_heads, d = cfg.kv_layers()[layer]  # every Gemma-4 layer attends
         kind = s.layer_types[layer]
         super().__init__(
-            cfg.hidden_size, cfg.num_heads, kv_heads, d, rotary.types[kind], block_size, cfg.qkv_bias, cfg.o_proj_bias,
+            cfg.hidden_size, cfg.num_heads, kv_heads, d, rotary.types[kind], cfg.qkv_bias, cfg.o_proj_bias,
             head_norm_eps=cfg.rms_norm_eps,
         )  # fmt: skip
         self.shares_kv, self.k_eq_v, self.eps = source != layer, s.attention_k_eq_v and kind == FULL, cfg.rms_norm_eps
@@ -113,7 +113,7 @@ class Gemma4Attention(Attention):
         if self.shares_kv:
             self.k_norm = None
         window = s.sliding_window if kind == SLIDING else None
-        self.attn = Gemma4PagedAttention(cfg.num_heads, kv_heads, d, block_size, window)
+        self.attn = Gemma4PagedAttention(cfg.num_heads, kv_heads, d, window)
 
     def use_kernels(self, device: torch.device) -> None:
         pass  # no fused prologue or norm-in-GEMV (see the class); qkv_proj and o_proj still take the GEMV kernel
@@ -174,10 +174,10 @@ class Gemma4DecoderLayer(DecoderLayer):
     embedding's gated projection, then `layer_scalar`. Takes and returns the hidden state itself (no split
     residual): `Gemma4Model` runs the loop."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Gemma4Rotaries, block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Gemma4Rotaries) -> None:
         super().__init__(cfg, layer)
         s, H, eps = cfg.family_config, cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = Gemma4Attention(cfg, layer, rotary, block_size)
+        self.self_attn = Gemma4Attention(cfg, layer, rotary)
         wide = s.double_wide_mlp and self.self_attn.shares_kv
         dense = GatedMLP(H, cfg.intermediate_size * (2 if wide else 1), cfg.hidden_act)
         if self.is_moe:
@@ -211,8 +211,8 @@ class Gemma4Model(DecoderModel):
     mixed with a normed projection of the embedding), where the first layer needs them, and handed to each layer;
     RoPE per layer type."""
 
-    def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer], block_size: int) -> None:
-        super().__init__(cfg, layer_class, block_size)
+    def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer]) -> None:
+        super().__init__(cfg, layer_class)
         s, H = cfg.family_config, cfg.hidden_size
         self.hidden, self.ple_dim = H, s.ple_dim
         self.embed_tokens_per_layer: PLEBackend | None = None  # the family builds `gpu`; the loader may swap it

@@ -10,6 +10,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -44,15 +45,35 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 GPU_PLE = PLEOptions()  # per-layer embeddings resident, as the family builds them
 
 
-def build_model(cfg: ModelConfig, family: ModuleType, block_size: int) -> MoEForCausalLM:
+@dataclass(frozen=True)
+class LoadOptions:
+    """How the loader builds a model: for which device and dtype, and where each kind of weight goes.
+
+    `offload`: routed experts in host banks (`edgemoe.offload.banks`) instead of the device. `expert_dtype`: a GGUF
+    block format a safetensors checkpoint's experts are quantized to once (q8_0, q4_0, mxfp4, as the `gguf` package
+    quantizes them; random weights: any format of `edgemoe.layers.quant`), auto keeps `dtype`. `ple`: where
+    per-layer embeddings live (`edgemoe.models.ple_store`). `host_embedding`: the token embedding's table in host
+    memory, `dense_as_stored`: a GGUF's quantized projections kept as blocks (`edgemoe.models.dense_store`)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    progress: bool = True
+    offload: bool = False
+    expert_dtype: str = "auto"
+    ple: PLEOptions = GPU_PLE
+    host_embedding: bool = False
+    dense_as_stored: bool = False
+
+
+def build_model(cfg: ModelConfig, family: ModuleType) -> MoEForCausalLM:
     """The family's model (its `MODEL` class where it has one, else `MoEForCausalLM`) over its `LAYER`s."""
-    return getattr(family, "MODEL", MoEForCausalLM)(cfg, family.LAYER, block_size)
+    return getattr(family, "MODEL", MoEForCausalLM)(cfg, family.LAYER)
 
 
 def count_parameters(cfg: ModelConfig, family: ModuleType) -> int:
     """The model's parameters, counted on the meta device (nothing allocated), whatever dtype experts are stored in."""
     with torch.device("meta"):
-        model = build_model(cfg, family, 16)
+        model = build_model(cfg, family)
     model.tie_weights()  # a tied lm_head is the embedding: counted once
     return sum(p.numel() for p in model.parameters())
 
@@ -76,39 +97,21 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_model(
-    folder: Path | None,
-    cfg: ModelConfig,
-    family: ModuleType,
-    device: torch.device,
-    dtype: torch.dtype,
-    block_size: int,
-    progress: bool = True,
-    offload: bool = False,
-    expert_dtype: str = "auto",
-    ple: PLEOptions = GPU_PLE,
-    host_embedding: bool = False,
-) -> MoEForCausalLM:
-    """The model of `folder`'s checkpoint (None: random weights, `fill_random`) built for `device`: on the meta device
-    first, weights streamed into place, kernels chosen for the device. `offload`: routed experts go to host banks
-    (`edgemoe.offload.banks`) instead of the device. `expert_dtype`: a GGUF block format (q8_0, q4_0, mxfp4) the
-    routed experts are quantized to once, as the `gguf` package quantizes them (random weights: any format of
-    `edgemoe.layers.quant`); auto keeps `dtype`. `ple`: where per-layer embeddings live (`edgemoe.models.ple_store`).
-    `host_embedding`: the token embedding's table in host memory (`edgemoe.models.dense_store.embedding_to_host`)."""
-    layouts = {}
-    if expert_dtype != "auto":
-        _check_rows(expert_dtype, cfg)
-        q, (H, inter), act = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size), cfg.hidden_act
+def load_model(folder: Path | None, cfg: ModelConfig, family: ModuleType, opts: LoadOptions) -> MoEForCausalLM:
+    """The model of `folder`'s checkpoint (None: random weights, `fill_random`) built as `opts` says: on the meta
+    device first, weights streamed into place, kernels chosen for the device."""
+    layouts, dtype = {}, opts.dtype
+    if opts.expert_dtype != "auto":
+        _check_rows(opts.expert_dtype, cfg)
+        q, (H, inter), act = quant_type(opts.expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size), cfg.hidden_act
         layouts = {i: QuantExpertLayout(H, inter, q, q, dtype, act=act) for i, moe in enumerate(cfg.moe_layers) if moe}
-    model, host, readers, _ = _empty_model(
-        cfg, family, device, dtype, block_size, layouts, progress, offload, ple, host_embedding=host_embedding
-    )
+    model, host, readers, _ = _empty_model(cfg, family, opts, layouts)
     if folder is None:
         _no_readers(readers, "random weights")
         fill_random(model, host)
     else:
-        load_weights(model, folder, family, progress, host | _resident_targets(model), readers)
-    return _ready(model, device)
+        load_weights(model, folder, family, opts.progress, host | _resident_targets(model), readers)
+    return _ready(model, opts.device)
 
 
 def _check_rows(expert_dtype: str, cfg: ModelConfig) -> None:
@@ -142,27 +145,22 @@ def _no_readers(readers: dict[str, Reader], source: str) -> None:
 def _empty_model(
     cfg: ModelConfig,
     family: ModuleType,
-    device: torch.device,
-    dtype: torch.dtype,
-    block_size: int,
+    opts: LoadOptions,
     layouts: dict,
-    progress: bool,
-    offload: bool,
-    ple: PLEOptions,
     dense_formats: dict[str, QuantType] | None = None,
-    host_embedding: bool = False,
 ) -> tuple[MoEForCausalLM, dict[str, torch.Tensor], dict[str, Reader], dict[str, Rows]]:
     """The model built on the meta device, dense weights kept quantized where `dense_formats` (name -> block format)
     says (`keep_quantized`), experts, per-layer embeddings and maybe the token embedding placed (`_place_experts`,
-    `place_ple`, `embedding_to_host`), then given uninitialised storage on `device` -> (model, the host banks and
+    `place_ple`, `embedding_to_host`), then given uninitialised storage on the device -> (model, the host banks and
     tables by parameter name, the tensors a backend reads itself by parameter name, the weights kept as stored)."""
+    device, dtype = opts.device, opts.dtype
     with torch.device("meta"):
-        model = build_model(cfg, family, block_size).to(dtype)
+        model = build_model(cfg, family).to(dtype)
     kept = keep_quantized(model, dense_formats, dtype) if dense_formats else {}
-    host = _place_experts(model, layouts, dtype, device, progress, offload)
-    if host_embedding:
+    host = _place_experts(model, layouts, dtype, device, opts.progress, opts.offload)
+    if opts.host_embedding:
         host |= embedding_to_host(model, dtype, device.type == "cuda")
-    ple_tables, readers = place_ple(model, ple, device, dtype, progress)
+    ple_tables, readers = place_ple(model, opts.ple, device, dtype, opts.progress)
     model.to_empty(device=device)
     model.tie_weights()
     return model, host | ple_tables, readers, kept
@@ -360,28 +358,17 @@ def expert_layouts(ckpt: GGUFCheckpoint, cfg: ModelConfig, dtype: torch.dtype) -
     }
 
 
-def load_gguf(
-    ckpt: GGUFCheckpoint,
-    cfg: ModelConfig,
-    family: ModuleType,
-    device: torch.device,
-    dtype: torch.dtype,
-    block_size: int,
-    progress: bool = True,
-    offload: bool = False,
-    ple: PLEOptions = GPU_PLE,
-    host_embedding: bool = False,
-    dense_as_stored: bool = False,
-) -> MoEForCausalLM:
+def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: LoadOptions) -> MoEForCausalLM:
     """`load_model` for a GGUF checkpoint: routed experts kept as stored (their raw blocks copied from the
-    memory-mapped file into host banks or device storage) unless stored as floats; dense weights dequantized to
-    `dtype`, or with `dense_as_stored` kept as stored where the kernels read their format (`QuantLinear`: the
-    projections and lm_head of a Q4_K_M file). `host_embedding` as `load_model`'s."""
-    layouts = expert_layouts(ckpt, cfg, dtype)
-    formats = ckpt.dense_formats() if dense_as_stored else None
-    model, host, readers, kept = _empty_model(
-        cfg, family, device, dtype, block_size, layouts, progress, offload, ple, formats, host_embedding
-    )
+    memory-mapped file into host banks or device storage) unless stored as floats; dense weights dequantized to the
+    dtype, or with `opts.dense_as_stored` kept as stored where the kernels read their format (`QuantLinear`: the
+    projections and lm_head of a Q4_K_M file)."""
+    if opts.expert_dtype != "auto":
+        raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
+    layouts = expert_layouts(ckpt, cfg, opts.dtype)
+    formats = ckpt.dense_formats() if opts.dense_as_stored else None
+    model, host, readers, kept = _empty_model(cfg, family, opts, layouts, formats)
+    progress, device = opts.progress, opts.device
     _no_readers(readers, "GGUF files")
     params = dict(model.named_parameters()) | host | quantized_buffers(model)
     filled = dict.fromkeys(params, 0)

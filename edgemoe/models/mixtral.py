@@ -37,9 +37,9 @@ def rename(name: str) -> str:
 class MixtralDecoderLayer(DecoderLayer):
     """Plain attention; routed experts in every layer."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, layer)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, block_size)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary)
         self.mlp = moe_or_mlp(cfg, self)
 
 

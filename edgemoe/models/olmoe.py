@@ -37,9 +37,9 @@ def rename(name: str) -> str:
 class OlmoeAttention(Attention):
     """q and k RMS-normed over all heads (not per head), then optionally every projection clipped, before RoPE."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         bias = cfg.qkv_bias
-        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, block_size, bias, bias)
+        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, bias, bias)
         self.q_norm = RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
         self.clip = cfg.clip_qkv
@@ -56,9 +56,9 @@ class OlmoeAttention(Attention):
 class OlmoeDecoderLayer(DecoderLayer):
     """OLMoE's attention; routed experts in every layer."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, layer)
-        self.self_attn = OlmoeAttention(cfg, rotary, block_size)
+        self.self_attn = OlmoeAttention(cfg, rotary)
         self.mlp = moe_or_mlp(cfg, self)
 
 

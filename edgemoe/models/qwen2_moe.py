@@ -33,10 +33,10 @@ def rename(name: str) -> str:
 class Qwen2MoeDecoderLayer(DecoderLayer):
     """Attention with qkv bias; routed experts plus a sigmoid-gated shared expert, or a dense MLP."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, layer)
         self.self_attn = Attention(
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, block_size, qkv_bias=cfg.qkv_bias
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, qkv_bias=cfg.qkv_bias
         )
         self.mlp = moe_or_mlp(cfg, self, shared=cfg.shared_expert_intermediate_size)
 

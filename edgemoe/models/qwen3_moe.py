@@ -34,11 +34,11 @@ def rename(name: str) -> str:
 class Qwen3MoeDecoderLayer(DecoderLayer):
     """Attention with a per-head RMSNorm of q and k before RoPE; routed experts, or a dense MLP."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, layer)
         bias = cfg.qkv_bias
         self.self_attn = Attention(
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, block_size, bias, bias,
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, bias, bias,
             head_norm_eps=cfg.rms_norm_eps,
         )  # fmt: skip
         self.mlp = moe_or_mlp(cfg, self)

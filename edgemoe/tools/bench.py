@@ -43,7 +43,7 @@ from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.quant import QUANT_TYPES
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.dense_store import quantized_buffers
-from edgemoe.models.loader import GPU_PLE, load_model
+from edgemoe.models.loader import LoadOptions, load_model
 from edgemoe.models.registry import FAMILIES
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.offload import cpu_split
@@ -76,8 +76,8 @@ def build_model(
     family = FAMILIES[preset.pop("family", "qwen2_moe")]
     cfg = family.normalise(hf_config(family.MODEL_TYPE, preset, preset["vocab_size"] or 6144, layers))
     host_embedding = not resident and device.type == "cuda"  # as the engine places it
-    return load_model(None, cfg, family, device, dtype, BLOCK_SIZE, False, not resident, expert_dtype, GPU_PLE,
-                      host_embedding)  # fmt: skip
+    opts = LoadOptions(device, dtype, False, not resident, expert_dtype, host_embedding=host_embedding)
+    return load_model(None, cfg, family, opts)
 
 
 def make_runner(model: MoEForCausalLM, tokens: int) -> ModelRunner:

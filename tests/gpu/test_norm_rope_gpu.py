@@ -293,16 +293,16 @@ def make_attention(qk_norm: str | None, clip: float | None, dtype: torch.dtype, 
             moe_layers=(False,), norm_topk_prob=False, clip_qkv=clip, rms_norm_eps=EPS,
             max_position_embeddings=MAX_POSITIONS, rope_theta=1e6,
         )  # fmt: skip
-        layer = OlmoeAttention(cfg, make_rotary(), BLOCK_SIZE)
+        layer = OlmoeAttention(cfg, make_rotary())
     else:
         eps = EPS if qk_norm == "head" else None
-        layer = Attention(1024, HEADS, KV_HEADS, HEAD_DIM, make_rotary(), BLOCK_SIZE, head_norm_eps=eps)
+        layer = Attention(1024, HEADS, KV_HEADS, HEAD_DIM, make_rotary(), head_norm_eps=eps)
     layer = layer.to("cuda", dtype)
     select_kernels(layer, torch.device("cuda"))
     if qk_norm is not None:
         layer.q_norm.weight.data = make_norm(layer.q_norm.weight.shape[0], dtype, g).weight.data
         layer.k_norm.weight.data = make_norm(layer.k_norm.weight.shape[0], dtype, g).weight.data
-    layer.attn.k_cache, layer.attn.v_cache = (randn(SLOTS, KV_HEADS, HEAD_DIM, g=g, dtype=dtype) for _ in range(2))
+    layer.attn.bind(*(randn(SLOTS, KV_HEADS, HEAD_DIM, g=g, dtype=dtype) for _ in range(2)), BLOCK_SIZE)
     return layer
 
 

@@ -45,9 +45,9 @@ def paged_case(lens: list[int], heads: int, kv_heads: int, dim: int, block_size:
 
 
 def layer_with(k: torch.Tensor, v: torch.Tensor, heads: int, block_size: int) -> PagedAttention:
-    attn = PagedAttention(heads, k.shape[1], k.shape[2], block_size)
+    attn = PagedAttention(heads, k.shape[1], k.shape[2])
     attn.use_kernels(k.device)  # as the loader chooses for a CUDA device
-    attn.k_cache, attn.v_cache = k, v
+    attn.bind(k, v, block_size)
     return attn
 
 

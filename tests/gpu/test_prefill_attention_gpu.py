@@ -31,9 +31,9 @@ def run_prefill(n_new: int, n_ctx: int, backend: SDPBackend | None) -> None:
     (None: the engine's own choice), against the reference."""
     g = torch.Generator(device="cuda").manual_seed(n_new)
     blocks = -(-n_ctx // BS)
-    attn = PagedAttention(HEADS, KV_HEADS, D, BS)
-    attn.k_cache = torch.randn(blocks * BS + BS, KV_HEADS, D, generator=g, device="cuda").bfloat16()
-    attn.v_cache = torch.randn(blocks * BS + BS, KV_HEADS, D, generator=g, device="cuda").bfloat16()
+    attn = PagedAttention(HEADS, KV_HEADS, D)
+    k_cache = torch.randn(blocks * BS + BS, KV_HEADS, D, generator=g, device="cuda").bfloat16()
+    attn.bind(k_cache, torch.randn(blocks * BS + BS, KV_HEADS, D, generator=g, device="cuda").bfloat16(), BS)
     table = torch.randperm(blocks, generator=g, device="cuda")  # the sequence's blocks, out of order
     q = torch.randn(n_new, HEADS, D, generator=g, device="cuda").bfloat16()
     slots = (table[:, None] * BS + torch.arange(BS, device="cuda")).flatten()[:n_ctx]

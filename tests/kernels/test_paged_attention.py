@@ -66,8 +66,8 @@ def plain_attention(c: dict, scale: float, block_size: int) -> torch.Tensor:
 
 
 def torch_decode(c: dict, heads: int, kv_heads: int, dim: int, block_size: int) -> torch.Tensor:
-    attn = PagedAttention(heads, kv_heads, dim, block_size)
-    attn.k_cache, attn.v_cache = c["k_cache"], c["v_cache"]
+    attn = PagedAttention(heads, kv_heads, dim)
+    attn.bind(c["k_cache"], c["v_cache"], block_size)
     ctx = ForwardContext(False, torch.empty(0, dtype=torch.long), c["context_lens"], c["block_tables"])
     return attn._decode_torch(c["q"], ctx)
 
@@ -164,7 +164,7 @@ def test_unsupported_head_dim_is_refused() -> None:
     c = paged_case([4], 4, 2, 48, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         kernel(c, 16)
-    odd, even = PagedAttention(4, 2, 48, 16), PagedAttention(4, 2, 128, 16)
+    odd, even = PagedAttention(4, 2, 48), PagedAttention(4, 2, 128)
     for layer in (odd, even):
         layer.use_kernels(torch.device("cuda"))  # what the loader does on a GPU (only the choice: nothing runs)
     assert odd._decode_kernel is None  # the layer keeps the torch path for it

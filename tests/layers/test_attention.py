@@ -34,11 +34,11 @@ def test_chunks_match_the_masked_reference(heads: int, kv_heads: int, dtype: tor
     """Whole prompts, later chunks (one token, less than a block, several blocks) and their mix in one step."""
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     dim, lens = 16, [(7, 7), (1, 9), (5, 13), (12, 30), (30, 30)]  # (new tokens, context) per sequence
-    attn = PagedAttention(heads, kv_heads, dim, BLOCK)
+    attn = PagedAttention(heads, kv_heads, dim)
     width = max(-(-n // BLOCK) for _, n in lens)
     slots = (len(lens) * width + 1) * BLOCK
-    attn.k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
-    attn.v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    attn.bind(k_cache, torch.randn(slots, kv_heads, dim, generator=g).to(dtype), BLOCK)
     tables = torch.randperm(len(lens) * width, generator=g).view(len(lens), width)  # scattered blocks
     q = torch.randn(sum(n for n, _ in lens), heads, dim, generator=g).to(dtype)
     ctx = ForwardContext(

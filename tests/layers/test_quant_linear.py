@@ -74,15 +74,15 @@ def test_gguf_projections_kept_as_stored_give_the_same_logits(tmp_path) -> None:
     """A Q4_K_M file (make-model: attention Q4_K, v and the output Q6_K): loaded with its dense weights as stored
     (`QuantLinear`, the reference forward on the CPU) the logits are bitwise those of the dequantized load."""
     pytest.importorskip("gguf")
-    from edgemoe.models.loader import load_gguf
+    from edgemoe.models.loader import LoadOptions, load_gguf
     from edgemoe.models.registry import read_checkpoint
     from edgemoe.tools.make_model import make_model
 
     path = make_model(tmp_path, "qwen3_moe", "tiny-k", dtype="float32", format="gguf", expert_dtype="q4_k_m")
     cfg, family, ckpt = read_checkpoint(path)
     cpu = torch.device("cpu")
-    dense = load_gguf(ckpt, cfg, family, cpu, torch.float32, 16, progress=False)
-    stored = load_gguf(ckpt, cfg, family, cpu, torch.float32, 16, progress=False, dense_as_stored=True)
+    dense = load_gguf(ckpt, cfg, family, LoadOptions(cpu, torch.float32, progress=False))
+    stored = load_gguf(ckpt, cfg, family, LoadOptions(cpu, torch.float32, progress=False, dense_as_stored=True))
     kept = {
         n: [(q.name, rows) for _, rows, q in m.parts] for n, m in stored.named_modules() if isinstance(m, QuantLinear)
     }
@@ -94,7 +94,7 @@ def test_gguf_projections_kept_as_stored_give_the_same_logits(tmp_path) -> None:
 
     outs = []
     for model in (dense, stored):
-        KVCache(cfg, 2, 16, torch.float32, cpu).bind([layer.self_attn.attn for layer in model.model.layers])
+        KVCache(cfg, 2, 16, torch.float32, cpu).bind(model)
         set_context(ctx)
         try:
             outs.append(model.logits(model(ids, positions)))

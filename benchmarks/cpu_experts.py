@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.layers.quant import dequantize, random_blocks
 from edgemoe.offload.cpu_experts import CpuExperts, physical_cores
 from edgemoe.offload.layout import ExpertLayout, QuantExpertLayout
+from edgemoe.quant import dequantize, random_blocks
 
 H, INTER, TILE = 2048, 768, 8  # qwen3-30b-a3b
 FORMATS = {"bf16": None, "Q8_0": ("Q8_0", "Q8_0"), "Q4_K": ("Q4_K", "Q4_K"), "Q6_K": ("Q6_K", "Q6_K"),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from edgemoe.engine.context import ForwardContext
+from edgemoe.context import ForwardContext
 from edgemoe.kernels.paged_attention import (
     BLOCK_N,
     PROGRAMS_PER_SM,

@@ -36,7 +36,7 @@ DEV = torch.device("cuda")
 
 def banks(q13: str, q2: str, tile: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """One joined row per expert, the banks views of it (as the expert pools hold them)."""
-    from edgemoe.layers.quant import random_blocks, row_bytes
+    from edgemoe.quant import random_blocks, row_bytes
 
     g = torch.Generator().manual_seed(0)
     w13 = random_blocks((tile, 2 * INTER, H), q13, g, std=H**-0.5)
@@ -79,7 +79,7 @@ def measure(q13: str, q2: str, tokens: int, hbm: float) -> dict:
         quant_fused_experts,
         quant_up_proj,
     )
-    from edgemoe.layers.quant import quant_type
+    from edgemoe.quant import quant_type
 
     w13, w2 = banks(q13, q2)
     x, ids, weights = routing(tokens)
@@ -118,7 +118,7 @@ def sweep(q13: str, q2: str, tokens: int) -> dict:
     """Each kernel's time alone (graph, us) per block shape: rows per program, warps, stages, blocks per loop step (the
     default step, 256 weights, and 2x, 4x where the row has them)."""
     from edgemoe.kernels.quant_gemv import pick_blocks, quant_down_proj, quant_up_proj
-    from edgemoe.layers.quant import quant_type
+    from edgemoe.quant import quant_type
 
     w13, w2 = banks(q13, q2)
     x, ids, weights = routing(tokens)

@@ -46,7 +46,7 @@ def seconds(call: Callable[[int], object], sets: int, reps: int = 20) -> float:
 def dense_case(name: str, tokens: int, hbm: float, sweep: bool = False) -> dict:
     from edgemoe.kernels.dense_gemv import gemv
     from edgemoe.kernels.quant_gemv import quant_linear
-    from edgemoe.layers.quant import random_blocks
+    from edgemoe.quant import random_blocks
 
     parts, K = DENSE[name]
     g = torch.Generator().manual_seed(0)
@@ -76,7 +76,7 @@ def dense_case(name: str, tokens: int, hbm: float, sweep: bool = False) -> dict:
 
 
 def banks(q13: str, q2: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from edgemoe.layers.quant import random_blocks
+    from edgemoe.quant import random_blocks
 
     g, tile = torch.Generator().manual_seed(1), 8
     w13 = random_blocks((tile, 2 * INTER, H), q13, g, std=H**-0.5).to(DEV).repeat(EXPERTS // tile, 1, 1)

@@ -186,6 +186,7 @@ def _add_bench_parser(sub) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> None:
     from edgemoe import LLM, SamplingParams
+    from edgemoe.config import engine_config
     from edgemoe.engine.summary import startup_line
 
     prompt = _read_prompt(a.prompt)
@@ -206,6 +207,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
         prompt_tokens = _count_tokens(kwargs["model"], request, a.chat)
         if prompt_tokens is not None:  # else the engine says what is wrong with the model folder
             kwargs["kv_cache_tokens"] = prompt_tokens + a.max_tokens
+    engine_config(**kwargs)  # a bad setting is one line, before the loading line
     print(f"edgemoe: loading {kwargs['model'] or 'the demo model'} ...", file=sys.stderr, flush=True)
     llm = LLM(**kwargs)
     print(startup_line(llm.engine), file=sys.stderr, flush=True)
@@ -261,7 +263,7 @@ def _count_tokens(model: str | None, request: str | list[dict], chat: bool) -> i
     if path.suffix == ".gguf" and path.is_file():
         from edgemoe.models.gguf import GGUFCheckpoint
 
-        tok = Tokenizer.from_gguf(GGUFCheckpoint(path))
+        tok = GGUFCheckpoint(path).tokenizer()
     elif (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         tok = Tokenizer(path)
     else:

@@ -134,6 +134,7 @@ def check_model_path(model: str | None) -> None:
 
 
 MOE_STRATEGIES = ("resident", "offload")
+MOE_POLICIES = ("lru", "scored")  # the expert cache's eviction policies (`edgemoe.offload.policies.POLICIES`)
 EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
 GRAPH_UPLOADS = ("auto", "capture", "none")
 PLE_BACKENDS = ("gpu", "host", "disk")  # edgemoe/layers/ple.py, ple_disk.py
@@ -181,14 +182,12 @@ class ExpertCacheConfig:
     )
 
     def __post_init__(self) -> None:
-        from edgemoe.offload.policies import POLICIES
-
         if self.moe_strategy not in MOE_STRATEGIES:
             raise EdgeMoEError(f"unknown moe_strategy {self.moe_strategy!r}: use resident or offload")
         if self.expert_dtype not in EXPERT_DTYPES:
             raise EdgeMoEError(f"unknown expert_dtype {self.expert_dtype!r}: use {', '.join(EXPERT_DTYPES)}")
-        if self.moe_policy not in POLICIES:
-            raise EdgeMoEError(f"unknown moe_policy {self.moe_policy!r}: use {' or '.join(POLICIES)}")
+        if self.moe_policy not in MOE_POLICIES:
+            raise EdgeMoEError(f"unknown moe_policy {self.moe_policy!r}: use {' or '.join(MOE_POLICIES)}")
         sizes = [n for n in ("moe_cache_slots", "moe_cache_fraction", "vram_budget") if getattr(self, n) is not None]
         if len(sizes) > 1:
             raise EdgeMoEError(f"give one of moe_cache_slots, moe_cache_fraction, vram_budget (got {', '.join(sizes)})")

@@ -33,16 +33,14 @@ class Tokenizer:
         self._setup(config)
 
     @classmethod
-    def from_gguf(cls, ckpt) -> Tokenizer:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
-        """The tokenizer and chat template a GGUF file's metadata holds."""
-        from edgemoe.models.gguf_tokenizer import tokenizer_from_gguf
-
-        text, config = tokenizer_from_gguf(ckpt.readers[0])
+    def from_json(cls, text: str, config: dict, source: str) -> Tokenizer:
+        """A tokenizer from a `tokenizer.json` document and its `tokenizer_config.json` fields (what a GGUF file's
+        metadata becomes: `edgemoe.models.gguf.GGUFCheckpoint.tokenizer`); `source` names them in errors."""
         tokenizer = cls.__new__(cls)
         try:
             tokenizer._tok = HFTokenizer.from_str(text)
         except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
-            raise EdgeMoEError(f"{ckpt.path.name}: cannot build its tokenizer: {str(exc).splitlines()[0]}") from None
+            raise EdgeMoEError(f"{source}: cannot build its tokenizer: {str(exc).splitlines()[0]}") from None
         tokenizer._setup(config)
         return tokenizer
 

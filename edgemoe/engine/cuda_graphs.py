@@ -1,8 +1,8 @@
 """Decode CUDA graphs: one graph per batch size over a forward function of static buffers, replayed.
 
-The graphs know nothing of their users. A feature that must act when a graph is replayed (the copy service serves
-the copy lists a captured step posts) registers a capture hook (`add_capture_hook`): a context manager entered
-around every capture, which yields a list and fills it with the `ReplayHook`s that graph's replays must run.
+The graphs know nothing of their users. Work a captured step enqueues that needs the host at replay time (the copy
+service serves the copy lists a step posts) joins the capture as a participant (`edgemoe.capture.participate`): the
+graph runs its `ReplayHook` around every replay.
 
 Upload policy (`GRAPH_UPLOADS`): `capture` uploads each graph (`cudaGraphUpload` + sync) when it is captured,
 `none` leaves the upload to the first replay, `auto` uploads only the graphs whose first launch must not block: those
@@ -17,32 +17,14 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterator
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 
+from edgemoe.capture import ReplayHook, recording
 from edgemoe.config import GRAPH_UPLOADS
 
 T = TypeVar("T")
-
-
-class ReplayHook(Protocol):
-    """Work a replay of one graph needs around its launch. A hook may also set `needs_upload = True`: its graph's
-    first launch must not block (policy `auto` uploads it at capture)."""
-
-    def before_replay(self) -> None: ...
-
-    def after_replay(self) -> None: ...
-
-
-CaptureHook = Callable[[], contextlib.AbstractContextManager[list[ReplayHook]]]
-_CAPTURE_HOOKS: list[CaptureHook] = []
-
-
-def add_capture_hook(hook: CaptureHook) -> None:
-    """Enter `hook()` around every capture from now on; the list it yields becomes the graph's replay hooks."""
-    if hook not in _CAPTURE_HOOKS:
-        _CAPTURE_HOOKS.append(hook)
 
 
 def uploads_at_capture(policy: str, needs_upload: bool = False) -> bool:
@@ -98,11 +80,10 @@ def capture_graph(
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = HookedGraph()
-    with _no_collection(), contextlib.ExitStack() as stack:
-        registered = [stack.enter_context(hook()) for hook in _CAPTURE_HOOKS]
+    with _no_collection(), recording() as hooks:
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
-    graph.hooks = tuple(h for hooks in registered for h in hooks)
+    graph.hooks = tuple(hooks)
     if uploads_at_capture(upload, graph.needs_upload):
         from edgemoe.engine.streams import upload_graph
 

@@ -72,7 +72,7 @@ class LLMEngine:
         self.num_params = count_parameters(self.model_config, family)
         self.device = resolve_device(config.device)
         self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device, self.model_config, self.num_params)
-        self.tokenizer = Tokenizer(path) if gguf is None else Tokenizer.from_gguf(gguf)
+        self.tokenizer = Tokenizer(path) if gguf is None else gguf.tokenizer()
         self.max_model_len = min(config.max_model_len or sys.maxsize, self.model_config.max_position_embeddings)
         moe = config.moe
         offload = moe.moe_strategy == "offload"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.context import ForwardContext, set_context
 from edgemoe.engine.cuda_graphs import DecodeGraphs
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.sampler import Sampler

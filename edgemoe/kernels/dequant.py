@@ -1,4 +1,4 @@
-"""GGUF blocks dequantized on the device, bitwise as `edgemoe.layers.quant.dequantize` computes them (its float32
+"""GGUF blocks dequantized on the device, bitwise as `edgemoe.quant.dequantize` computes them (its float32
 operations in its order, no FMA contraction), then rounded to the output's dtype: what prefill multiplies on the
 tensor cores. A few rows' worth of a quantized weight is written out dense at a time (a wave of experts, one
 projection), so that prefill's matrix products run at bf16 GEMM speed (`edgemoe.kernels.grouped_gemm`, cuBLAS) while
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from edgemoe.kernels.quant_decode import _e2m1_doubled, _f16, _word
-from edgemoe.layers.quant import QuantLike, quant_type, row_bytes
+from edgemoe.quant import QuantLike, quant_type, row_bytes
 
 BR = 16  # rows a program
 STEP = 256  # weights of each row a program
@@ -109,7 +109,7 @@ def _q45_k(rows, out_rows, r_ok, blk, n, FIVE: tl.constexpr):
 
 @triton.jit
 def _q6_k(rows, out_rows, r_ok, blk, n):
-    """Weight 128 h + 32 c + l (as `layers/quant._q6_k`): w = (d sc) (q - 32), a scale per 16 weights."""
+    """Weight 128 h + 32 c + l (as `quant._q6_k`): w = (d sc) (q - 32), a scale per 16 weights."""
     base = rows + blk * 210  # [BR]
     h, lane = tl.arange(0, 2), tl.arange(0, 32)
     hl = (64 * h[:, None] + lane[None, :])[None, :, :]  # [1, 2, 32]: low-bit byte of (h, c = 0, l)
@@ -178,7 +178,7 @@ def dequantize_rows(
 ) -> torch.Tensor:  # fmt: skip
     """bank: uint8 [N, R, row_bytes(qtype, n)] (any strides, rows contiguous), idx: [G] int64 rows of bank's first
     dimension on its device -> [G, R, n] in `dtype` (or into `out`, contiguous): bank[idx] dequantized, bitwise
-    `layers.quant.dequantize` rounded to the dtype."""
+    `quant.dequantize` rounded to the dtype."""
     from edgemoe.kernels.quant_decode import ALIGN
 
     q = quant_type(qtype)

@@ -26,7 +26,7 @@ misses (docs/findings.md, "`ensure`"):
   updates still run, and no post kernel follows. The expert GEMV then waits for this kernel before it reads the
   slots (`Arrivals.after_ensure`). With the CPU split the same row carries the CPU's misses, the step's routed ids
   and its x (fp32, beside the mailbox): a list with CPU misses is posted even when nothing is copied, and the host
-  computes them once the copies are queued (`edgemoe.offload.protocol`).
+  computes them once the copies are queued (`edgemoe.kernels.protocol`).
 
 `ExpertCache._ensure_torch` is its oracle: the returned tensors and every state tensor are bitwise identical
 (tests/kernels run the kernel under Triton's interpreter, tests/gpu compiled). Float64 steps follow torch's order,
@@ -44,8 +44,7 @@ import triton.language as tl
 
 from edgemoe.kernels.miss_copy import claim_row, publish_row, write_cpu_list, write_list
 from edgemoe.kernels.pdl import launch_args, prefetch_l2, use_pdl, wait_for_inputs
-from edgemoe.offload.policies import KEY_MAX, LRU, EvictionPolicy, Scored
-from edgemoe.offload.protocol import HEADER, Ensured, PostTarget
+from edgemoe.kernels.protocol import HEADER, KEY_MAX, Ensured, PolicyState, PostTarget
 
 
 class CacheState(Protocol):
@@ -57,7 +56,7 @@ class CacheState(Protocol):
     device: torch.device
     expert_bytes: int
     collect_stats: bool
-    policy: EvictionPolicy
+    policy: object  # an eviction policy: its `kernel_state()` -> PolicyState
     slot_of: torch.Tensor
     owner: torch.Tensor
     clock: torch.Tensor
@@ -320,13 +319,7 @@ def ensure_fused(
     if cache.ensure_scratch is None:  # CPU caches (the interpreter's tests); CUDA caches allocate it up front
         cache.ensure_scratch = torch.zeros(S + 2 * E, dtype=torch.long, device=cache.device)
     keys, need_mark, arrived = cache.ensure_scratch.split([S, E, E])
-    policy = cache.policy
-    if isinstance(policy, Scored):
-        last_use, freq, last, reuse = cache.owner, policy.freq, policy.last, policy.reuse  # last_use: unused
-    elif isinstance(policy, LRU):
-        last_use = freq = last = reuse = policy.last_use  # freq, last, reuse: unused
-    else:
-        raise NotImplementedError(f"no fused ensure for policy {type(policy).__name__}")
+    state: PolicyState = cache.policy.kernel_state()
     slots = torch.empty(flat.shape, dtype=torch.long, device=flat.device)
     src = torch.empty(M, dtype=torch.long, device=flat.device)
     dst = torch.empty(M, dtype=torch.long, device=flat.device)
@@ -350,13 +343,14 @@ def ensure_fused(
     # fmt: off
     _ensure[(1,)](
         flat, slots, src, dst, count, cpu, cpu_count, count if cpu_take is None else cpu_take, cache.slot_of,
-        cache.owner, cache.clock, cache.stats, last_use, freq, last, reuse, keys, need_mark, arrived, target.tick,
+        cache.owner, cache.clock, cache.stats, state.last_use, state.freq, state.last, state.reuse, keys, need_mark,
+        arrived, target.tick,
         target.mailbox, target.bank_a, target.bank_b, flat.numel(), M, layer, cache.expert_bytes,
         x, x.stride(0) if post_cpu else 0, cpu_x, x.shape[-1] if post_cpu else 0,
         cpu_x.shape[1] if post_cpu else 0, top_k,
-        L=L, E=E, S=S, SCORED=isinstance(policy, Scored), STATS=cache.collect_stats,
+        L=L, E=E, S=S, SCORED=state.scored, STATS=cache.collect_stats,
         NUM_STATS=cache.stats.shape[1], SPLIT=cpu_take is not None,
-        FREQ=Scored.FREQ, KEEP_FREQ=1 - Scored.FREQ, REUSE=Scored.REUSE, KEEP_REUSE=1 - Scored.REUSE,
+        FREQ=state.freq_rate, KEEP_FREQ=1 - state.freq_rate, REUSE=state.reuse_rate, KEEP_REUSE=1 - state.reuse_rate,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_N=BLOCK_N, BLOCK_S=block_s, NUM_BLOCKS=num_blocks,
         BLOCKS_P2=triton.next_power_of_2(num_blocks), POST=post is not None, RING=target.ring,
         MAX_ENTRIES=target.max_entries, WIDTH=target.width, POST_CPU=post_cpu, BLOCK_X=BLOCK_X,

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
-from edgemoe.offload.protocol import CPU_HEADER, HEADER, CpuWait, PostTarget
+from edgemoe.kernels.protocol import CPU_HEADER, HEADER, CpuWait, PostTarget
 
 _HEADER = tl.constexpr(HEADER)  # a jitted function reads only constexpr globals
 _CPU_HEADER = tl.constexpr(CPU_HEADER)
@@ -206,7 +206,7 @@ def write_list(row, src, dst, n, bank_a, bank_b, M, r, MAX: tl.constexpr):
 @triton.jit
 def write_cpu_list(row, seq, layer, count, experts, listed, at, ids, n_ids, top_k, x, stride_x, cpu_x, H, max_tokens,
                    MAX: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):  # fmt: skip
-    """The CPU section of mailbox row `row` (edgemoe.offload.protocol): the layer, `count` experts the CPU computes
+    """The CPU section of mailbox row `row` (edgemoe.kernels.protocol): the layer, `count` experts the CPU computes
     (`experts` where `listed`, at positions `at`), the step's routed ids [n_ids] (top_k a token); and, when count > 0,
     the step's x [n_ids // top_k, H] (row stride `stride_x`) as fp32 into the row's part of cpu_x [RING, max_tokens,
     H]."""
@@ -240,7 +240,7 @@ def publish_row(row, seq):
 def post_list(src, dst, n, tick, mailbox, bank_a, bank_b, M, r, RING: tl.constexpr, MAX: tl.constexpr,
               WIDTH: tl.constexpr):  # fmt: skip
     """The copy list src, dst [M] (n > 0 valid entries) and the banks' addresses into the mailbox's next row (WIDTH
-    fields: `edgemoe.offload.protocol.row_width`), with no CPU pairs, then the row's sequence number (tick + 1, stored
+    fields: `edgemoe.kernels.protocol.row_width`), with no CPU pairs, then the row's sequence number (tick + 1, stored
     back to tick). `r`: an arange over at least M positions. The calling program's own stores of src and dst must be
     behind a barrier."""
     row, seq = claim_row(tick, mailbox, RING, WIDTH)

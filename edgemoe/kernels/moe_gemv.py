@@ -41,7 +41,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
-from edgemoe.offload.protocol import Arrivals, CpuWait
+from edgemoe.kernels.protocol import Arrivals, CpuWait
 
 
 @triton.jit

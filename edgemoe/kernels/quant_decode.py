@@ -1,6 +1,6 @@
 """One loop step of the quantized expert GEMVs (`edgemoe.kernels.quant_gemv`): NB blocks of every row of a tile of
 rows, dequantized in registers and multiplied by the input elements they meet, added to a [A, B, G, L] float32
-accumulator. `edgemoe.layers.quant` gives the byte layouts and is the reference.
+accumulator. `edgemoe.quant` gives the byte layouts and is the reference.
 
 `rows` [A, B] points at the rows' first bytes; `vec` [A or 1, B or 1] at the x (or h) row each row of the tile is
 dotted with. A step covers blocks blk .. blk + NB - 1 as G groups of L lanes, each lane one quant byte (Q8_0: one
@@ -154,7 +154,7 @@ def _e2m1_doubled(nib):
 @triton.jit
 def _k_scale_min(words, j):
     """The 6-bit scale and min of sub-blocks j [G] of Q4_K/Q5_K super-blocks, from the scale bytes' three words
-    ([A, B, G] each) -> [A, B, G] int32 each, as `layers/quant._k_scales` decodes them."""
+    ([A, B, G] each) -> [A, B, G] int32 each, as `quant._k_scales` decodes them."""
     w1, w2, w3 = words
     shift = (8 * (j % 4))[None, None, :]
     a, b, c = (w1 >> shift) & 255, (w2 >> shift) & 255, (w3 >> shift) & 255  # bytes j % 4 (+ 4, + 8)

@@ -1,4 +1,4 @@
-"""Routed experts for decode on CUDA with the experts' weights in GGUF block formats (`edgemoe.layers.quant`), read
+"""Routed experts for decode on CUDA with the experts' weights in GGUF block formats (`edgemoe.quant`), read
 in place from the expert bank or the slot pool: out[t] = sum_k weights[t, k] * W2[e] @ (silu(W1[e] @ x[t]) *
 W3[e] @ x[t]), e = ids[t, k]. gate_up (W1 rows, then W3 rows: [2I, H]) and down ([H, I]) are raw blocks, uint8
 [N, 2I, row_bytes(q_gate_up, H)] and [N, H, row_bytes(q_down, I)]; the two may differ in format (Q4_K_M files
@@ -10,7 +10,7 @@ mix Q4_K and Q6_K). The programs are `edgemoe.kernels.moe_gemv`'s, fp32 accumula
 
 Each loop step decodes a whole number of blocks of every row of the tile in registers: the quant bytes as 16- or
 32-byte runs of one block ([rows, groups, lanes] tiles), the scales once per group (a sub-block or a block), each
-weight dequantized as `layers/quant.dequantize` computes it (up to one FMA's rounding) and multiplied by the input
+weight dequantized as `quant.dequantize` computes it (up to one FMA's rounding) and multiplied by the input
 element it meets (the x or h positions of each nibble are loaded to match the bytes, which are never permuted;
 `quant_decode.py`). Rows past the end are clamped, not
 masked (the loads stay in the expert's rows; their results are never stored), and blocks past a row's end meet
@@ -39,9 +39,9 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from edgemoe.kernels.moe_gemv import _await_rows, _with_cpu_rows
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
+from edgemoe.kernels.protocol import Arrivals, CpuWait
 from edgemoe.kernels.quant_decode import ALIGN, GROUPS, decode_step
-from edgemoe.layers.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
-from edgemoe.offload.protocol import Arrivals, CpuWait
+from edgemoe.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
 
 
 @triton.jit
@@ -301,7 +301,7 @@ def quant_experts_reference(
     inter: int,
     hidden: int,
 ) -> torch.Tensor:
-    """`quant_fused_experts` in plain torch: the chosen experts dequantized (`layers/quant.dequantize`, float32),
+    """`quant_fused_experts` in plain torch: the chosen experts dequantized (`quant.dequantize`, float32),
     then `gathered_experts`' math in float32 with h rounded to x's dtype, as the kernels round it."""
     tokens, top_k = ids.shape
     flat = ids.flatten()

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from edgemoe.engine.context import get_context
+from edgemoe.context import get_context
 from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgemoe.engine.context import get_context
+from edgemoe.context import get_context
 
 
 class DecodeLinear(nn.Linear):

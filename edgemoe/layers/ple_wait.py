@@ -17,24 +17,22 @@ ctypes (`libcuda.so.1`), as the copy service calls it.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import queue
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-from edgemoe.engine.cuda_graphs import add_capture_hook
+from edgemoe.capture import participate
 from edgemoe.errors import EdgeMoEError
 
 WAIT_TIMEOUT_S = 60.0  # a decode step stages a few rows: a fill this late is a stalled read, not a slow one
 _WAIT_GEQ, _WRITE_DEFAULT = 0x0, 0x0  # CU_STREAM_WAIT_VALUE_GEQ, CU_STREAM_WRITE_VALUE_DEFAULT
 _CAN_USE_STREAM_MEM_OPS_V1 = 92  # CU_DEVICE_ATTRIBUTE_: whether the first (pre-_v2) entry points are enabled
-_RECORDERS: list[list[ReleaseWorker]] = []  # open `recording_waits` blocks
 
 
 def _check(result: int, call: str) -> None:
@@ -209,9 +207,7 @@ class WaitSync:
         release it (the worker becomes one of its replay hooks)."""
         self.flag.enqueue_wait(torch.cuda.current_stream().cuda_stream)
         self.captured += 1
-        for waits in _RECORDERS:
-            if self.worker not in waits:
-                waits.append(self.worker)
+        participate(self.worker)
 
 
 def make_wait_sync(device: torch.device, fill: Callable[[], None], timeout: float = WAIT_TIMEOUT_S) -> WaitSync | None:
@@ -223,17 +219,3 @@ def make_wait_sync(device: torch.device, fill: Callable[[], None], timeout: floa
         return None
     with torch.cuda.device(device):
         return WaitSync(HostFlag(StreamMemOps(torch.cuda.current_device())), fill, timeout)
-
-
-@contextlib.contextmanager
-def recording_waits() -> Iterator[list[ReleaseWorker]]:
-    """Inside: the workers of the waits captured (during a graph capture: its replay hooks)."""
-    waits: list[ReleaseWorker] = []
-    _RECORDERS.append(waits)
-    try:
-        yield waits
-    finally:
-        _RECORDERS.remove(waits)
-
-
-add_capture_hook(recording_waits)

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgemoe.engine.context import get_context
+from edgemoe.context import get_context
 from edgemoe.layers.ple import gather_rows_reference
-from edgemoe.layers.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
+from edgemoe.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
 
 GEMV_ROWS = 16  # prefill rows up to which the GEMV reads the blocks (a step's logits, a short chunk)
 DEQUANTIZE_BYTES = 256 << 20  # larger weights are never dequantized whole (an lm_head: 622 MiB in bf16)

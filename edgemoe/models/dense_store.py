@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from edgemoe.layers.linear import DecodeLinear
-from edgemoe.layers.quant import QuantType
 from edgemoe.layers.quant_linear import HostEmbedding, QuantLinear
 from edgemoe.models.decoder import MoEForCausalLM
+from edgemoe.quant import QuantType
 
 QKV = re.compile(r"^(.*\.self_attn)\.(q|k|v)_proj\.(weight|bias)$")  # row blocks of our qkv_proj
 EMBEDDING = "model.embed_tokens.weight"

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from edgemoe.config import ModelConfig
-from edgemoe.engine.context import get_context
+from edgemoe.context import get_context
 from edgemoe.layers.attention import Attention, PagedAttention
 from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.mlp import ACTIVATIONS, GatedMLP

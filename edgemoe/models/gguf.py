@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.layers.quant import QUANT_TYPES, QuantType, dequantize, quant_type, row_bytes
+from edgemoe.quant import QUANT_TYPES, QuantType, dequantize, quant_type, row_bytes
+from edgemoe.tokenizer import Tokenizer
 
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe"}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -78,6 +79,12 @@ class GGUFCheckpoint:
                 f"{path.name}: architecture {self.arch!r} is not supported; supported: qwen3moe, qwen2moe, "
                 "llama with experts (Mixtral), olmoe"
             )
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer and chat template the file's metadata holds."""
+        from edgemoe.models.gguf_tokenizer import tokenizer_from_gguf
+
+        return Tokenizer.from_json(*tokenizer_from_gguf(self.readers[0]), self.path.name)
 
     def field(self, key: str, default: Any = ...) -> Any:
         field = self.readers[0].fields.get(key)

@@ -23,7 +23,6 @@ from edgemoe.config import EXPERT_DTYPES, ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.kernels import select_kernels
 from edgemoe.layers.ple import PLEOptions
-from edgemoe.layers.quant import QUANT_TYPES, QuantType, quant_type, quantize, random_blocks
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.dense_store import (
     EMBEDDING,
@@ -38,6 +37,7 @@ from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint
 from edgemoe.models.ple_store import Reader, place_ple
 from edgemoe.offload.experts import ResidentExperts
 from edgemoe.offload.layout import QuantExpertLayout
+from edgemoe.quant import QUANT_TYPES, QuantType, quant_type, quantize, random_blocks
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -51,7 +51,7 @@ class LoadOptions:
 
     `offload`: routed experts in host banks (`edgemoe.offload.banks`) instead of the device. `expert_dtype`: a GGUF
     block format a safetensors checkpoint's experts are quantized to once (q8_0, q4_0, mxfp4, as the `gguf` package
-    quantizes them; random weights: any format of `edgemoe.layers.quant`), auto keeps `dtype`. `ple`: where
+    quantizes them; random weights: any format of `edgemoe.quant`), auto keeps `dtype`. `ple`: where
     per-layer embeddings live (`edgemoe.models.ple_store`). `host_embedding`: the token embedding's table in host
     memory, `dense_as_stored`: a GGUF's quantized projections kept as blocks (`edgemoe.models.dense_store`)."""
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgemoe.engine.context import get_context
+from edgemoe.context import get_context
 from edgemoe.layers.mlp import ACTIVATIONS
 
 Act = Callable[[torch.Tensor], torch.Tensor]

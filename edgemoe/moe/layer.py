@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edgemoe.engine.context import get_context
+from edgemoe.context import get_context
 from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.mlp import GatedMLP
 from edgemoe.layers.norm import RMSNorm

@@ -10,10 +10,10 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.offload.experts import OffloadedExperts
 from edgemoe.offload.layout import ExpertLayout
 
@@ -34,7 +34,7 @@ def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, what: s
 
 
 def offload_experts(
-    model: MoEForCausalLM,
+    model: nn.Module,
     dtype: torch.dtype,
     pin: bool,
     progress: bool = True,

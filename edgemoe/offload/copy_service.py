@@ -8,36 +8,33 @@ Why: copy-engine copies reach a larger share of a pinned memcpy than SMs reading
 to the experts that hit (docs/findings.md, "Miss copy").
 Only captured steps post (the fused `ensure` itself, as soon as its victims are chosen: `PostTarget`); eager steps
 keep the SM copy, since their thread runs ahead of the GPU launching kernels and cannot also serve it. The services
-a capture posted to become that graph's replay hooks (`recording_posts`, registered with
-`edgemoe.engine.cuda_graphs`), so each replay serves them.
+a capture posted to join it as participants (`edgemoe.capture.participate`): the graph's replay hooks, so each
+replay serves them.
 
 With the CPU split (`attach_cpu`), a list may also carry pairs that the host computes: after queueing the list's
 copies, the serving thread runs the CPU expert executor on them through its C entry point, copies their rows to the
-device buffer the expert kernels read and sets the flag they wait on (`edgemoe.offload.protocol.CpuWait`).
+device buffer the expert kernels read and sets the flag they wait on (`edgemoe.kernels.protocol.CpuWait`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from edgemoe.engine.cuda_graphs import add_capture_hook
+from edgemoe.capture import participate
 from edgemoe.errors import EdgeMoEError
+from edgemoe.kernels.protocol import RING, CpuWait, PostTarget, row_width
 from edgemoe.offload.c_library import build_library
 from edgemoe.offload.cpu_experts import ERRORS, JOB, CpuExperts, Job
 from edgemoe.offload.layout import ExpertLayout
-from edgemoe.offload.protocol import RING, CpuWait, PostTarget, row_width
 
 SOURCE = Path(__file__).with_name("copy_service.c")
 CPU_BAD_LIST = 100  # copy_service.c's code for a CPU section it cannot serve
 BATCH_GROUP = 2  # entries a batched copy call covers (each group's counters written after it): docs/findings.md
-_RECORDERS: list[list[CopyService]] = []  # open `recording_posts` blocks
 
 
 class HostTimings(NamedTuple):
@@ -200,9 +197,7 @@ class CopyService:
                           self.max_pairs, cpu_x)  # fmt: skip
 
     def _record(self) -> None:
-        for posted in _RECORDERS:
-            if self not in posted:
-                posted.append(self)
+        participate(self)  # inside a capture: the graph's replays must serve this service
 
     def wait(self, count: torch.Tensor) -> None:
         """For consumers that read the pool without waiting per entry: the stream waits for every entry."""
@@ -275,17 +270,3 @@ class _CpuSection:
         st.max_tokens, st.hidden = self.max_tokens, self.hidden
         st.cpu_x, st.cpu_rows, st.cpu_scratch = self.x.data_ptr(), self.host_rows.data_ptr(), self.scratch.data_ptr()
         st.cpu_pairs, st.cpu_out, st.cpu_done = self.pairs.data_ptr(), self.rows.data_ptr(), self.done.data_ptr()
-
-
-@contextlib.contextmanager
-def recording_posts() -> Iterator[list[CopyService]]:
-    """Inside: the services posted to (during a graph capture: those its replays must serve, as its replay hooks)."""
-    posted: list[CopyService] = []
-    _RECORDERS.append(posted)
-    try:
-        yield posted
-    finally:
-        _RECORDERS.remove(posted)
-
-
-add_capture_hook(recording_posts)

@@ -3,7 +3,7 @@
  *
  * The ISA layer (vf: W fp32 lanes; vb: W bytes) is chosen by the compiler's macros: AVX-512 F + BW, else AVX2 + FMA +
  * F16C, else plain C. Each format's kernel is written once over that layer: one kernel per format per ISA. Weights are
- * gguf's dequantized values (`edgemoe.layers.quant.dequantize`): built with -ffp-contract=off, the roundings are the
+ * gguf's dequantized values (`edgemoe.quant.dequantize`): built with -ffp-contract=off, the roundings are the
  * ones written; where a fused multiply-add computes d q + c (or d q - c), c is exact and gguf rounds once (Q4_0, Q5_0,
  * Q6_K: the same single rounding as gguf's) or gguf rounds twice (Q4_1, Q5_1: d q, then + m; Q4_K, Q5_K: c rounded
  * too): once here, within an ulp, and faster (Q4_K 14 %, Q4_1 and Q5_1 12 %).
@@ -23,7 +23,7 @@
  * byte conversions need (Q4_K ran 12 % slower) */
 #define SPILL() __asm__ volatile("" ::: "memory")
 
-/* formats: GGML type ids (edgemoe.layers.quant.QuantType.ggml_type) */
+/* formats: GGML type ids (edgemoe.quant.QuantType.ggml_type) */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
        MXFP4 = 39 };
 static const float E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}; /* doubled, gguf's */

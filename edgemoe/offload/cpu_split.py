@@ -9,7 +9,7 @@ instead of computing it, and weight and sum every pair in their usual order (`Ex
 
 Two ways the rows are made, the same arithmetic (the same executor, the same sum):
 - replayed decode graphs: the captured `ensure` posts the step's CPU misses, routed ids and x to the copy service's
-  mailbox with its copy list (`edgemoe.offload.protocol`); the thread that replayed the graph computes them once the
+  mailbox with its copy list (`edgemoe.kernels.protocol`); the thread that replayed the graph computes them once the
   copies are queued, copies the rows to the device and sets a flag the expert kernels wait on (`copy_service.c`). No
   host sync inside the step.
 - eager steps: the host reads the step's CPU pairs right after `ensure` (a sync, `CpuSplit.pairs`), computes them

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from edgemoe.kernels.protocol import Arrivals, CpuWait, Ensured
 from edgemoe.offload.policies import KEY_MAX, POLICIES
-from edgemoe.offload.protocol import Arrivals, CpuWait, Ensured
 
 STAT_FIELDS = ("accesses", "hits", "misses", "evictions", "bytes_copied", "cpu_computed")
 
@@ -180,7 +180,7 @@ class ExpertCache:
 
     @property
     def arrival_counters(self) -> torch.Tensor | None:
-        """[E] the miss copy's per-entry counters (`edgemoe.offload.protocol.Arrivals`), zeroed by the fused
+        """[E] the miss copy's per-entry counters (`edgemoe.kernels.protocol.Arrivals`), zeroed by the fused
         `ensure` (part of its scratch); None before a CPU cache's first fused `ensure`."""
         if self.ensure_scratch is None:
             return None
@@ -188,7 +188,7 @@ class ExpertCache:
 
     def arrivals(self, copy: Ensured) -> Arrivals | None:
         """With kernels: what the expert GEMV needs to wait for `copy`'s entries one by one instead of the whole copy
-        (`edgemoe.offload.protocol.Arrivals`); None elsewhere, where the copy is done when `copy_missing` returns."""
+        (`edgemoe.kernels.protocol.Arrivals`); None elsewhere, where the copy is done when `copy_missing` returns."""
         if self._copy_rows is None:
             return None
         from edgemoe.kernels.miss_copy import chunks_per_entry
@@ -212,7 +212,7 @@ class ExpertCache:
 
     def cpu_wait(self, copy: Ensured) -> CpuWait | None:
         """Where a posted step's CPU pairs' rows arrive and what to wait on before reading them (the copy service
-        computes them: `edgemoe.offload.protocol.CpuWait`); None for an eager step, whose rows are computed on the
+        computes them: `edgemoe.kernels.protocol.CpuWait`); None for an eager step, whose rows are computed on the
         spot (`edgemoe.offload.cpu_split.CpuSplit.pairs`)."""
         if not copy.posted or copy.cpu_count is None:
             return None

@@ -3,7 +3,7 @@ their weights coming from host banks (`edgemoe.offload.banks`) on a miss. Also s
 
 Decode (at most S distinct experts in a layer's step, which the minimum cache size guarantees) is one `ensure`,
 one miss copy and the same expert kernel as resident experts, all fixed-shape and sync-free; on CUDA the expert
-kernel waits for each missed expert's rows, not for the whole copy (`edgemoe.offload.protocol.Arrivals`).
+kernel waits for each missed expert's rows, not for the whole copy (`edgemoe.kernels.protocol.Arrivals`).
 Prefill with more pairs than experts streams whole layers through two areas of the pool where it has 2E slots
 (`edgemoe.offload.prefill_stream`), unless the cache holds most of what the step needs already (`PrefillStream.
 chooses`); otherwise, or with fewer pairs, the experts it needs are made resident in waves of at most S, in expert
@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgemoe.config import ExpertCacheConfig, ModelConfig
-from edgemoe.engine.context import get_context
+from edgemoe.context import get_context
 from edgemoe.errors import EdgeMoEError
+from edgemoe.kernels.protocol import Ensured
 from edgemoe.offload import cpu_split
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.layout import ExpertLayout
 from edgemoe.offload.prefill_stream import PrefillStream
-from edgemoe.offload.protocol import Ensured
 
 MiB = 2**20
 

@@ -8,7 +8,7 @@ of memory, so a miss is one copy (`copy_service.c`). A layout gives
 - `decode`: the decode function that reads `views` in place, and `dense_gate_up`/`dense_down` for prefill;
 - `decode_cpu`: decode with some pairs' outputs computed on the CPU (`edgemoe.offload.cpu_split`).
 
-`ExpertLayout` keeps experts in the model's dtype; `QuantExpertLayout` keeps GGUF blocks (`edgemoe.layers.quant`) as
+`ExpertLayout` keeps experts in the model's dtype; `QuantExpertLayout` keeps GGUF blocks (`edgemoe.quant`) as
 stored, one format for gate_up and one for down. The layers of one model may use different formats (Q4_K_M files
 do): they then share one storage row, the longest of them (`row`), so that one slot pool serves every layer.
 A layout also names the gate's activation (`act`, SiLU unless the family says otherwise): the kernels compute SiLU
@@ -22,10 +22,10 @@ from functools import partial
 
 import torch
 
+from edgemoe.kernels.protocol import CpuWait
 from edgemoe.layers.mlp import ACTIVATIONS
-from edgemoe.layers.quant import QuantLike, dequantize, quant_type, row_bytes
 from edgemoe.moe.experts import decode_reference, gathered_experts, grouped_experts
-from edgemoe.offload.protocol import CpuWait
+from edgemoe.quant import QuantLike, dequantize, quant_type, row_bytes
 
 
 class ExpertLayout:

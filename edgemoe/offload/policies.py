@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-KEY_MAX = 1e300  # keys are clamped here: an infinite key marks a free slot
+from edgemoe.kernels.protocol import KEY_MAX, PolicyState
+
+__all__ = ["KEY_MAX", "LRU", "POLICIES", "EvictionPolicy", "Scored"]
 
 
 class EvictionPolicy:
@@ -21,6 +23,10 @@ class EvictionPolicy:
         """After `layer`'s step: `needed [E]` bool, `slots [E]` the slot of each needed expert (S elsewhere)."""
         raise NotImplementedError
 
+    def kernel_state(self) -> PolicyState:
+        """This policy's state as the fused `ensure` reads it (`edgemoe.kernels.ensure`)."""
+        raise NotImplementedError(f"no fused ensure for policy {type(self).__name__}")
+
 
 class LRU(EvictionPolicy):
     """Evict the slot whose last use is oldest, in layer-steps of the whole model."""
@@ -34,6 +40,9 @@ class LRU(EvictionPolicy):
 
     def update(self, layer: int, needed: torch.Tensor, slots: torch.Tensor, clock: torch.Tensor) -> None:
         self.last_use.scatter_(0, slots, clock.expand(slots.shape))
+
+    def kernel_state(self) -> PolicyState:
+        return PolicyState(False, self.last_use, self.last_use, self.last_use, self.last_use)
 
 
 class Scored(EvictionPolicy):
@@ -57,6 +66,7 @@ class Scored(EvictionPolicy):
         self.freq = torch.zeros(num_layers * num_experts + 1, dtype=torch.float64, device=device)
         self.last = torch.zeros_like(self.freq)  # 1.0 where used at the layer's latest step
         self.reuse = torch.zeros(num_layers, dtype=torch.float64, device=device)
+        self._unread = torch.zeros(1, dtype=torch.long, device=device)  # the kernel's LRU argument, unread here
 
     def keys(self, owner: torch.Tensor, clock: torch.Tensor, layer: int) -> torch.Tensor:
         L = self.num_layers
@@ -78,5 +88,8 @@ class Scored(EvictionPolicy):
         freq.mul_(1 - self.FREQ).add_(used * self.FREQ)
         last.copy_(used)
 
+    def kernel_state(self) -> PolicyState:
+        return PolicyState(True, self._unread, self.freq, self.last, self.reuse, self.FREQ, self.REUSE)
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRU, "scored": Scored}
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRU, "scored": Scored}  # config.MOE_POLICIES, in its order

@@ -40,7 +40,6 @@ from edgemoe.engine.scheduler import Batch
 from edgemoe.engine.sequence import Sequence
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
-from edgemoe.layers.quant import QUANT_TYPES
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.dense_store import quantized_buffers
 from edgemoe.models.loader import LoadOptions, load_model
@@ -48,6 +47,7 @@ from edgemoe.models.registry import FAMILIES
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.offload import cpu_split
 from edgemoe.offload.experts import OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
+from edgemoe.quant import QUANT_TYPES
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tools.cache_sim import load_trace, synthetic_trace
 from edgemoe.tools.measure import bandwidths, capture, plot, profile_lines, run_line, set_bound, settled, timed

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.layers.quant import random_blocks
+from edgemoe.quant import random_blocks
 from edgemoe.tools.presets import TOKENIZER_PRE
 from edgemoe.tools.random_weights import DTYPES, checkpoint_shapes, random_tensors
 

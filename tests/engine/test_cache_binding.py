@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from edgemoe.config import ModelConfig
-from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.context import ForwardContext, set_context
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block
 from edgemoe.layers.attention import PagedAttention
 from edgemoe.models.decoder import DecoderLayer, MoEForCausalLM

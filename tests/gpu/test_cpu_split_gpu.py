@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
+from edgemoe.kernels.protocol import CpuWait
 from edgemoe.offload.banks import allocate_bank
 from edgemoe.offload.cpu_experts import CpuExperts
 from edgemoe.offload.cpu_split import CpuSplit, fit, manual_table, measure, round_trip, split_wins
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.layout import ExpertLayout
 from edgemoe.offload.policies import POLICIES
-from edgemoe.offload.protocol import CpuWait
 from edgemoe.tools.make_model import make_model
 from tests.gpu.sync_free import decode_without_sync
 from tests.offload.test_expert_cache import random_trace

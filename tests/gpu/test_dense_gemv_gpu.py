@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.context import ForwardContext, set_context
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.layers.linear import DecodeLinear
 from tests.gpu.sync_free import host_sync_forbidden

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.kernels.dequant import dequantize_rows, quant_pair_outputs
 from edgemoe.kernels.quant_gemv import quant_experts_reference, quant_linear
-from edgemoe.layers.quant import QUANT_TYPES, dequantize, random_blocks
+from edgemoe.quant import QUANT_TYPES, dequantize, random_blocks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 H, INTER, TOP_K, E = 2048, 768, 8, 16

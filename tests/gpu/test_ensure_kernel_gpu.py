@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edgemoe.kernels.protocol import Ensured
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.policies import POLICIES
-from edgemoe.offload.protocol import Ensured
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.offload.test_expert_cache import check_invariants, random_trace
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from edgemoe.config import ModelConfig
-from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.context import ForwardContext, set_context
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.layers.attention import Attention
 from edgemoe.layers.kernels import select_kernels

@@ -76,7 +76,7 @@ def test_sparse_moe_fuses_the_norm_in_decode_only(monkeypatch: pytest.MonkeyPatc
     one dtype only."""
     import edgemoe.kernels.router as router
     from edgemoe.config import ModelConfig
-    from edgemoe.engine.context import ForwardContext, set_context
+    from edgemoe.context import ForwardContext, set_context
     from edgemoe.layers.kernels import select_kernels
     from edgemoe.layers.rotary import RotaryEmbedding
     from edgemoe.models.qwen3_moe import Qwen3MoeDecoderLayer

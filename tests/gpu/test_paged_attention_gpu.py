@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgemoe.engine.context import ForwardContext
+from edgemoe.context import ForwardContext
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.layers.attention import PagedAttention
 from tests.gpu.sync_free import host_sync_forbidden

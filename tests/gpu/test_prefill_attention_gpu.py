@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.context import ForwardContext, set_context
 from edgemoe.layers.attention import PagedAttention
 
 HEADS, KV_HEADS, D, BS = 32, 4, 128, 16  # qwen3-30b-a3b's attention

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edgemoe.engine.cuda_graphs import capture_graph
-from edgemoe.layers.quant import QUANT_TYPES, random_blocks, row_bytes
+from edgemoe.quant import QUANT_TYPES, random_blocks, row_bytes
 from tests.gpu.sync_free import host_sync_forbidden
 
 H, INTER, TOP_K, E = 2048, 768, 8, 16  # qwen3-30b-a3b's expert shape and top_k; 16 of its 128 experts
@@ -98,8 +98,8 @@ def test_streamed_behind_the_miss_copy_equals_plain() -> None:
     """Q4_K_M rows copied from pinned host banks into slots by the miss copy, the GEMV behind it (PDL) waiting per
     pair for listed slots: bitwise the plain GEMV after the copy, slots refilled with other blocks every round."""
     from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
+    from edgemoe.kernels.protocol import Arrivals
     from edgemoe.kernels.quant_gemv import quant_fused_experts
-    from edgemoe.offload.protocol import Arrivals
 
     q13, q2, slots = "Q4_K", "Q6_K", 12
     banks = split(host_banks(q13, q2), q13, q2)

@@ -204,7 +204,7 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
 def test_sparse_moe_decode_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """`SparseMoE._routed` on CUDA: the fused route in decode, with the context's padding rows; torch in prefill."""
     import edgemoe.kernels.router as router
-    from edgemoe.engine.context import ForwardContext, set_context
+    from edgemoe.context import ForwardContext, set_context
     from edgemoe.layers.kernels import select_kernels
     from edgemoe.moe.layer import SparseMoE
 

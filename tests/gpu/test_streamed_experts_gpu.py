@@ -47,7 +47,7 @@ def new_round(pools, gen: torch.Generator, misses: int, tokens: int):
 def test_streamed_equals_plain_eager(tokens: int) -> None:
     from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
     from edgemoe.kernels.moe_gemv import fused_experts
-    from edgemoe.offload.protocol import Arrivals
+    from edgemoe.kernels.protocol import Arrivals
 
     banks, pools = setup(3)
     gen = torch.Generator().manual_seed(tokens)
@@ -67,7 +67,7 @@ def test_streamed_equals_plain_in_a_graph() -> None:
     """Captured once (copy + streamed GEMV) over static buffers, replayed with new lists, routing and slot contents."""
     from edgemoe.kernels.miss_copy import chunks_per_entry, copy_rows_pair
     from edgemoe.kernels.moe_gemv import fused_experts
-    from edgemoe.offload.protocol import Arrivals
+    from edgemoe.kernels.protocol import Arrivals
 
     banks, pools = setup(5)
     gen = torch.Generator().manual_seed(9)

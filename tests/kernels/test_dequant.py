@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 
 from edgemoe.kernels.dequant import dequantize_rows, dequantize_weight, quant_pair_outputs  # noqa: E402
-from edgemoe.layers.quant import QUANT_TYPES, dequantize, quant_type, random_blocks  # noqa: E402
+from edgemoe.quant import QUANT_TYPES, dequantize, quant_type, random_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAIRS = [(name, name) for name in QUANT_TYPES] + [("Q4_K", "Q6_K")]

@@ -18,12 +18,12 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpreterBuilder  # noqa: E402
 
 from edgemoe.kernels.ensure import ensure_fused  # noqa: E402
+from edgemoe.kernels.protocol import HEADER, RING  # noqa: E402
 from edgemoe.offload.copy_service import CopyService  # noqa: E402
 from edgemoe.offload.cpu_experts import CpuExperts  # noqa: E402
 from edgemoe.offload.cpu_split import manual_table  # noqa: E402
 from edgemoe.offload.expert_cache import ExpertCache  # noqa: E402
 from edgemoe.offload.layout import ExpertLayout  # noqa: E402
-from edgemoe.offload.protocol import HEADER, RING  # noqa: E402
 from tests.kernels import interpreter_only  # noqa: E402
 from tests.offload.test_copy_service import HostGPU  # noqa: E402
 from tests.offload.test_expert_cache import random_trace  # noqa: E402

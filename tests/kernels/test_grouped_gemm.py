@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from edgemoe.engine.context import ForwardContext, set_context  # noqa: E402
+from edgemoe.context import ForwardContext, set_context  # noqa: E402
 from edgemoe.kernels.grouped_gemm import Blocks, grouped_gemm, pair_outputs, pick_blocks, schedule  # noqa: E402
 from edgemoe.moe.experts import Experts, grouped_experts  # noqa: E402
 from tests.kernels.test_moe_gemv import loop_reference  # noqa: E402

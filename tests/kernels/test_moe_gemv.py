@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 
 from edgemoe.kernels.miss_copy import await_cpu_rows, copy_rows_pair  # noqa: E402
 from edgemoe.kernels.moe_gemv import Blocks, fused_experts, pick_blocks  # noqa: E402
+from edgemoe.kernels.protocol import Arrivals, CpuWait  # noqa: E402
 from edgemoe.moe.experts import gathered_experts  # noqa: E402
-from edgemoe.offload.protocol import Arrivals, CpuWait  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

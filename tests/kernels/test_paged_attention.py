@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from edgemoe.engine.context import ForwardContext
+from edgemoe.context import ForwardContext
 from edgemoe.kernels.paged_attention import MAX_SPLITS, STAND_IN_SMS, choose_splits, paged_decode_attention
 from edgemoe.layers.attention import PagedAttention
 from tests.kernels import interpreter_only

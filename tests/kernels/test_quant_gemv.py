@@ -22,14 +22,14 @@ pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 
 from edgemoe.kernels.miss_copy import copy_rows_pair  # noqa: E402
+from edgemoe.kernels.protocol import Arrivals  # noqa: E402
 from edgemoe.kernels.quant_gemv import (  # noqa: E402
     QuantBlocks,
     pick_blocks,
     quant_experts_reference,
     quant_fused_experts,
 )
-from edgemoe.layers.quant import QUANT_TYPES, quant_type, random_blocks, row_bytes  # noqa: E402
-from edgemoe.offload.protocol import Arrivals  # noqa: E402
+from edgemoe.quant import QUANT_TYPES, quant_type, random_blocks, row_bytes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXPERTS, TOP_K = 4, 2
@@ -198,8 +198,8 @@ def test_cpu_pairs(q13: str, q2: str) -> None:
     the layout's plain-torch `decode_cpu` over the reference decode (float32), bitwise the plain kernel where no pair
     is on the CPU and for a token without CPU pairs, and unchanged by a captured step's wait for the flag."""
     from edgemoe.kernels.miss_copy import await_cpu_rows
+    from edgemoe.kernels.protocol import CpuWait
     from edgemoe.offload.layout import QuantExpertLayout
-    from edgemoe.offload.protocol import CpuWait
 
     hidden, inter = shapes(q13, q2)
     _, w13, w2 = banks(q13, q2, hidden, inter, seed=31)

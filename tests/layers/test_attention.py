@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.engine.context import ForwardContext, set_context
+from edgemoe.context import ForwardContext, set_context
 from edgemoe.layers.attention import PagedAttention
 
 BLOCK = 4

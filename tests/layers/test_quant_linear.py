@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from edgemoe.engine.context import ForwardContext, set_context  # noqa: E402
-from edgemoe.layers.quant import dequantize, random_blocks  # noqa: E402
+from edgemoe.context import ForwardContext, set_context  # noqa: E402
 from edgemoe.layers.quant_linear import HostEmbedding, QuantLinear  # noqa: E402
+from edgemoe.quant import dequantize, random_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -39,7 +39,7 @@ def test_sparse_moe_takes_given_routing() -> None:
     """`SparseMoE(x, routing)` (decode's fused norm + router hands its ids and weights over) runs the experts on those
     ids, not the router's: here the router's least likely experts, so that ignoring them would show; the shared
     expert is added either way. On the CPU the norm is never fused."""
-    from edgemoe.engine.context import ForwardContext, set_context
+    from edgemoe.context import ForwardContext, set_context
     from edgemoe.moe.layer import SparseMoE
 
     g = torch.Generator().manual_seed(3)

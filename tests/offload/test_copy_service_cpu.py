@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from edgemoe.errors import EdgeMoEError
+from edgemoe.kernels.protocol import HEADER
 from edgemoe.offload.copy_service import RING, CopyService
 from edgemoe.offload.cpu_experts import CpuExperts
 from edgemoe.offload.expert_cache import copy_rows_reference
-from edgemoe.offload.protocol import HEADER
 from tests.offload.test_copy_service import CHUNKS, HostGPU
 from tests.offload.test_cpu_experts import make_bank, make_layout, reference
 

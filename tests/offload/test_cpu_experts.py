@@ -1,5 +1,5 @@
 """The CPU expert executor (`edgemoe/offload/cpu_experts.c` through `cpu_experts.py`) against a plain-torch reference:
-each pair's expert dequantized by `edgemoe.layers.quant.dequantize` (dense bf16/fp16 widened), then the two matmuls
+each pair's expert dequantized by `edgemoe.quant.dequantize` (dense bf16/fp16 widened), then the two matmuls
 and the activation (`edgemoe.layers.mlp.ACTIVATIONS`) in float64. Inputs are fresh random: valid random blocks,
 randn x, pairs with repeated tokens and an expert shared by more pairs than one read of a row serves (MAXX = 4);
 shapes are whole blocks but odd counts of them (the kernels step two blocks at a time) and, dense, no multiple of
@@ -26,10 +26,10 @@ import torch
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.mlp import ACTIVATIONS
-from edgemoe.layers.quant import dequantize, quant_type, random_blocks
 from edgemoe.offload import cpu_experts
 from edgemoe.offload.cpu_experts import CpuExperts, Job, build, physical_cores
 from edgemoe.offload.layout import ExpertLayout, QuantExpertLayout
+from edgemoe.quant import dequantize, quant_type, random_blocks
 
 # case -> (gate_up, down): GGUF formats, or a dense dtype
 CASES = {

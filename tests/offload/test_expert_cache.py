@@ -103,3 +103,11 @@ def test_copy_missing_moves_the_listed_rows() -> None:
             cache.copy_missing(got, *banks[layer])
             assert torch.equal(cache.w13[got.slots], banks[layer][0][ids])
             assert torch.equal(cache.w2[got.slots], banks[layer][1][ids])
+
+
+def test_the_configured_policies_are_the_cache_s() -> None:
+    """config.MOE_POLICIES (what moe_policy accepts, without importing the cache) names exactly its policies."""
+    from edgemoe.config import MOE_POLICIES
+    from edgemoe.offload.policies import POLICIES
+
+    assert MOE_POLICIES == tuple(POLICIES)

@@ -88,3 +88,20 @@ class CpuWait(NamedTuple):
     done: torch.Tensor  # [] int64 on the device: the last list whose rows are in
     seq: torch.Tensor  # [] int64 on the device: the copy service's tick (this step's list, once posted)
     count: torch.Tensor  # [] this layer-step's CPU misses (`Ensured.cpu_count`): no wait without
+
+
+KEY_MAX = 1e300  # eviction keys are clamped here: an infinite key marks a free slot
+
+
+class PolicyState(NamedTuple):
+    """An eviction policy's device state as `ensure` reads and updates it (`EvictionPolicy.kernel_state`): LRU's
+    last use per slot, or the scored policy's per-expert frequency and last use and per-layer reuse with their
+    moving-average weights. Tensors a policy does not have are any placeholder (unread)."""
+
+    scored: bool
+    last_use: torch.Tensor  # [S + 1] LRU's
+    freq: torch.Tensor  # [L * E] scored's
+    last: torch.Tensor  # [L * E]
+    reuse: torch.Tensor  # [L]
+    freq_rate: float = 0.0
+    reuse_rate: float = 0.0

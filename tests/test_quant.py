@@ -1,4 +1,4 @@
-"""GGUF block formats (`edgemoe.layers.quant`) against the `gguf` package: dequantization bitwise on fresh random
+"""GGUF block formats (`edgemoe.quant`) against the `gguf` package: dequantization bitwise on fresh random
 blocks (valid ones, and arbitrary bytes), quantization bitwise, sizes and errors."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from edgemoe.layers import quant
-from edgemoe.layers.quant import QUANT_TYPES, QUANTIZABLE, dequantize, quant_type, quantize, random_blocks, row_bytes
+from edgemoe.quant import QUANT_TYPES, QUANTIZABLE, dequantize, quant_type, quantize, random_blocks, row_bytes
 
 gguf = pytest.importorskip("gguf")  # a dependency, but absent from the GPU machines' image
 

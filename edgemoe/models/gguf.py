@@ -9,6 +9,7 @@ blocks into the banks, never holding a dequantized copy.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +160,9 @@ class GGUFCheckpoint:
             out.append((hf, tensor))
         return out
 
-    def to_torch(self, tensor: Any, hf_name: str, cfg_heads: tuple[int, int]) -> torch.Tensor:
-        """A dense tensor as float32 in Hugging Face's layout (numpy order; llama's q/k rows un-permuted)."""
+    def to_torch(self, tensor: Any, hf_name: str, cfg_heads: tuple[int, int], shape: Sequence[int]) -> torch.Tensor:
+        """A dense tensor as float32 in Hugging Face's layout (numpy order; llama's q/k rows un-permuted), in `shape`,
+        the shape of what it fills (`fit`)."""
         kind = int(tensor.tensor_type)
         data = tensor.data
         if kind in _FLOATS:
@@ -178,10 +180,7 @@ class GGUFCheckpoint:
                 from gguf.quants import dequantize as gguf_dequantize
 
                 t = torch.from_numpy(gguf_dequantize(np.asarray(data), tensor.tensor_type)).float()
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        if hf_name.endswith("shared_expert_gate.weight"):
-            shape = (1, *shape)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as [hidden]
-        t = t.reshape(shape)
+        t = fit(t.reshape([int(d) for d in reversed(tensor.shape)]), shape, f"{self.path.name}: tensor {tensor.name}")
         if self.arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
             heads = cfg_heads[0] if ".q_proj." in hf_name else cfg_heads[1]
             t = unpermute(t, heads)
@@ -209,6 +208,15 @@ class GGUFCheckpoint:
         """One layer's stacked experts (`part`: gate, up or down), as stored: `.data` [E, rows, row bytes or
         elements], `.tensor_type` its GGML type."""
         return self._tensor(f"blk.{layer}.ffn_{part}_exps.weight")
+
+
+def fit(t: torch.Tensor, shape: Sequence[int], name: str) -> torch.Tensor:
+    """`t` (the tensor `name` as stored) in `shape`, the shape of what it fills: writers add or drop size-1 dimensions
+    (Qwen2-MoE's shared-expert gate, [1, hidden] in Hugging Face's checkpoint, is [hidden, 1] in GGUF order from
+    llama.cpp's converter, [hidden] from make-model), so only the other dimensions, in order, must match."""
+    if list(t.shape) != list(shape) and [d for d in t.shape if d != 1] != [d for d in shape if d != 1]:
+        raise EdgeMoEError(f"{name} has shape {list(t.shape)}, the config implies {list(shape)}")
+    return t.reshape(shape)
 
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from edgemoe.models.dense_store import (
     keep_quantized,
     quantized_buffers,
 )
-from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint
+from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint, fit
 from edgemoe.models.ple_store import Reader, place_ple
 from edgemoe.offload.experts import ResidentExperts
 from edgemoe.offload.layout import QuantExpertLayout
@@ -386,10 +386,7 @@ def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: 
             name, target = _target(hf_name, params, model)
             if target is None:
                 continue
-            t = ckpt.to_torch(tensor, hf_name, heads)
-            if t.shape != target.shape:
-                raise EdgeMoEError(f"tensor {tensor.name} has shape {list(t.shape)}, the config implies {target.shape}")
-            target.copy_(t)
+            target.copy_(ckpt.to_torch(tensor, hf_name, heads, target.shape))
             filled[name] += target.numel()
         for i, moe in enumerate(
             tqdm(cfg.moe_layers, desc="loading experts", unit="layer", disable=not progress or None)
@@ -409,10 +406,10 @@ def _fill_experts(ckpt: GGUFCheckpoint, model: MoEForCausalLM, params: dict, lay
     inter = w13.shape[1] // 2
     for part, target in (("gate", w13[:, :inter]), ("up", w13[:, inter:]), ("down", w2)):
         tensor = ckpt.expert_tensor(layer, part)
-        t = torch.from_numpy(np.asarray(tensor.data)) if raw else ckpt.to_torch(tensor, "", (1, 1))
-        if t.shape != target.shape:
-            shapes = f"{list(t.shape)}, the config implies {list(target.shape)}"
-            raise EdgeMoEError(f"{ckpt.path.name}: {tensor.name} has shape {shapes}")
+        if raw:  # blocks as stored: [E, rows, row bytes]
+            t = fit(torch.from_numpy(np.asarray(tensor.data)), target.shape, f"{ckpt.path.name}: tensor {tensor.name}")
+        else:
+            t = ckpt.to_torch(tensor, "", (1, 1), target.shape)
         target.copy_(t)
     counts = {f"{prefix}.gate_up_proj": w13.numel(), f"{prefix}.down_proj": w2.numel()}
     return {name: n for name, n in counts.items() if name in params}

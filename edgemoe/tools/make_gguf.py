@@ -2,9 +2,9 @@
 (convert_hf_to_gguf.py) writes the Hugging Face checkpoint that `make_model` draws from the same seed.
 
 Names come from the gguf package's own tables; experts are stacked per layer (`blk.N.ffn_{gate,up,down}_exps`,
-numpy shapes [E, I, H] and [E, H, I]); size-1 dimensions are squeezed and 1-D tensors, norms and the router are
-F32, as the converter does; the `llama` architecture (Mixtral) stores q and k with the converter's RoPE
-permutation. Dense weights equal the Hugging Face checkpoint's (same draws, same dtype), except in a `q4_k_m` file,
+numpy shapes [E, I, H] and [E, H, I]); size-1 dimensions are squeezed, as the converter once did; 1-D tensors, norms
+and the router are F32, as the converter does; the `llama` architecture (Mixtral) stores q and k with the converter's
+RoPE permutation. Dense weights equal the Hugging Face checkpoint's (same draws, same dtype), except in a `q4_k_m` file,
 whose matrices are typed as llama-quantize's Q4_K_M types them (`dense_type`); experts in a float type equal them
 too, Q8_0 / Q4_0 / MXFP4 are gguf's quantization of them, and the K types are random valid blocks (gguf has no K
 quantizer). The file is written under a temporary name and renamed when complete.
@@ -142,7 +142,9 @@ def _plan(family: str, config: dict, dense: Q, expert_dtype: str) -> dict[str, l
             continue
         base, suffix = hf_name.rsplit(".", 1)
         gname = f"{names.get_name(base)}.{suffix}"
-        shape = tuple(d for d in shape if d != 1) or (1,)  # the converter squeezes ([1, H] gates become [H])
+        # [1, H] gates become [H]: the converter now keeps [1, H], which transformers' GGUF loader (the oracle of
+        # tests/models/test_gguf.py) cannot read; tests/models/test_llama_converter.py loads that form
+        shape = tuple(d for d in shape if d != 1) or (1,)
         router = gname.endswith("ffn_gate_inp.weight")
         f32 = len(shape) == 1 or router or gname.endswith("_norm.weight")
         plan[hf_name] = [(gname, shape, Q.F32 if f32 else dense_type(gname, shape, dense, expert_dtype))]

@@ -16,6 +16,7 @@ import torch
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.errors import EdgeMoEError
+from edgemoe.models.gguf import fit
 from edgemoe.tools.make_model import make_model
 
 gguf = pytest.importorskip("gguf")
@@ -111,6 +112,20 @@ def test_matches_its_safetensors_checkpoint(tmp_path, family: str) -> None:
     ours = [o.token_ids for o in LLM(str(path), progress=False, dtype="float32").generate(batch, GREEDY)]
     ref = LLM(str(folder), progress=False, dtype="float32", expert_dtype="q8_0")
     assert ours == [o.token_ids for o in ref.generate(batch, GREEDY)]
+
+
+def test_size_1_dimensions_fit_and_others_are_refused() -> None:
+    """A GGUF tensor fills its parameter whatever size-1 dimensions its writer added or dropped (Qwen2-MoE's
+    shared-expert gate, [1, H] in the checkpoint: [H] from make-model, [1, H] in numpy order from llama.cpp's converter,
+    tests/models/test_llama_converter.py); any other difference, even of the same element count, is refused."""
+    t = torch.arange(6.0)
+    for stored, shape in (((6,), [1, 6]), ((1, 1, 6), [1, 6]), ((1, 6), [6]), ((2, 3), [2, 1, 3]), ((2, 3), [2, 3])):
+        fitted = fit(t.reshape(stored), shape, "f.gguf: tensor x")
+        assert list(fitted.shape) == shape and torch.equal(fitted.flatten(), t)
+    with pytest.raises(EdgeMoEError, match=r"^f.gguf: tensor x has shape \[2, 3\], the config implies \[3, 2\]$"):
+        fit(t.reshape(2, 3), [3, 2], "f.gguf: tensor x")
+    with pytest.raises(EdgeMoEError, match="has shape"):
+        fit(t, [1, 5], "f.gguf: tensor x")
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(tmp_path_factory) -> None:

@@ -1,0 +1,84 @@
+"""GGUF files written by llama.cpp's own converter (`tests/models/llama_converter.py`: `convert_hf_to_gguf.py` of the
+llama-cpp-python sdist, downloaded once and cached; skipped when it can be neither), not by edgemoe's writer: a tiny
+checkpoint of every family edgemoe reads from GGUF, made by transformers' own classes, converted to f32. edgemoe loads
+each file, its greedy tokens (float32, CPU) equal transformers' on the checkpoint the file came from, token for token,
+and its tokenizer, built from the file's metadata, encodes text as the checkpoint's does. The Qwen2-MoE checkpoint has
+a shared expert, whose gate the converter stores 2-D ([n_embd, 1]; make-model writes it 1-D): the file is checked to
+hold it so, the case edgemoe refused before GGUF tensors were fitted to their size-1 dimensions.
+
+The converter runs unchanged but for one method: the checkpoints carry edgemoe's demo tokenizer, and the converter
+accepts a byte-level BPE tokenizer only when a hash of its output is on its list of known models, which the demo
+tokenizer's is not; `get_vocab_base_pre` is replaced to name its pre-tokenizer, GPT-2's split ("gpt-2"), which is
+the split it uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgemoe import LLM, SamplingParams
+from tests.conftest import TINY, hf_model, save_checkpoint
+from tests.models.llama_converter import convert
+
+gguf = pytest.importorskip("gguf")
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+# family -> (the file's architecture, transformers' config overrides): TINY's cases less what the converter cannot
+# write. llama.cpp's Qwen2-/Qwen3-MoE have no dense layers between MoE ones (`mlp_only_layers`: "Can not map tensor
+# model.layers.1.mlp.down_proj.weight"); its OLMoE converter writes no clip_qkv and an rms_norm_eps of 1e-5 (OLMoE's)
+# whatever the config says. Qwen3-MoE keeps norm_topk_prob and Qwen2-MoE its absence: llama.cpp renormalises the
+# former's top-k weights and never the latter's, the files say nothing of it.
+CASES = {
+    "qwen2_moe": ("qwen2moe", dict(TINY["qwen2-gqa-shared-dense"][1], mlp_only_layers=[])),
+    "qwen3_moe": ("qwen3moe", dict(TINY["qwen3-head-dim"][1], mlp_only_layers=[])),
+    "mixtral": ("llama", TINY["mixtral-gqa"][1]),
+    "olmoe": ("olmoe", dict(TINY["olmoe-mha-clip"][1], clip_qkv=None, rms_norm_eps=1e-5)),
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Factory: family -> (the converter's f32 file, the checkpoint's folder, transformers' model); once each."""
+    cache: dict = {}
+
+    def get(family: str) -> tuple[Path, Path, torch.nn.Module]:
+        if family not in cache:
+            if family == "mixtral":  # the llama architecture's vocabulary step imports it before looking for files
+                pytest.importorskip("sentencepiece", reason="llama.cpp's converter needs sentencepiece for Mixtral")
+            model = hf_model(family, **CASES[family][1])
+            folder = save_checkpoint(model, tmp_path_factory.mktemp(f"{family}-hf"), "per-expert")
+            cache[family] = convert(folder, folder.parent / f"{family}.gguf"), folder, model
+        return cache[family]
+
+    return get
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 6000, (n,), generator=g).tolist() for n in (4, 11, 23)]
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_greedy_matches_transformers_on_the_source_checkpoint(converted, family: str) -> None:
+    path, folder, hf = converted(family)
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == CASES[family][0]
+    if family == "qwen2_moe":  # the converter's shared-expert gate: [n_embd, 1] in GGUF order, not squeezed
+        shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+        assert shapes["blk.0.ffn_gate_inp_shexp.weight"] == [hf.config.hidden_size, 1]
+    del reader
+    llm = LLM(str(path), progress=False, dtype="float32")
+    batch = prompts()
+    ours = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    for prompt, tokens in zip(batch, ours):
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
+        assert tokens == out[0, len(prompt) :].tolist()
+    assert len({t for ids in ours for t in ids}) > 6, "degenerate model: the comparison would prove little"
+    from transformers import AutoTokenizer
+
+    source = AutoTokenizer.from_pretrained(folder)
+    for text in ("ROMEO.\nWhat news?", "café 日本 🙂", "  spaced\tout  "):
+        assert llm.tokenizer.encode(text) == source.encode(text)

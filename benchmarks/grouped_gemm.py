@@ -1,5 +1,5 @@
 """Prefill routed experts on CUDA: the grouped GEMM (`edgemoe.kernels.grouped_gemm`) against the plain-torch loop
-(`grouped_experts`: one matmul pair per expert) at real geometries and prompt lengths, one MoE layer's call alone.
+(`prefill_reference`: one matmul pair per expert) at real geometries and prompt lengths, one MoE layer's call alone.
 
     python benchmarks/grouped_gemm.py [--dtype bfloat16] [--tokens 512,4096] [--json OUT]
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from edgemoe.kernels.grouped_gemm import grouped_gemm
-from edgemoe.moe.experts import grouped_experts
+from edgemoe.moe.experts import prefill_reference
 from edgemoe.tools.measure import timed
 from edgemoe.tools.presets import PRESETS
 
@@ -55,7 +55,7 @@ def main() -> None:
             x, ids, weights, w13, w2 = problem(name, tokens, dtype)
             flops = ids.numel() * 3 * 2 * w13.shape[2] * w2.shape[2]
             kernel = timed(lambda: grouped_gemm(x, ids, weights, w13, w2), DEV, a.reps)  # noqa: B023
-            loop = timed(lambda: grouped_experts(x, ids, weights, w13, w2), DEV, a.reps)  # noqa: B023
+            loop = timed(lambda: prefill_reference(x, ids, weights, w13, w2), DEV, a.reps)  # noqa: B023
             row = {
                 "geometry": name,
                 "tokens": tokens,

@@ -96,7 +96,8 @@ def dequant_case(hbm: float) -> dict:
 
 def prefill_case(q13: str, q2: str, tokens: int) -> dict:
     from edgemoe.kernels.dequant import quant_pair_outputs
-    from edgemoe.kernels.grouped_gemm import grouped_gemm, sum_pairs
+    from edgemoe.kernels.grouped_gemm import grouped_gemm
+    from edgemoe.moe.experts import sum_pairs
 
     w13, w2 = banks(q13, q2)
     x = torch.randn(tokens, H, device=DEV, dtype=torch.bfloat16)

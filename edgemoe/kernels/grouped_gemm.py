@@ -1,7 +1,7 @@
 """Routed experts for prefill on CUDA: one grouped GEMM over every (token, expert) pair instead of a Python loop of
 two matmuls per expert. out[t] = sum_k weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x[t]) * w13[e, I:] @ x[t]),
-e = ids[t, k]. Its reference is `edgemoe.moe.experts.grouped_experts` (the loop); decode has its own GEMVs
-(`edgemoe.kernels.moe_gemv`).
+e = ids[t, k]. Its reference is `edgemoe.moe.experts.pair_outputs_reference` (a loop over experts); decode has its
+own GEMVs (`edgemoe.kernels.moe_gemv`).
 
 The pairs are sorted by expert on the device (a stable sort, then each expert's first sorted position by a binary
 search), and each expert's run of pairs is cut into tiles of BLOCK_M rows. How many tiles there are is known only on
@@ -15,7 +15,8 @@ the device, so the grid is a bound that needs no host read: sum_e cdiv(n_e, BLOC
 - down, program (tile, column block): h's tile times BLOCK_N rows of w2, scaled by each pair's routing weight, into
   the pair's own row of y [pairs, H] (original pair order).
 
-Then each token's top_k rows of y are summed in fp32 in pair order (`sum_pairs`): no atomics anywhere, so results
+Then each token's top_k rows of y are summed in fp32 in pair order (`edgemoe.moe.experts.sum_pairs`): no atomics
+anywhere, so results
 are bitwise the same run to run. Each expert's pairs form the same tiles whichever bank rows they are read from and
 whichever other pairs the launch computes, so offloaded prefill (`OffloadedExperts`, experts made resident in waves,
 read from their slots) is bitwise the resident result. A pair whose row is -1 is skipped (its row of y is left as
@@ -204,11 +205,6 @@ def pair_outputs(
     return out
 
 
-def sum_pairs(y: torch.Tensor, top_k: int) -> torch.Tensor:
-    """y: [T * K, H] pair outputs -> [T, H]: each token's K rows summed in fp32 (a fixed order), rounded once."""
-    return y.view(-1, top_k, y.shape[-1]).sum(dim=1, dtype=torch.float32).to(y.dtype)
-
-
 def grouped_gemm(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -217,7 +213,7 @@ def grouped_gemm(
     w2: torch.Tensor,
     blocks: Blocks | None = None,
 ) -> torch.Tensor:
-    """x: [T, H]; ids, weights: [T, K]; w13: [N, 2I, H]; w2: [N, H, I] -> [T, H] in x's dtype (`grouped_experts`'
+    """x: [T, H]; ids, weights: [T, K]; w13: [N, 2I, H]; w2: [N, H, I] -> [T, H] in x's dtype (`prefill_reference`'
     signature, SiLU only)."""
     y = pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2, blocks=blocks)
-    return sum_pairs(y, ids.shape[1])
+    return y.view(-1, ids.shape[1], y.shape[-1]).sum(dim=1, dtype=torch.float32).to(y.dtype)  # as `sum_pairs`

@@ -66,10 +66,47 @@ def prefill_reference(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act = F.silu
 ) -> torch.Tensor:
     """Prefill's routed experts in plain torch, with the signature of their kernel
-    `edgemoe.kernels.grouped_gemm.grouped_gemm`: `gathered_experts` for few pairs, else `grouped_experts`."""
-    if ids.numel() <= w13.shape[0]:
-        return gathered_experts(x, ids, weights, w13, w2, act)
-    return grouped_experts(x, ids, weights, w13, w2, act)
+    `edgemoe.kernels.grouped_gemm.grouped_gemm`: `pair_outputs_reference`, each token's pairs summed as the kernel
+    sums them (`sum_pairs`)."""
+    return sum_pairs(pair_outputs_reference(x, ids.flatten(), weights.flatten(), w13, w2, act=act), ids.shape[1])
+
+
+def pair_outputs_reference(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor | None = None,
+    act: Act = F.silu,
+    dense13: Callable[[torch.Tensor], torch.Tensor] = lambda w: w,
+    dense2: Callable[[torch.Tensor], torch.Tensor] = lambda w: w,
+) -> torch.Tensor:
+    """`edgemoe.kernels.grouped_gemm.pair_outputs` in plain torch: x [T, H]; rows [T * K] the bank row of each pair
+    (-1: skipped, its row of `out` untouched); weights [T * K] -> out [T * K, H], each pair's expert output times its
+    weight. One pair of matmuls per bank row over all of its pairs, so a row's pairs come out bitwise the same
+    whichever other rows a call computes: waves of experts (offloaded prefill) equal one call. `dense13`, `dense2`:
+    a layout's dequantization of a bank row (quantized experts)."""
+    T, H = x.shape
+    K = rows.numel() // max(T, 1)
+    out = x.new_empty(rows.numel(), H) if out is None else out
+    flat = rows.flatten()
+    order = flat.argsort(stable=True)  # pairs grouped by row, in pair order within each
+    counts = torch.bincount(flat + 1, minlength=1)[1:].tolist()  # row r's pairs (the -1s counted apart, dropped)
+    start = int((flat < 0).sum())
+    for row, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        gate, up = F.linear(x[pairs // K], dense13(w13[row])).chunk(2, dim=-1)
+        out[pairs] = F.linear(act(gate) * up, dense2(w2[row])) * weights[pairs, None]
+        start += n
+    return out
+
+
+def sum_pairs(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """y: [T * K, H] pair outputs -> [T, H]: each token's K rows summed in fp32 (a fixed order), rounded once."""
+    return y.view(-1, top_k, y.shape[-1]).sum(dim=1, dtype=torch.float32).to(y.dtype)
 
 
 def gathered_experts(
@@ -87,25 +124,3 @@ def gathered_experts(
     h = (act(gate) * up)[:, :, None]
     out = torch.bmm(w2[flat], h)[:, :, 0].view(tokens, top_k, -1)  # [tokens, top_k, hidden]
     return (out * weights[:, :, None]).sum(dim=1)
-
-
-def grouped_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act = F.silu
-) -> torch.Tensor:
-    """Pairs sorted by expert, one matmul per expert that has tokens (prefill: many tokens per expert)."""
-    tokens, top_k = ids.shape
-    order = ids.flatten().argsort(stable=True)  # pair indices grouped by expert
-    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
-    token_of_pair = order // top_k
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        pairs = order[start : start + n]
-        tok = token_of_pair[start : start + n]
-        gate, up = F.linear(x[tok], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, w2[expert]) * weights.flatten()[pairs, None]
-        out.index_add_(0, tok, y)
-        start += n
-    return out

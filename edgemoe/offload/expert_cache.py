@@ -14,9 +14,12 @@ traces through this same class.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Protocol
+
 import torch
 
 from edgemoe.kernels.protocol import Arrivals, CpuWait, Ensured
+from edgemoe.offload.layout import ExpertLayout
 from edgemoe.offload.policies import KEY_MAX, POLICIES
 
 STAT_FIELDS = ("accesses", "hits", "misses", "evictions", "bytes_copied", "cpu_computed")
@@ -224,6 +227,27 @@ class ExpertCache:
         if copy.posted:
             self.copy_service.wait(copy.count)
 
+    def fetch(self, layer: int, ids: torch.Tensor, x: torch.Tensor, source: ExpertSource) -> Fetched:
+        """Decode's one call: `ids`' experts of MoE layer `layer` made readable for `source`'s decode (`x` [tokens,
+        hidden]: the MoE input, which the CPU split computes its pairs from). `ensure`, then the miss copy (posted to
+        the copy service in a captured step), and with the CPU split its pairs: an eager step reads them on the host
+        (a sync, before the copy starts) and computes them while the GPU copies; a captured step leaves them to the
+        copy service and returns the wait for their rows. A plain-torch decode (a family whose activation the
+        kernels lack) reads every slot at once: the stream waits for the whole copy here."""
+        split = self.cpu_split
+        got = self.ensure(layer, ids, source.banks, cpu_take=None if split is None else split.table, x=x)
+        wait = None if split is None else self.cpu_wait(got)
+        on_cpu = split.pairs(ids, got.slots, x) if split is not None and wait is None else None
+        self.copy_missing(got, *source.banks)
+        if not source.layout.decode_waits:
+            self.await_copy(got)
+        rows = None
+        if wait is not None:
+            rows = wait.rows[: ids.numel()]
+        elif on_cpu is not None:  # computed while the GPU copies
+            rows = split.compute(source.bank, source.layout, on_cpu, ids.numel(), x.device)
+        return Fetched(got.slots, self.arrivals(got), rows, wait)
+
     def _posts(self) -> bool:
         """Whether copies go to the copy service: only in a graph capture (see `edgemoe.offload.copy_service`)."""
         return self.copy_service is not None and torch.cuda.is_current_stream_capturing()
@@ -236,6 +260,23 @@ class ExpertCache:
         total = {f: sum(r[j] for r in rows) for j, f in enumerate(STAT_FIELDS)}
         total["hit_rate"] = total["hits"] / total["accesses"] if total["accesses"] else 0.0
         return {"slots": self.num_slots, "policy": self.policy_name, "layers": per_layer, "total": total}
+
+
+class ExpertSource(Protocol):
+    """What `fetch` reads of an offloaded MoE layer (`edgemoe.offload.experts.OffloadedExperts`)."""
+
+    bank: torch.Tensor  # [E, row] host bank (the CPU split computes from it)
+    banks: tuple[torch.Tensor, torch.Tensor]  # its halves as the miss copy moves them
+    layout: ExpertLayout
+
+
+class Fetched(NamedTuple):
+    """A decode step's routed experts, readable: what the layout's decode takes."""
+
+    slots: torch.Tensor  # [tokens, top_k] each pair's slot (-1: computed on the CPU)
+    arrivals: Arrivals | None  # the miss copy's entries to wait for one by one (kernels)
+    cpu_rows: torch.Tensor | None  # [pairs, hidden] fp32: the CPU pairs' outputs (None: no CPU split this step)
+    cpu_wait: CpuWait | None  # a captured step's wait for those rows
 
 
 def copy_rows_reference(pool: torch.Tensor, bank: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -1,16 +1,15 @@
 """Offloaded routed experts: each MoE layer's experts run over the shared device slot pool of an `ExpertCache`,
 their weights coming from host banks (`edgemoe.offload.banks`) on a miss. Also sizes the cache.
 
-Decode (at most S distinct experts in a layer's step, which the minimum cache size guarantees) is one `ensure`,
-one miss copy and the same expert kernel as resident experts, all fixed-shape and sync-free; on CUDA the expert
-kernel waits for each missed expert's rows, not for the whole copy (`edgemoe.kernels.protocol.Arrivals`).
-Prefill with more pairs than experts streams whole layers through two areas of the pool where it has 2E slots
-(`edgemoe.offload.prefill_stream`), unless the cache holds most of what the step needs already (`PrefillStream.
-chooses`); otherwise, or with fewer pairs, the experts it needs are made resident in waves of at most S, in expert
-order. Either way each pair is computed exactly as the resident path would (same functions,
-same order), so outputs are bitwise equal to resident experts. With the prefill kernel (dense SiLU experts on CUDA)
-every wave is one grouped GEMM over its experts' pairs, read from their slots, into one buffer of pair outputs summed
-at the end, as resident experts sum it (`edgemoe.kernels.grouped_gemm`).
+Decode (at most S distinct experts in a layer's step, which the minimum cache size guarantees) is one call into the
+cache (`ExpertCache.fetch`: `ensure`, the miss copy, the CPU split's pairs) and the layout's decode, as resident
+experts run it, all fixed-shape and sync-free; on CUDA the expert kernel waits for each missed expert's rows, not for
+the whole copy (`edgemoe.kernels.protocol.Arrivals`). Prefill with more pairs than experts streams whole layers
+through two areas of the pool where it has 2E slots (`edgemoe.offload.prefill_stream`), unless the cache holds most
+of what the step needs already (`PrefillStream.chooses`); otherwise the experts it needs are made resident in waves of
+at most S, each wave's pairs computed by the layout's `pair_outputs` from their slots into one buffer of pair outputs
+summed at the end. Either way each pair is computed by the function resident experts run (each expert's pairs alike
+in any wave), so outputs are bitwise equal to resident experts.
 """
 
 from __future__ import annotations
@@ -18,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgemoe.config import ExpertCacheConfig, ModelConfig
 from edgemoe.context import get_context
 from edgemoe.errors import EdgeMoEError
 from edgemoe.kernels.protocol import Ensured
+from edgemoe.moe.experts import sum_pairs
 from edgemoe.offload import cpu_split
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.layout import ExpertLayout
@@ -54,37 +53,31 @@ class OffloadedExperts(nn.Module):
         self.layout.use_kernels(device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, hidden]; ids, weights: [tokens, top_k]; the same kernel choice as `Experts.forward`
-        pairs, E, S = ids.numel(), self.num_experts, self.cache.num_slots
+        # x: [tokens, hidden]; ids, weights: [tokens, top_k]
+        if get_context().is_prefill:
+            return self._prefill(x, ids, weights)
+        got = self.cache.fetch(self.layer, ids, x, self)  # decode: at most min(E, pairs) <= S experts
+        if got.cpu_rows is not None:
+            return self.layout.decode_cpu(
+                x, got.slots, weights, self.w13, self.w2, got.cpu_rows, got.arrivals, cpu_wait=got.cpu_wait
+            )
+        return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=got.arrivals)
+
+    def _prefill(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every pair of a prefill step: the whole layer streamed through the pool's areas where the step would miss
+        most experts (`PrefillStream.chooses`), else its experts made resident in waves, each wave's pairs computed
+        by the layout's `pair_outputs` from their slots (the others skipped): the function resident experts run,
+        each expert's pairs computed alike in any wave, so the sum is bitwise resident experts'."""
         stream = self.cache.prefill_stream
-        if get_context().is_prefill and pairs > E and stream is not None and stream.chooses(self.layer, ids):
+        if ids.numel() > self.num_experts and stream is not None and stream.chooses(self.layer, ids):
             return stream.run(self.layer, self.layout, x, ids, weights)
-        if get_context().is_prefill and self.layout.pair_outputs is not None:
-            return self._kernel_waves(x, ids, weights)
-        gathered = pairs <= E or not get_context().is_prefill  # decode: at most min(E, pairs) <= S experts
-        if gathered and (pairs <= S or E <= S):
-            if get_context().is_prefill:  # bitwise as resident
-                return self.layout.gathered(x, self.load(ids).slots, weights, self.w13, self.w2)
-            split = self.cache.cpu_split
-            take = None if split is None else split.table
-            got = self.cache.ensure(self.layer, ids, self.banks, cpu_take=take, x=x)
-            wait = None if split is None else self.cache.cpu_wait(got)  # captured: the copy service computes them
-            eager = split is not None and wait is None
-            on_cpu = split.pairs(ids, got.slots, x) if eager else None  # a sync, before the copy starts
-            self.cache.copy_missing(got, *self.banks)
-            if not self.layout.decode_waits:  # a plain-torch decode (a non-SiLU family on CUDA) reads every slot at
-                self.cache.await_copy(got)  # once: in a captured step, after the copy service's copy
-            arrivals = self.cache.arrivals(got)
-            if wait is not None:
-                rows = wait.rows[:pairs]
-                return self.layout.decode_cpu(x, got.slots, weights, self.w13, self.w2, rows, arrivals, cpu_wait=wait)
-            if on_cpu is not None:  # computed while the GPU copies
-                cpu_out = split.compute(self.bank, self.layout, on_cpu, pairs, x.device)
-                return self.layout.decode_cpu(x, got.slots, weights, self.w13, self.w2, cpu_out, arrivals=arrivals)
-            return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=arrivals)
-        if pairs <= E:
-            return self._gathered_waves(x, ids, weights)
-        return self._grouped_waves(x, ids, weights)
+        flat = ids.flatten()
+        y = x.new_empty(flat.numel(), x.shape[1])  # [pairs, hidden]
+        for wave, slots in self._waves(torch.unique(flat).tolist()):
+            slot_of = torch.full((self.num_experts,), -1, dtype=torch.long, device=x.device)
+            slot_of[wave] = torch.tensor(slots, device=x.device)
+            self.layout.pair_outputs(x, slot_of[flat], weights.flatten(), self.w13, self.w2, out=y)
+        return sum_pairs(y, ids.shape[1])
 
     def load(self, ids: torch.Tensor) -> Ensured:
         got = self.cache.ensure(self.layer, ids, self.banks)
@@ -99,54 +92,6 @@ class OffloadedExperts(nn.Module):
             wave = experts[start : start + S]
             got = self.load(torch.tensor(wave, device=self.cache.device)[None])
             yield wave, got.slots[0].tolist()
-
-    def _kernel_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The grouped GEMM wave by wave: each wave computes the pairs of its experts (the others' rows are -1,
-        skipped); each expert's pairs form the tiles they form resident, so the sum is bitwise resident experts'."""
-        flat = ids.flatten()
-        y = x.new_empty(flat.numel(), x.shape[1])  # [pairs, hidden]
-        for wave, slots in self._waves(torch.unique(flat).tolist()):
-            slot_of = torch.full((self.num_experts,), -1, dtype=torch.long, device=x.device)
-            slot_of[wave] = torch.tensor(slots, device=x.device)
-            self.layout.pair_outputs(x, slot_of[flat], weights.flatten(), self.w13, self.w2, out=y)
-        return y.view(*ids.shape, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)  # as `grouped_gemm` sums
-
-    def _gathered_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`gathered_experts`, wave by wave. Batched matmuls are not batch-size invariant, so every wave runs them
-        over all pairs (those of other waves read some resident slot) and keeps its own pairs' rows."""
-        tokens, top_k = ids.shape
-        flat = ids.flatten()
-        xs = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [pairs, hidden, 1]
-        out = x.new_empty(flat.numel(), x.shape[1])  # [pairs, hidden]
-        for wave, slots in self._waves(torch.unique(flat).tolist()):
-            slot_of = torch.full((self.num_experts,), slots[0], dtype=torch.long, device=x.device)
-            slot_of[wave] = torch.tensor(slots, device=x.device)
-            in_wave = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
-            in_wave[wave] = True
-            slot = slot_of[flat]  # [pairs]
-            w13, w2 = self.layout.dense_gate_up(self.w13[slot]), self.layout.dense_down(self.w2[slot])
-            gate, up = torch.bmm(w13, xs)[:, :, 0].chunk(2, dim=-1)
-            h = (self.layout.act(gate) * up)[:, :, None]
-            out = torch.where(in_wave[flat][:, None], torch.bmm(w2, h)[:, :, 0], out)
-        return (out.view(tokens, top_k, -1) * weights[:, :, None]).sum(dim=1)
-
-    def _grouped_waves(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`grouped_experts`, the experts made resident wave by wave (same pair order, same accumulation)."""
-        top_k = ids.shape[1]
-        order = ids.flatten().argsort(stable=True)
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
-        starts = [sum(counts[:e]) for e in range(self.num_experts)]
-        token_of_pair = order // top_k
-        out = torch.zeros_like(x)
-        for wave, slots in self._waves([e for e, n in enumerate(counts) if n]):
-            for expert, slot in zip(wave, slots):
-                pairs = order[starts[expert] : starts[expert] + counts[expert]]
-                tok = token_of_pair[starts[expert] : starts[expert] + counts[expert]]
-                w13, w2 = self.layout.dense_gate_up(self.w13[slot]), self.layout.dense_down(self.w2[slot])
-                gate, up = F.linear(x[tok], w13).chunk(2, dim=-1)
-                y = F.linear(self.layout.act(gate) * up, w2) * weights.flatten()[pairs, None]
-                out.index_add_(0, tok, y)
-        return out
 
 
 class ResidentExperts(nn.Module):
@@ -175,13 +120,8 @@ class ResidentExperts(nn.Module):
         w13, w2 = self.layout.views(self.joined)
         if not get_context().is_prefill:
             return self.layout.decode(x, ids, weights, w13, w2)
-        if self.layout.pair_outputs is not None:  # the prefill kernel, as offloaded waves and streamed layers run it
-            from edgemoe.kernels.grouped_gemm import sum_pairs
-
-            return sum_pairs(self.layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2), ids.shape[1])
-        if ids.numel() <= self.num_experts:
-            return self.layout.gathered(x, ids, weights, w13, w2)
-        return self.layout.grouped(x, ids, weights, w13, w2)
+        # prefill: the function offloaded waves and streamed layers run (`ExpertLayout.pair_outputs`)
+        return sum_pairs(self.layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2), ids.shape[1])
 
 
 def expert_bytes(model: nn.Module, dtype: torch.dtype) -> int:

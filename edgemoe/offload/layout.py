@@ -5,7 +5,8 @@ Storage is `[experts or slots, row]`: each row holds one expert's gate_up weight
 of memory, so a miss is one copy (`copy_service.c`). A layout gives
 - `views(joined)`: the gate_up and down views the expert kernels read (and the loader fills by name);
 - `copy_views(joined)`: the two halves the miss copy moves (rows of the same storage; the split may be any point);
-- `decode`: the decode function that reads `views` in place, and `dense_gate_up`/`dense_down` for prefill;
+- `decode`: the decode function that reads `views` in place; `pair_outputs`, prefill's (every pair of a step in one
+  call, rows -1 skipped: waves of offloaded experts equal one call), over `dense_gate_up`/`dense_down`;
 - `decode_cpu`: decode with some pairs' outputs computed on the CPU (`edgemoe.offload.cpu_split`).
 
 `ExpertLayout` keeps experts in the model's dtype; `QuantExpertLayout` keeps GGUF blocks (`edgemoe.quant`) as
@@ -24,27 +25,32 @@ import torch
 
 from edgemoe.kernels.protocol import CpuWait
 from edgemoe.layers.mlp import ACTIVATIONS
-from edgemoe.moe.experts import decode_reference, gathered_experts, grouped_experts
+from edgemoe.moe.experts import decode_reference, gathered_experts, pair_outputs_reference
 from edgemoe.quant import QuantLike, dequantize, quant_type, row_bytes
 
 
 class ExpertLayout:
     """Dense experts (the model's dtype): gate_up [2I, H] (gate rows first), then down [H, I]."""
 
-    # prefill's grouped GEMM once `use_kernels` chose it (dense SiLU experts; `edgemoe.kernels.grouped_gemm`):
-    # (x, rows [pairs], weights [pairs], w13, w2, out=) -> out [pairs, H]; None: `gathered` / `grouped`
-    pair_outputs: Callable | None = None
-
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, act: str = "silu") -> None:
         self.hidden, self.inter, self.dtype = hidden, inter, dtype
         self.row = 3 * inter * hidden  # elements of one expert's row
         self.split = 2 * inter * hidden  # where down starts
         self.act_name, self.act = act, ACTIVATIONS[act]
+        self._prefill_references()
         # (x, ids, weights, w13, w2, arrivals=) -> [T, H]
         self.decode: Callable = decode_reference if act == "silu" else partial(decode_reference, act=self.act)
         self.decode_waits = False  # whether `decode` waits for each copied expert itself (the kernels do)
         # (x, slots, weights, w13, w2, cpu_out, arrivals=, cpu_wait=) -> [T, H]: `decode` with CPU pairs' rows
         self.decode_cpu: Callable = self._decode_cpu_reference
+
+    def _prefill_references(self) -> None:
+        # prefill's routed experts, every pair in one call (x, rows [pairs] (-1: skipped), weights [pairs], w13, w2,
+        # out=) -> out [pairs, H]: `pair_outputs_reference` over these views, the kernel once `use_kernels` chose it
+        # (dense SiLU experts: `edgemoe.kernels.grouped_gemm`)
+        self.pair_outputs: Callable = partial(
+            pair_outputs_reference, act=self.act, dense13=self.dense_gate_up, dense2=self.dense_down
+        )
 
     def use_kernels(self, device: torch.device) -> None:
         if self.act_name != "silu":  # the kernel computes SiLU
@@ -103,29 +109,6 @@ class ExpertLayout:
     def dense_down(self, w2: torch.Tensor) -> torch.Tensor:
         return w2
 
-    def gathered(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-    ) -> torch.Tensor:
-        """`gathered_experts` over these views (prefill with few pairs)."""
-        return gathered_experts(x, ids, weights, w13, w2, self.act)
-
-    def grouped(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-    ) -> torch.Tensor:
-        """`grouped_experts` over these views, each used expert made dense as it is read (prefill, many pairs)."""
-        w13, w2 = _Dense(w13, self.dense_gate_up), _Dense(w2, self.dense_down)
-        return grouped_experts(x, ids, weights, w13, w2, self.act)
-
-
-class _Dense:
-    """A bank whose experts are made dense (`dense`: a layout's dequantization) as they are indexed."""
-
-    def __init__(self, bank: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.bank, self.dense, self.shape = bank, dense, bank.shape
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.dense(self.bank[index])
-
 
 class QuantExpertLayout(ExpertLayout):
     """Experts as GGUF blocks: gate_up [2I, row_bytes(q_gate_up, H)], then down [H, row_bytes(q_down, I)], uint8.
@@ -146,6 +129,7 @@ class QuantExpertLayout(ExpertLayout):
         assert self.row >= self.used and 0 < self.copy_split < self.row
         self.decode, self.decode_waits = self._decode_reference, False
         self.decode_cpu = self._decode_cpu_reference  # over `decode`
+        self._prefill_references()
 
     def use_kernels(self, device: torch.device) -> None:
         if self.act_name != "silu":  # the kernels compute SiLU
@@ -181,13 +165,6 @@ class QuantExpertLayout(ExpertLayout):
 
     def dense_down(self, w2: torch.Tensor) -> torch.Tensor:
         return dequantize(w2, self.q_down, self.inter).to(self.compute_dtype)
-
-    def gathered(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-    ) -> torch.Tensor:
-        """The chosen experts dequantized (each once), then `gathered_experts`' arithmetic."""
-        used, inverse = torch.unique(ids, return_inverse=True)  # [U], ids' shape
-        return gathered_experts(x, inverse, weights, self.dense_gate_up(w13[used]), self.dense_down(w2[used]), self.act)
 
     def _decode_reference(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

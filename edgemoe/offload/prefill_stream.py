@@ -24,7 +24,7 @@ Areas: slots [0, E) and [E, 2E) of the pool (a cache of at least 2E slots and fe
 keep the waves). Layer l is
 copied into area l % 2 on a copy stream; the compute stream waits for that copy by an event; the copy into an area
 waits for the compute that last read it (`wait_stream`). Layer l is computed with the resident path's own function
-over the area's rows (`ExpertLayout.grouped`, or on CUDA the grouped GEMM `edgemoe.kernels.grouped_gemm`), so outputs
+over the area's rows (`ExpertLayout.pair_outputs`: on CUDA the grouped GEMM `edgemoe.kernels.grouped_gemm`), so outputs
 are bitwise those of resident experts.
 
 The cache's bookkeeping stays true throughout: before an area is overwritten, whatever the cache held in its slots is
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from edgemoe.moe.experts import sum_pairs
 from edgemoe.offload.expert_cache import STAT_FIELDS, ExpertCache
 from edgemoe.offload.layout import ExpertLayout
 
@@ -103,12 +104,7 @@ class PrefillStream:
         if self.cuda:
             torch.cuda.current_stream(self.cache.device).wait_event(self.copied[area])
         w13, w2 = layout.views(self.area_rows(area))
-        if layout.pair_outputs is not None:  # the prefill kernel, as resident `Experts` run it (`grouped_gemm`)
-            from edgemoe.kernels.grouped_gemm import sum_pairs
-
-            out = sum_pairs(layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2), ids.shape[1])
-        else:
-            out = layout.grouped(x, ids, weights, w13, w2)
+        out = sum_pairs(layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2), ids.shape[1])
         self._register(layer, area, ids)
         return out
 

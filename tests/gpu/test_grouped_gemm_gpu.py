@@ -1,8 +1,8 @@
 """The prefill grouped GEMM (`edgemoe.kernels.grouped_gemm`) compiled on CUDA at real geometries: against the
-plain-torch path (`grouped_experts`) and a float32 reference, bitwise the same run to run and when run in waves over a
+plain-torch path (`prefill_reference`) and a float32 reference, bitwise the same run to run and when run in waves over a
 slot pool, without host synchronisation.
 
-Tolerances: float32 (IEEE dots, as torch's matmul without TF32) within 1e-4 of `grouped_experts`; bf16/fp16 within
+Tolerances: float32 (IEEE dots, as torch's matmul without TF32) within 1e-4 of `prefill_reference`; bf16/fp16 within
 1e-2 relative (Frobenius) of the float32 reference and no more than 1.5x as far as the torch path in the same dtype."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from edgemoe.kernels.grouped_gemm import grouped_gemm, pair_outputs
-from edgemoe.moe.experts import grouped_experts
+from edgemoe.moe.experts import prefill_reference
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.gpu.test_moe_gemv_gpu import inputs  # random experts and routing, as decode's tests draw them
 
@@ -32,7 +32,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_float32_matches_torch(name: str, tokens: int) -> None:
     x, ids, weights, w13, w2 = inputs(*GEOMETRIES[name], tokens, torch.float32, seed=tokens)
     out = grouped_gemm(x, ids, weights, w13, w2)
-    expected = grouped_experts(x, ids, weights, w13, w2)
+    expected = prefill_reference(x, ids, weights, w13, w2)
     assert out.dtype == torch.float32 and rel(out, expected) < 1e-5
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
@@ -41,10 +41,10 @@ def test_float32_matches_torch(name: str, tokens: int) -> None:
 @pytest.mark.parametrize("name, tokens", CASES)
 def test_half_precision_no_worse_than_torch(name: str, tokens: int, dtype: torch.dtype) -> None:
     x, ids, weights, w13, w2 = inputs(*GEOMETRIES[name], tokens, dtype, seed=tokens + 1)
-    ref = grouped_experts(x.float(), ids, weights.float(), w13.float(), w2.float())
+    ref = prefill_reference(x.float(), ids, weights.float(), w13.float(), w2.float())
     out = grouped_gemm(x, ids, weights, w13, w2)
     assert out.dtype == dtype
-    err, torch_err = rel(out, ref), rel(grouped_experts(x, ids, weights, w13, w2), ref)
+    err, torch_err = rel(out, ref), rel(prefill_reference(x, ids, weights, w13, w2), ref)
     assert err < 1e-2 and err <= 1.5 * torch_err + 1e-4, (err, torch_err)
 
 
@@ -52,7 +52,7 @@ def test_one_hot_expert_and_empty_experts() -> None:
     """Every token routes to expert 0 (many tiles of one expert) and to few others; most experts get nothing."""
     x, ids, weights, w13, w2 = inputs(*GEOMETRIES["qwen3-30b-a3b"], 1024, torch.bfloat16, seed=9)
     ids = torch.arange(8, device="cuda").expand(1024, 8).contiguous()  # experts 0-7 only, each with 1024 pairs
-    ref = grouped_experts(x.float(), ids, weights.float(), w13.float(), w2.float())
+    ref = prefill_reference(x.float(), ids, weights.float(), w13.float(), w2.float())
     assert rel(grouped_gemm(x, ids, weights, w13, w2), ref) < 1e-2
 
 

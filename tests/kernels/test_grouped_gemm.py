@@ -1,4 +1,4 @@
-"""The prefill grouped GEMM (`edgemoe.kernels.grouped_gemm`) against a float64 per-pair loop and `grouped_experts`,
+"""The prefill grouped GEMM (`edgemoe.kernels.grouped_gemm`) against a float64 per-pair loop and `prefill_reference`,
 on fresh random inputs; without CUDA under Triton's interpreter (set by tests/conftest.py), hence small shapes and
 small blocks (H and I off every block multiple, so ragged steps and partial column blocks run too).
 
@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from edgemoe.context import ForwardContext, set_context  # noqa: E402
 from edgemoe.kernels.grouped_gemm import Blocks, grouped_gemm, pair_outputs, pick_blocks, schedule  # noqa: E402
-from edgemoe.moe.experts import Experts, grouped_experts  # noqa: E402
+from edgemoe.moe.experts import Experts, prefill_reference  # noqa: E402
 from tests.kernels.test_moe_gemv import loop_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,7 +56,7 @@ def test_float32_matches_float64_loop_and_reference(case: str) -> None:
     assert out.dtype == x.dtype and out.shape == x.shape
     ref = loop_reference(x, ids, weights, w13, w2)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out, grouped_experts(x, ids, weights, w13, w2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, prefill_reference(x, ids, weights, w13, w2), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -67,7 +67,7 @@ def test_half_precision_close_to_float64(dtype: torch.dtype) -> None:
     assert out.dtype == dtype
     ref = loop_reference(x, ids, weights, w13, w2)
     err = (out.double() - ref).norm() / ref.norm()
-    torch_err = (grouped_experts(x, ids, weights, w13, w2).double() - ref).norm() / ref.norm()
+    torch_err = (prefill_reference(x, ids, weights, w13, w2).double() - ref).norm() / ref.norm()
     assert err < 1e-2 and err <= 2 * torch_err + 1e-3
 
 

@@ -34,7 +34,6 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     qkv_bias: bool = False
     o_proj_bias: bool = False
-    clip_qkv: float | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096

@@ -20,7 +20,6 @@ from edgemoe.errors import EdgeMoEError
 from edgemoe.quant import QUANT_TYPES, QuantType, dequantize, quant_type, row_bytes
 from edgemoe.tokenizer import Tokenizer
 
-ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe"}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # llama.cpp's per-layer names -> Hugging Face's (the suffix .weight / .bias follows)
 _LAYER = {
@@ -75,11 +74,7 @@ class GGUFCheckpoint:
                 raise EdgeMoEError(f"cannot read {file}: not a complete GGUF file ({exc})") from None
         self.tensors = {t.name: t for r in self.readers for t in r.tensors}
         self.arch = str(self.field("general.architecture"))
-        if self.arch not in ARCHITECTURES or (self.arch == "llama" and not self.field(f"{self.arch}.expert_count", 0)):
-            raise EdgeMoEError(
-                f"{path.name}: architecture {self.arch!r} is not supported; supported: qwen3moe, qwen2moe, "
-                "llama with experts (Mixtral), olmoe"
-            )
+        self.permuted_qk = False  # llama.cpp's RoPE row permutation of q and k (the family says: `read_checkpoint`)
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer and chat template the file's metadata holds."""
@@ -95,48 +90,27 @@ class GGUFCheckpoint:
             return default
         return field.contents()
 
-    def hf_config(self) -> dict[str, Any]:
-        """The metadata as the `config.json` fields our families read."""
-        a, t = self.arch, self.tensors
-        layers = int(self.field(f"{a}.block_count"))
+    def common_config(self) -> dict[str, Any]:
+        """The metadata every family reads alike, as `config.json` fields (a family's `gguf_config` adds its own)."""
+        a = self.arch
         heads = int(self.field(f"{a}.attention.head_count"))
         hidden = int(self.field(f"{a}.embedding_length"))
         vocab = self.field(f"{a}.vocab_size", None) or int(self._tensor("token_embd.weight").shape[1])
-        hf: dict[str, Any] = dict(
-            model_type=ARCHITECTURES[a], vocab_size=int(vocab), hidden_size=hidden, num_hidden_layers=layers,
+        return dict(
+            vocab_size=int(vocab), hidden_size=hidden, num_hidden_layers=int(self.field(f"{a}.block_count")),
             num_attention_heads=heads, num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
             head_dim=int(self.field(f"{a}.attention.key_length", hidden // heads)),
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
             max_position_embeddings=int(self.field(f"{a}.context_length", 4096)),
-            tie_word_embeddings="output.weight" not in t, torch_dtype="bfloat16",
+            tie_word_embeddings="output.weight" not in self.tensors, torch_dtype="bfloat16",
             num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
             eos_token_id=self.field("tokenizer.ggml.eos_token_id", None),
             bos_token_id=self.field("tokenizer.ggml.bos_token_id", None),
         )  # fmt: skip
-        experts = int(self.field(f"{a}.expert_count"))
-        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in t]
-        if a == "llama":  # Mixtral: every layer sparse; its feed_forward_length is the experts'
-            return hf | dict(num_local_experts=experts, intermediate_size=int(self.field(f"{a}.feed_forward_length")))
-        if a == "olmoe":  # every layer sparse, the experts' width as feed_forward_length, q/k clamped where set
-            clip = self.field(f"{a}.attention.clamp_kqv", None)
-            return hf | dict(
-                num_experts=experts, intermediate_size=int(self.field(f"{a}.feed_forward_length")),
-                attention_bias="blk.0.attn_q.bias" in t, clip_qkv=None if clip is None else float(clip),
-            )  # fmt: skip
-        hf |= dict(
-            num_experts=experts, mlp_only_layers=dense, decoder_sparse_step=1,
-            intermediate_size=int(self.field(f"{a}.feed_forward_length", 0)),
-            moe_intermediate_size=int(self.field(f"{a}.expert_feed_forward_length")),
-            attention_bias="blk.0.attn_q.bias" in t, qkv_bias="blk.0.attn_q.bias" in t,
-            norm_topk_prob=a == "qwen3moe",  # llama.cpp renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's
-        )  # fmt: skip
-        if a == "qwen2moe":
-            shared = self.field(f"{a}.expert_shared_feed_forward_length", None)
-            if shared is None and "blk.0.ffn_up_shexp.weight" in t:
-                shared = int(t["blk.0.ffn_up_shexp.weight"].shape[1])
-            hf["shared_expert_intermediate_size"] = int(shared or 0)
-        return hf
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
 
     def _tensor(self, name: str):  # noqa: ANN202 - gguf's ReaderTensor
         if name not in self.tensors:
@@ -181,7 +155,7 @@ class GGUFCheckpoint:
 
                 t = torch.from_numpy(gguf_dequantize(np.asarray(data), tensor.tensor_type)).float()
         t = fit(t.reshape([int(d) for d in reversed(tensor.shape)]), shape, f"{self.path.name}: tensor {tensor.name}")
-        if self.arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
+        if self.permuted_qk and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
             heads = cfg_heads[0] if ".q_proj." in hf_name else cfg_heads[1]
             t = unpermute(t, heads)
         return t
@@ -200,7 +174,7 @@ class GGUFCheckpoint:
         q = quant_type(int(tensor.tensor_type))
         n = int(tensor.shape[0])
         t = torch.from_numpy(np.ascontiguousarray(tensor.data)).reshape(-1, row_bytes(q, n))
-        if self.arch == "llama" and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
+        if self.permuted_qk and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
             t = unpermute(t, cfg_heads[0] if ".q_proj." in hf_name else cfg_heads[1])
         return t
 

@@ -39,3 +39,18 @@ def sparse_layers(hf: dict[str, Any], num_experts: int) -> tuple[bool, ...]:
     step = hf.get("decoder_sparse_step", 1) or 1
     dense = set(hf.get("mlp_only_layers") or [])
     return tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(hf["num_hidden_layers"]))
+
+
+def gguf_sparse_fields(ckpt: Any, renormalise: bool) -> dict[str, Any]:
+    """The Qwen-MoE families' GGUF metadata as `config.json` fields: experts and their width, the dense layers (those
+    without expert tensors), q/k/v bias where the file has it, and the top-k renormalisation llama.cpp applies (the
+    file does not record it: Qwen3-MoE renormalises, Qwen2-MoE does not). `ckpt`: a `GGUFCheckpoint`."""
+    a, layers = ckpt.arch, int(ckpt.field(f"{ckpt.arch}.block_count"))
+    bias = ckpt.has("blk.0.attn_q.bias")
+    return dict(
+        num_experts=int(ckpt.field(f"{a}.expert_count")), decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(layers) if not ckpt.has(f"blk.{i}.ffn_gate_exps.weight")],
+        intermediate_size=int(ckpt.field(f"{a}.feed_forward_length", 0)),
+        moe_intermediate_size=int(ckpt.field(f"{a}.expert_feed_forward_length")),
+        attention_bias=bias, qkv_bias=bias, norm_topk_prob=renormalise,
+    )  # fmt: skip

@@ -39,8 +39,7 @@ from edgemoe.offload.experts import ResidentExperts
 from edgemoe.offload.layout import QuantExpertLayout
 from edgemoe.quant import QUANT_TYPES, QuantType, quant_type, quantize, random_blocks
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")  # after the family's `rename`
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 GPU_PLE = PLEOptions()  # per-layer embeddings resident, as the family builds them
 
@@ -290,7 +289,7 @@ def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausa
     """Checkpoint tensor name -> (our parameter name, the tensor view to fill), or (name, None) to skip."""
     m = _EXPERT.match(name)
     if m:
-        bank, expert, part = m.group(1), int(m.group(2)), _PART[m.group(3)]
+        bank, expert, part = m.group(1), int(m.group(2)), m.group(3)
         if part == "down":
             pname = f"{bank}.down_proj"
             return pname, _param(params, pname, name)[expert]
@@ -308,8 +307,6 @@ def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausa
         return pname, qkv[start : start + sizes[part]]
     if _IGNORED.search(name) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
         return name, None
-    if name not in params and ".shared_expert" in name and not model.config.shared_expert_intermediate_size:
-        return name, None  # a zero-width shared expert (Qwen2-MoE with shared_expert_intermediate_size 0)
     return name, _param(params, name, name)
 
 

@@ -30,8 +30,31 @@ def normalise(hf: dict) -> ModelConfig:
     )
 
 
+_EXPERT_PARTS = {".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight", ".w2.weight": ".down_proj.weight"}
+
+
 def rename(name: str) -> str:
-    return name.replace(".block_sparse_moe.", ".mlp.")
+    """`block_sparse_moe` -> `mlp`; an expert's w1 / w3 / w2 -> gate_proj / up_proj / down_proj."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    if ".experts." in name:
+        for old, new in _EXPERT_PARTS.items():
+            if name.endswith(old):
+                return name.removesuffix(old) + new
+    return name
+
+
+GGUF_ARCH = "llama"  # llama.cpp writes Mixtral as the llama architecture with experts
+GGUF_PERMUTED_QK = True  # and q/k rows permuted for its RoPE (`models.gguf.unpermute`)
+
+
+def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
+    """The file's metadata as this family's `config.json`: every layer sparse, the experts' width as
+    feed_forward_length. A llama file without experts is a dense llama: refused."""
+    experts = int(ckpt.field("llama.expert_count", 0))
+    if not experts:
+        raise EdgeMoEError(f"{ckpt.path.name}: a llama model without experts is not a MoE model edgemoe runs")
+    fields = dict(num_local_experts=experts, intermediate_size=int(ckpt.field("llama.feed_forward_length")))
+    return ckpt.common_config() | fields | {"model_type": MODEL_TYPE}
 
 
 class MixtralDecoderLayer(DecoderLayer):

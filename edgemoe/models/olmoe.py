@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from edgemoe.config import ModelConfig
@@ -26,8 +28,31 @@ def normalise(hf: dict) -> ModelConfig:
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         qkv_bias=bias,
         o_proj_bias=bias,
-        clip_qkv=hf.get("clip_qkv"),
+        family_config=OlmoeSettings(clip_qkv=hf.get("clip_qkv")),
     )
+
+
+@dataclass(frozen=True)
+class OlmoeSettings:
+    """What only OLMoE reads (`ModelConfig.family_config`): q, k and v clamped to +-clip_qkv where set."""
+
+    clip_qkv: float | None = None
+
+
+GGUF_ARCH = "olmoe"  # llama.cpp's name for the architecture
+
+
+def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
+    """The file's metadata as this family's `config.json`: every layer sparse, the experts' width as
+    feed_forward_length, q/k/v clamped where the file says."""
+    clip = ckpt.field("olmoe.attention.clamp_kqv", None)
+    fields = dict(
+        num_experts=int(ckpt.field("olmoe.expert_count")),
+        intermediate_size=int(ckpt.field("olmoe.feed_forward_length")),
+        attention_bias=ckpt.has("blk.0.attn_q.bias"),
+        clip_qkv=None if clip is None else float(clip),
+    )
+    return ckpt.common_config() | fields | {"model_type": MODEL_TYPE}
 
 
 def rename(name: str) -> str:
@@ -42,7 +67,7 @@ class OlmoeAttention(Attention):
         super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, bias, bias)
         self.q_norm = RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
-        self.clip = cfg.clip_qkv
+        self.clip = cfg.family_config.clip_qkv
 
     def transform_qkv(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -5,8 +5,8 @@ from __future__ import annotations
 from edgemoe.config import ModelConfig
 from edgemoe.layers.attention import Attention
 from edgemoe.layers.rotary import RotaryEmbedding
-from edgemoe.models.decoder import DecoderLayer, moe_or_mlp
-from edgemoe.models.hf_config import common_fields, sparse_layers
+from edgemoe.models.decoder import DecoderLayer, MoEForCausalLM, moe_or_mlp
+from edgemoe.models.hf_config import common_fields, gguf_sparse_fields, sparse_layers
 
 MODEL_TYPE = "qwen2_moe"
 
@@ -30,6 +30,19 @@ def rename(name: str) -> str:
     return name
 
 
+GGUF_ARCH = "qwen2moe"  # llama.cpp's name for the architecture
+
+
+def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
+    """The file's metadata as this family's `config.json`: the shared expert's width from its metadata, else from its
+    tensor (older converters wrote none)."""
+    shared = ckpt.field(f"{GGUF_ARCH}.expert_shared_feed_forward_length", None)
+    if shared is None and ckpt.has("blk.0.ffn_up_shexp.weight"):
+        shared = int(ckpt.tensors["blk.0.ffn_up_shexp.weight"].shape[1])
+    fields = gguf_sparse_fields(ckpt, renormalise=False) | {"shared_expert_intermediate_size": int(shared or 0)}
+    return ckpt.common_config() | fields | {"model_type": MODEL_TYPE}
+
+
 class Qwen2MoeDecoderLayer(DecoderLayer):
     """Attention with qkv bias; routed experts plus a sigmoid-gated shared expert, or a dense MLP."""
 
@@ -42,3 +55,15 @@ class Qwen2MoeDecoderLayer(DecoderLayer):
 
 
 LAYER = Qwen2MoeDecoderLayer
+
+
+class Qwen2MoeForCausalLM(MoEForCausalLM):
+    """A checkpoint with `shared_expert_intermediate_size` 0 may carry zero-width shared-expert tensors: unused."""
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if ".shared_expert" in name and not self.config.shared_expert_intermediate_size:
+            return None
+        return name
+
+
+MODEL = Qwen2MoeForCausalLM

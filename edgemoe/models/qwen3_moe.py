@@ -6,7 +6,7 @@ from edgemoe.config import ModelConfig
 from edgemoe.layers.attention import Attention
 from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.models.decoder import DecoderLayer, moe_or_mlp
-from edgemoe.models.hf_config import common_fields, sparse_layers
+from edgemoe.models.hf_config import common_fields, gguf_sparse_fields, sparse_layers
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -29,6 +29,14 @@ def normalise(hf: dict) -> ModelConfig:
 
 def rename(name: str) -> str:
     return name
+
+
+GGUF_ARCH = "qwen3moe"  # llama.cpp's name for the architecture
+
+
+def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
+    """The file's metadata as this family's `config.json`."""
+    return ckpt.common_config() | gguf_sparse_fields(ckpt, renormalise=True) | {"model_type": MODEL_TYPE}
 
 
 class Qwen3MoeDecoderLayer(DecoderLayer):

@@ -1,8 +1,10 @@
 """Model families by Hugging Face `model_type` (a plain table), and reading a checkpoint's `config.json`.
 
 A family is a module with `MODEL_TYPE`, `normalise(hf) -> ModelConfig`, `rename(checkpoint name) -> our name` and
-`LAYER`, its `DecoderLayer` class; optionally `MODEL_TYPES` (every `model_type` it reads) and `MODEL`, its
-`MoEForCausalLM` subclass (another embedding, layer loop or logits, config-dependent checkpoint names)."""
+`LAYER`, its `DecoderLayer` class; optionally `MODEL_TYPES` (every `model_type` it reads), `MODEL`, its
+`MoEForCausalLM` subclass (another embedding, layer loop or logits, config-dependent checkpoint names), and for GGUF
+files `GGUF_ARCH` (llama.cpp's architecture name), `gguf_config(ckpt) -> config.json fields` and `GGUF_PERMUTED_QK`
+(q/k rows in llama.cpp's RoPE order)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from edgemoe.models.gguf import GGUFCheckpoint
 FAMILIES: dict[str, ModuleType] = {
     t: m for m in (qwen2_moe, qwen3_moe, mixtral, olmoe, gemma4) for t in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))
 }
+# llama.cpp's architecture name -> the family that reads such GGUF files (its `GGUF_ARCH`, `gguf_config`)
+GGUF_FAMILIES: dict[str, ModuleType] = {m.GGUF_ARCH: m for m in set(FAMILIES.values()) if hasattr(m, "GGUF_ARCH")}
 
 
 def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
@@ -61,10 +65,13 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, ModuleType, GGUFCheckpoint
         if not path.is_file():
             raise EdgeMoEError(f"model file {path} does not exist")
         ckpt = GGUFCheckpoint(path)
-        hf = ckpt.hf_config()
-        family = FAMILIES[hf["model_type"]]
+        family = GGUF_FAMILIES.get(ckpt.arch)
+        if family is None:
+            supported = ", ".join(sorted(GGUF_FAMILIES))
+            raise EdgeMoEError(f"{path.name}: architecture {ckpt.arch!r} is not supported; supported: {supported}")
+        ckpt.permuted_qk = getattr(family, "GGUF_PERMUTED_QK", False)
         try:
-            return family.normalise(hf), family, ckpt
+            return family.normalise(family.gguf_config(ckpt)), family, ckpt
         except (KeyError, TypeError, ValueError) as exc:
             raise EdgeMoEError(f"{path.name}: bad or missing metadata {exc}") from None
     if not path.is_dir():

@@ -20,7 +20,7 @@ from edgemoe.layers.attention import Attention
 from edgemoe.layers.kernels import select_kernels
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
-from edgemoe.models.olmoe import OlmoeAttention
+from edgemoe.models.olmoe import OlmoeAttention, OlmoeSettings
 from tests.gpu.sync_free import host_sync_forbidden
 from tests.kernels.test_norm_rope import fused_prologue, unfused_prologue
 
@@ -290,7 +290,7 @@ def make_attention(qk_norm: str | None, clip: float | None, dtype: torch.dtype, 
         cfg = ModelConfig(
             model_type="olmoe", vocab_size=16, hidden_size=1024, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
             head_dim=HEAD_DIM, intermediate_size=16, num_experts=1, top_k=1, moe_intermediate_size=16,
-            moe_layers=(False,), norm_topk_prob=False, clip_qkv=clip, rms_norm_eps=EPS,
+            moe_layers=(False,), norm_topk_prob=False, family_config=OlmoeSettings(clip_qkv=clip), rms_norm_eps=EPS,
             max_position_embeddings=MAX_POSITIONS, rope_theta=1e6,
         )  # fmt: skip
         layer = OlmoeAttention(cfg, make_rotary())

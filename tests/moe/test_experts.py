@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgemoe.moe.experts import gathered_experts, grouped_experts
+from edgemoe.moe.experts import gathered_experts, pair_outputs_reference, prefill_reference
 from edgemoe.moe.reference import moe_reference
 from edgemoe.moe.router import route
 
@@ -21,9 +21,21 @@ def test_experts_match_reference(tokens, experts, top_k, normalize) -> None:
     w2 = torch.randn(experts, hidden, inter, generator=g, dtype=torch.float64) / inter**0.5
     ids, weights = route(x @ gate.T, top_k, normalize)
     ref = moe_reference(x, gate, w13, w2, top_k, normalize)
-    for path in (gathered_experts, grouped_experts):
+    for path in (gathered_experts, prefill_reference):
         # the router softmax runs in float32 (as in transformers), hence float32-level agreement
         torch.testing.assert_close(path(x, ids, weights, w13, w2), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_pair_outputs_skip_rows_and_do_not_depend_on_the_others() -> None:
+    """Rows -1 leave their pairs' outputs untouched; an expert's pairs come out bitwise the same computed alone or
+    with every other expert's (how offloaded prefill in waves equals one resident call)."""
+    g = torch.Generator().manual_seed(3)
+    x, w13, w2 = torch.randn(9, 12, generator=g), torch.randn(4, 10, 12, generator=g), torch.randn(4, 12, 5, generator=g)
+    rows, weights = torch.randint(0, 4, (18,), generator=g), torch.rand(18, generator=g)
+    whole = pair_outputs_reference(x, rows, weights, w13, w2)
+    mine = rows == int(rows[0])
+    alone = pair_outputs_reference(x, torch.where(mine, rows, -1), weights, w13, w2, out=torch.full_like(whole, 7.0))
+    assert torch.equal(alone[mine], whole[mine]) and (alone[~mine] == 7.0).all()
 
 
 def test_router_normalisation() -> None:

@@ -30,7 +30,8 @@ def test_pair_outputs_skip_rows_and_do_not_depend_on_the_others() -> None:
     """Rows -1 leave their pairs' outputs untouched; an expert's pairs come out bitwise the same computed alone or
     with every other expert's (how offloaded prefill in waves equals one resident call)."""
     g = torch.Generator().manual_seed(3)
-    x, w13, w2 = torch.randn(9, 12, generator=g), torch.randn(4, 10, 12, generator=g), torch.randn(4, 12, 5, generator=g)
+    x, w13 = torch.randn(9, 12, generator=g), torch.randn(4, 10, 12, generator=g)
+    w2 = torch.randn(4, 12, 5, generator=g)
     rows, weights = torch.randint(0, 4, (18,), generator=g), torch.rand(18, generator=g)
     whole = pair_outputs_reference(x, rows, weights, w13, w2)
     mine = rows == int(rows[0])

@@ -82,8 +82,8 @@ class LLMEngine:
         ple = PLEOptions(config.ple_backend, config.ple_sync, max(chunk, config.max_num_seqs))
         try:
             # where experts are offloaded the card's memory is what limits: the token embedding in host memory, a
-            # GGUF's dense weights as stored (resident, they are dequantized: the bf16 GEMV reads qwen3's qkv in 8.9 us,
-            # its Q4_K blocks take 18-26 us; docs/findings.md, "Quantized dense weights")
+            # GGUF's dense weights as stored; resident, they are dequantized, the bf16 GEMVs being the faster
+            # (docs/findings.md, "Quantized dense weights and quantized prefill")
             placed = offload and self.device.type == "cuda"
             opts = LoadOptions(self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, placed)
             if gguf is None:

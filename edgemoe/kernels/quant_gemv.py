@@ -158,12 +158,10 @@ def _step_blocks(q: QuantType, n: int, weights: int = 256) -> int:
 
 @functools.cache
 def pick_blocks(qtype_gate_up: QuantType, qtype_down: QuantType, hidden: int, inter: int) -> QuantBlocks:
-    """Up's fields depend on gate_up's format only, down's on down's. Timed on the H200 at qwen3's shape, one token
-    (`benchmarks/quant_gemv.py --sweep`, 2026-12-03: rows per program, warps, stages, blocks a step): up keeps 16 rows
-    over 8 warps (Q4_K 13.8 us, the next shape 16.9), except Q8_0, whose 32-byte runs want 8 rows over 4 warps and
-    1,024 weights a step (35.7 -> 20.6 us); down runs on 4 warps (Q6_K 8 rows and two stages: 16.5 -> 11.7 us; Q8_0 4
-    rows: 14.8 -> 11.2 us). Formats not swept take the nearest measured shape (the K formats Q6_K's rows, the 32-weight
-    blocks Q8_0's). Why they are not faster: docs/findings.md, "Quantized expert GEMV"."""
+    """Up's fields depend on gate_up's format only, down's on down's: the shapes `benchmarks/quant_gemv.py --sweep`
+    chose at qwen3's shape (up 16 rows over 8 warps, Q8_0's 8 rows over 4 warps and 1,024 weights a step; down on 4
+    warps, the K formats 8 rows and two stages, the 32-weight formats 4 rows); formats not swept take the nearest swept
+    one's. The figures, and why they are not faster: docs/findings.md, "Quantized expert GEMV"."""
     k_down = qtype_down.name in ("Q4_K", "Q5_K", "Q6_K")
     q8_up = qtype_gate_up.name == "Q8_0"
     return QuantBlocks(

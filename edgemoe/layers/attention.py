@@ -9,10 +9,9 @@ sequence's new tokens are the last rows of its causal square (a whole prompt, a 
 prefix), which `causal_lower_right` tells SDPA without a mask: on CUDA flash attention takes it with grouped K/V as
 they are (no mask, no K/V repeated per query head); on the CPU torch builds the mask itself. A subclass that narrows
 `visible` (a sliding window) passes a [new, keys] mask, with K/V repeated per query head so that CUDA can run the
-memory-efficient kernel. On CUDA prefill leaves SDPA's cuDNN backend out (`PREFILL_BACKENDS`): torch 2.11 picks it
-first on the H200, and it builds a plan for every new query length, 20-75 ms on the CPU (a 333-token prompt of 4
-qwen3-30b-a3b layers: 98 ms the first time, 14 the second; flash: 21 and 11), so every agent-loop turn, whose prompt
-is a length never seen, paid it.
+memory-efficient kernel. On CUDA prefill leaves SDPA's cuDNN backend out (`PREFILL_BACKENDS`): it builds a plan for
+every new query length on the CPU, which every agent-loop turn, whose prompt is a length never seen, paid (docs/
+findings.md, "Streamed prefill").
 
 `Attention` is the block every family shares: one qkv projection, an optional per-head q/k norm, RoPE, the KV-cache
 write and paged attention, the output projection. A family that transforms q, k, v before RoPE (OLMoE's norm over

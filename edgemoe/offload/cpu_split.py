@@ -106,8 +106,8 @@ class CpuSplit:
         missing steps and costs at most `HIT_TOLERANCE` more on hitting ones (else zero it), and say which.
 
         Why both: the table sends a layer-step's misses to the CPU only from a fitted count on, so fewer misses than
-        that pay only what the split adds to every step (a decode path without a fused CPU-aware kernel: measured
-        1.1 ms a token for q4_k experts over 48 layers); the hitting step measures that cost, the missing step the
+        that pay only what the split adds to every step (docs/findings.md, "CPU split"); the hitting step measures
+        that cost, the missing step the
         gain. Between the two a step pays at most the one and gains at most the other. -> whether the split stays
         on."""
         fitted, zeros = self.table.clone(), torch.zeros_like(self.table)

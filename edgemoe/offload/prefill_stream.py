@@ -11,11 +11,9 @@ fallback) copy only what misses but wait for each wave on the host and never ove
 When not to stream: a chunk whose experts are mostly cached already (a short turn of an agent loop after its prompt
 was prefilled, with a cache holding most of each layer). Waves copy only the M experts that miss, then compute; the
 stream copies all L x E under the compute. With c an expert's copy and C the chunk's compute, waves take M c + C and
-the stream max(L E c, C); C is at most ~0.45 L E c for the largest chunk on the H200 (16K tokens of qwen3-30b-a3b:
-0.47 s against 1.08 s of copies), so by this model waves are ahead while M <= L E / 2 (`STREAM_FROM`), for any
-chunk. Measured: an agent turn of 20-40 tokens on 4 layers with two thirds cached, ~35 ms in waves against ~97 ms
-streamed; large M in waves is not measured since the grouped GEMM (before it, 48 layers at 25 % cached took 2.5 s a
-512-token chunk, far above the model), hence the conservative threshold. `chooses`
+the stream max(L E c, C); C is at most about half of L E c even for the largest chunk (measured on the H200), so by
+this model waves are ahead while M <= L E / 2 (`STREAM_FROM`), for any chunk; large M in waves is not measured since
+the grouped GEMM, hence the conservative threshold (the figures: docs/findings.md, "Streamed prefill"). `chooses`
 decides once a step, at its first MoE layer (the copy of layer l+1 starts under layer l, so a step streams all of its
 layers or none): layer 0's misses counted exactly, every other layer's estimated from the experts layer 0 uses and how
 many of that layer's experts are cached. One host sync a step.

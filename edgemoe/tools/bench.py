@@ -1,17 +1,17 @@
-"""`edgemoe bench`: offloaded (or, with `--moe-strategy resident`, resident) decode at batch 1 on a synthetic model of
-a real geometry (random weights, built in memory), measured against the bound of docs (SYSTEM.md) in the same run:
+"""`edgemoe bench`: offloaded (or, with `--moe-strategy resident`, resident) decode at batch 1 on a synthetic model of a
+real geometry (random weights, built in memory), measured against the bound of docs (SYSTEM.md) in the same run:
 
     t_step >= bytes_read_from_HBM / HBM_bw + bytes_missed / PCIe_bw
 
-HBM bandwidth is a device-to-device copy (bytes read + written), PCIe a pinned host-to-device copy of expert-sized
-rows, each measured before the runs and again after them; every bound uses the higher of each pair (a bound is a
-ceiling: on the H200 one run's H2D figure came out at 52.2 GB/s where the link ran at 55.3, which would have raised
-that run's ratios by up to 6 %). Random weights route almost uniformly, so `--routing-trace` can drive the cache
-instead: a recorded trace (`--record-routing`, .npy [steps, layers, top_k]) or `synthetic`
-(`edgemoe.tools.cache_sim.synthetic_trace`: per layer Zipf(1.0) popularity, each pick repeating a previous-step expert
-with probability 0.3). Decode runs eager and, where it captures, as one CUDA graph per step (the same step,
-replayed). Resident decode keeps every expert on the device as parameters (no cache, no ensure, no miss copy): its
-bound is the HBM roofline; its experts hold the same values as the offloaded banks', so both decode the same tokens.
+HBM bandwidth is a device-to-device copy (bytes read + written), PCIe a pinned host-to-device copy of expert-sized rows,
+each measured before the runs and again after them; every bound uses the higher of each pair (a bound is a ceiling:
+docs/findings.md, "Bounds use the fastest bandwidth reading"). Random weights route almost uniformly, so
+`--routing-trace` can drive the cache instead: a recorded trace (`--record-routing`, .npy [steps, layers, top_k]) or
+`synthetic` (`edgemoe.tools.cache_sim.synthetic_trace`: per layer Zipf(1.0) popularity, each pick repeating a
+previous-step expert with probability 0.3). Decode runs eager and, where it captures, as one CUDA graph per step (the
+same step, replayed). Resident decode keeps every expert on the device as parameters (no cache, no ensure, no miss
+copy): its bound is the HBM roofline; its experts hold the same values as the offloaded banks', so both decode the same
+tokens.
 
 `--prefill 512,4096` times one prompt of each length through the runner after the engine's start-up warm-up
 (`--no-warmup-prefill`: without it): the first prompt of a length (a cold first request) and the median of later ones

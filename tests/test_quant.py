@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgemoe.layers import quant
+from edgemoe import quant
 from edgemoe.quant import QUANT_TYPES, QUANTIZABLE, dequantize, quant_type, quantize, random_blocks, row_bytes
 
 gguf = pytest.importorskip("gguf")  # a dependency, but absent from the GPU machines' image

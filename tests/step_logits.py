@@ -10,16 +10,14 @@ from edgemoe import LLM
 
 
 def record_step_logits(llm: LLM) -> dict[tuple[int, ...], torch.Tensor]:
-    """From now on, each step's logits of `llm` (float32, on the CPU) land in the returned dict."""
-    runner, seen = llm.engine.runner, {}
-    compute = runner.compute_logits
+    """From now on, each step's logits of `llm` (float32, on the CPU) land in the returned dict, tapped through the
+    engine's logits processors (which change nothing here)."""
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def record(batch):  # noqa: ANN001, ANN202 - the runner's signature
-        due, logits = compute(batch)
-        if logits is not None:
-            for i, row in zip(due, logits):
-                seen[tuple(batch.seqs[i].token_ids)] = row.float().cpu()
-        return due, logits
+    def record(seqs, logits: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - sequences due a token
+        for seq, row in zip(seqs, logits):
+            seen[tuple(seq.token_ids)] = row.float().cpu()
+        return logits
 
-    runner.compute_logits = record
+    llm.engine.logits_processors.append(record)
     return seen

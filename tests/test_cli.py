@@ -249,9 +249,30 @@ def test_empty_prompt() -> None:
 
 
 def test_make_model_round_trip(tmp_path) -> None:
+    """What make-model wrote is what it was asked for (a fused qwen3_moe checkpoint of the tiny geometry: its
+    config, every tensor the model needs in transformers' fused layout, a tokenizer), and generate runs it."""
+    import json
+
+    from safetensors import safe_open
+
+    from edgemoe.tools.presets import PRESETS
+
     out = tmp_path / "m"
     proc = edgemoe("make-model", str(out), "--family", "qwen3_moe", "--size", "tiny", "--layout", "fused")
     assert proc.returncode == 0, proc.stderr
-    assert edgemoe("generate", "hi", "--model", str(out), "--max-tokens", "4").returncode == 0
+    config = json.loads((out / "config.json").read_text())
+    tiny = PRESETS["tiny"]
+    assert config["model_type"] == "qwen3_moe" and config["num_hidden_layers"] == tiny["num_hidden_layers"]
+    assert config["hidden_size"] == tiny["hidden_size"] and config["num_experts"] == tiny["num_experts"]
+    names = set()
+    for f in out.glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            names |= set(h.keys())
+    experts = [n for n in names if ".experts." in n]
+    assert experts and all(n.endswith((".experts.gate_up_proj", ".experts.down_proj")) for n in experts)
+    assert len(experts) == 2 * tiny["num_hidden_layers"] and "model.embed_tokens.weight" in names
+    assert (out / "tokenizer.json").is_file()
+    gen = edgemoe("generate", "hi", "--model", str(out), "--max-tokens", "4")
+    assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr
     assert_user_error(edgemoe("make-model", str(tmp_path / "x"), "--family", "gpt2"), "unknown family")
     assert_user_error(edgemoe("make-model", str(tmp_path / "x"), "--size", "huge"), "unknown size")

@@ -206,8 +206,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
         prompt_tokens = _count_tokens(kwargs["model"], request, a.chat)
         if prompt_tokens is not None:  # else the engine says what is wrong with the model folder
             kwargs["kv_cache_tokens"] = prompt_tokens + a.max_tokens
-    print(f"edgemoe: loading {kwargs['model'] or 'the demo model'} ...", file=sys.stderr, flush=True)
-    llm = LLM(**kwargs)
+    llm = LLM(**kwargs)  # says what it loads, once the model's config and the flags are checked
     print(startup_line(llm.engine), file=sys.stderr, flush=True)
     start = time.perf_counter()
     first = now = start

@@ -186,7 +186,6 @@ def _add_bench_parser(sub) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> None:
     from edgemoe import LLM, SamplingParams
-    from edgemoe.config import engine_config
     from edgemoe.engine.summary import startup_line
 
     prompt = _read_prompt(a.prompt)
@@ -207,9 +206,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
         prompt_tokens = _count_tokens(kwargs["model"], request, a.chat)
         if prompt_tokens is not None:  # else the engine says what is wrong with the model folder
             kwargs["kv_cache_tokens"] = prompt_tokens + a.max_tokens
-    engine_config(**kwargs)  # a bad setting is one line, before the loading line
-    print(f"edgemoe: loading {kwargs['model'] or 'the demo model'} ...", file=sys.stderr, flush=True)
-    llm = LLM(**kwargs)
+    llm = LLM(**kwargs)  # says what it loads, once the model's config and the flags are checked
     print(startup_line(llm.engine), file=sys.stderr, flush=True)
     start = time.perf_counter()
     first = now = start

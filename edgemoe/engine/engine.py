@@ -67,11 +67,16 @@ class LLMEngine:
         start = time.perf_counter()
         self.config = config
         path = Path(config.model) if config.model else demo_model_path()
-        self.model_name = path.name if config.model else "the demo model"
+        self.model_name = path.resolve().name if config.model else "the demo model"
         self.model_config, family, gguf = read_checkpoint(path)
         self.num_params = count_parameters(self.model_config, family)
         self.device = resolve_device(config.device)
         self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device, self.model_config, self.num_params)
+        if gguf is not None and config.moe.expert_dtype != "auto":  # a bad flag: before the loading line
+            raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
+        # the checkpoint's config and the settings are sound: what follows reads the weights (the start-up line,
+        # `edgemoe.engine.summary`, says when it is done)
+        print(f"edgemoe: loading {self.model_name} ...", file=sys.stderr, flush=True)
         self.tokenizer = Tokenizer(path) if gguf is None else gguf.tokenizer()
         self.max_model_len = min(config.max_model_len or sys.maxsize, self.model_config.max_position_embeddings)
         moe = config.moe

@@ -96,8 +96,7 @@ def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
     app = create_app(engine_loop, metrics, config)
     uv_config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = GracefulServer(uv_config, engine_loop, _url(sock), model_id, SHUTDOWN_GRACE_S)
-    print(f"edgemoe: loading {model or 'the demo model'} ...", file=sys.stderr, flush=True)
-    engine_loop.start()
+    engine_loop.start()  # the engine says what it loads, then the start-up line
     try:
         server.run(sockets=[sock])
     finally:

@@ -28,7 +28,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.is_moe = cfg.moe_layers[layer]
-        self.moe_index = sum(cfg.moe_layers[:layer])  # this layer's place among the MoE layers
+        self.moe_layer = sum(cfg.moe_layers[:layer])  # this layer's place among the MoE layers
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -63,7 +63,7 @@ def moe_or_mlp(cfg: ModelConfig, layer: DecoderLayer, shared: int = 0) -> Sparse
         cfg.top_k,
         cfg.moe_intermediate_size,
         cfg.norm_topk_prob,
-        layer.moe_index,
+        layer.moe_layer,
         shared,
     )
 

@@ -137,9 +137,9 @@ class Gemma4MoE(SparseMoE):
     its input without a scale, scales it (`router_scale`, 1/sqrt(hidden)), softmaxes, keeps and renormalises the
     top k, then weighs each by its expert's `per_expert_scale`; no router kernel does that yet."""
 
-    def __init__(self, cfg: ModelConfig, index: int, dense: GatedMLP) -> None:
+    def __init__(self, cfg: ModelConfig, moe_layer: int, dense: GatedMLP) -> None:
         H, E, eps = cfg.hidden_size, cfg.num_experts, cfg.rms_norm_eps
-        super().__init__(H, E, cfg.top_k, cfg.moe_intermediate_size, True, index, act=cfg.hidden_act)
+        super().__init__(H, E, cfg.top_k, cfg.moe_intermediate_size, True, moe_layer, act=cfg.hidden_act)
         self.shared_expert, self.eps, self.root = dense, eps, H**-0.5
         self.router_scale = nn.Parameter(torch.ones(H))
         self.per_expert_scale = nn.Parameter(torch.ones(E))
@@ -181,7 +181,7 @@ class Gemma4DecoderLayer(DecoderLayer):
         wide = s.double_wide_mlp and self.self_attn.shares_kv
         dense = GatedMLP(H, cfg.intermediate_size * (2 if wide else 1), cfg.hidden_act)
         if self.is_moe:
-            self.mlp = Gemma4MoE(cfg, self.moe_index, dense)  # it owns the pre-feed-forward norms
+            self.mlp = Gemma4MoE(cfg, self.moe_layer, dense)  # it owns the pre-feed-forward norms
         else:
             self.mlp, self.pre_feedforward_layernorm = dense, RMSNorm(H, eps)
         self.post_feedforward_layernorm = RMSNorm(H, eps)

@@ -20,7 +20,7 @@ class SparseMoE(nn.Module):
     the layer input is ready and joined before the sum, so they overlap the routed experts' router, ensure, miss
     copy and GEMVs on the current stream. Same ops, same sum: outputs are bitwise equal with and without it.
 
-    `index`: this block's place among the model's MoE layers (the routing seam's row, the expert cache's layer)."""
+    `moe_layer`: this block's place among the model's MoE layers (the routing seam's row, the expert cache's layer)."""
 
     def __init__(
         self,
@@ -29,13 +29,13 @@ class SparseMoE(nn.Module):
         top_k: int,
         inter: int,
         norm_topk_prob: bool,
-        index: int,
+        moe_layer: int,
         shared: int = 0,
         act: str = "silu",
     ) -> None:
         """`act`: the routed experts' gate activation (`edgemoe.layers.mlp.ACTIVATIONS`)."""
         super().__init__()
-        self.top_k, self.norm_topk_prob, self.index = top_k, norm_topk_prob, index
+        self.top_k, self.norm_topk_prob, self.moe_layer = top_k, norm_topk_prob, moe_layer
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, inter, act)
         self.shared_expert = self.shared_expert_gate = None
@@ -98,9 +98,9 @@ class SparseMoE(nn.Module):
         the ids used are written out where the context asks (`routed_ids`). Views and one copy: graph-capturable."""
         ctx = get_context()
         if ctx.forced_ids is not None:
-            ids = ctx.forced_ids[self.index]
+            ids = ctx.forced_ids[self.moe_layer]
         if ctx.routed_ids is not None and not ctx.is_prefill:
-            ctx.routed_ids[self.index].copy_(ids)
+            ctx.routed_ids[self.moe_layer].copy_(ids)
         return ids
 
     def _routed(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

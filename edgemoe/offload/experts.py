@@ -35,9 +35,9 @@ MiB = 2**20
 class OffloadedExperts(nn.Module):
     """Drop-in for `Experts`; the banks are plain host tensors (not parameters), so no `.to()` moves them."""
 
-    def __init__(self, layer: int, bank: torch.Tensor, layout: ExpertLayout) -> None:
+    def __init__(self, moe_layer: int, bank: torch.Tensor, layout: ExpertLayout) -> None:
         super().__init__()
-        self.layer, self.layout = layer, layout  # layer: index among MoE layers
+        self.moe_layer, self.layout = moe_layer, layout
         self.bank = bank  # [E, row]: what streamed prefill copies a layer at a time, and the CPU split reads
         self.gate_up_proj, self.down_proj = layout.views(bank)  # dense: [E, 2I, H], [E, H, I] on the host
         self.banks = layout.copy_views(bank)  # what the miss copy reads
@@ -56,7 +56,7 @@ class OffloadedExperts(nn.Module):
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]
         if get_context().is_prefill:
             return self._prefill(x, ids, weights)
-        got = self.cache.fetch(self.layer, ids, x, self)  # decode: at most min(E, pairs) <= S experts
+        got = self.cache.fetch(self.moe_layer, ids, x, self)  # decode: at most min(E, pairs) <= S experts
         if got.cpu_rows is not None:
             return self.layout.decode_cpu(
                 x, got.slots, weights, self.w13, self.w2, got.cpu_rows, got.arrivals, cpu_wait=got.cpu_wait
@@ -69,8 +69,8 @@ class OffloadedExperts(nn.Module):
         by the layout's `pair_outputs` from their slots (the others skipped): the function resident experts run,
         each expert's pairs computed alike in any wave, so the sum is bitwise resident experts'."""
         stream = self.cache.prefill_stream
-        if ids.numel() > self.num_experts and stream is not None and stream.chooses(self.layer, ids):
-            return stream.run(self.layer, self.layout, x, ids, weights)
+        if ids.numel() > self.num_experts and stream is not None and stream.chooses(self.moe_layer, ids):
+            return stream.run(self.moe_layer, self.layout, x, ids, weights)
         flat = ids.flatten()
         y = x.new_empty(flat.numel(), x.shape[1])  # [pairs, hidden]
         for wave, slots in self._waves(torch.unique(flat).tolist()):
@@ -80,7 +80,7 @@ class OffloadedExperts(nn.Module):
         return sum_pairs(y, ids.shape[1])
 
     def load(self, ids: torch.Tensor) -> Ensured:
-        got = self.cache.ensure(self.layer, ids, self.banks)
+        got = self.cache.ensure(self.moe_layer, ids, self.banks)
         self.cache.copy_missing(got, *self.banks)
         return got
 
@@ -188,10 +188,10 @@ def attach_expert_cache(
     for m in layers:
         m.attach(cache)
     if PrefillStream.fits(cache) and layers:
-        cache.prefill_stream = PrefillStream(cache, [m.bank for m in sorted(layers, key=lambda m: m.layer)])
+        cache.prefill_stream = PrefillStream(cache, [m.bank for m in sorted(layers, key=lambda m: m.moe_layer)])
     if device.type == "cuda" and layers:
         cache.start_copy_service(max_tokens * cfg.top_k)
-    layers.sort(key=lambda m: m.layer)
+    layers.sort(key=lambda m: m.moe_layer)
     cache.cpu_split = cpu_split.resolve(cpu_compute, layers, device, cfg.top_k, graphs, cpu_threads,
                                         service=cache.copy_service, max_tokens=max_tokens)  # fmt: skip
     return cache

@@ -137,7 +137,7 @@ def prewarm(model: MoEForCausalLM, rows: torch.Tensor) -> None:
     layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
     for row in rows:
         for m in layers:
-            m.load(row[m.layer].view(1, -1))
+            m.load(row[m.moe_layer].view(1, -1))
 
 
 def prefill_lengths(spec: str) -> list[int]:

@@ -209,7 +209,7 @@ def test_sparse_moe_decode_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
     from edgemoe.moe.layer import SparseMoE
 
     g = gen(12)
-    layer = SparseMoE(256, 60, 4, 64, True, index=0).to(device="cuda", dtype=torch.bfloat16)
+    layer = SparseMoE(256, 60, 4, 64, True, moe_layer=0).to(device="cuda", dtype=torch.bfloat16)
     for p in layer.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
     x = torch.randn(3, 256, generator=g, device="cuda").to(torch.bfloat16)

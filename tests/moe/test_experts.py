@@ -56,7 +56,7 @@ def test_sparse_moe_takes_given_routing() -> None:
     from edgemoe.moe.layer import SparseMoE
 
     g = torch.Generator().manual_seed(3)
-    moe = SparseMoE(32, 8, 2, 16, False, index=0, shared=24).requires_grad_(False)
+    moe = SparseMoE(32, 8, 2, 16, False, moe_layer=0, shared=24).requires_grad_(False)
     for p in moe.parameters():
         p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     x = torch.randn(3, 32, generator=g)

@@ -1,6 +1,6 @@
-"""Random weights of named families and geometries: the presets (`tiny` ... real ones such as `qwen3-30b-a3b`), their
-`config.json`, every checkpoint tensor drawn from a seed, and the tokenizer files. `make_model` writes them as a
-Hugging Face folder, `make_gguf` as a GGUF file; `edgemoe bench` builds its models from the same presets."""
+"""Random weights of named families and geometries (the presets of `edgemoe.tools.presets`): their `config.json`,
+every checkpoint tensor drawn from a seed, and the tokenizer files with the family's chat template. `make_model` writes
+them as a Hugging Face folder, `make_gguf` as a GGUF file; `edgemoe bench` builds its models from the same presets."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 The three chat APIs (chat completions, messages, responses) share one path, `_chat`: the request converted to OpenAI
 chat messages, rendered by the model's chat template (`chat_format.py`). Every API's answer, text completions' too,
 then goes through one answer loop (`answer.py`): its output parsed into reasoning, content and tool calls, and
-written in the request's API by that API's writer (`openai_chat.py`, `anthropic.py`, `responses.py`).
+written in the request's API by that API's writer (`openai_chat.py`, `anthropic.py`, `responses_writer.py`).
 
 Bodies are read and parsed here rather than by FastAPI so that each failure has its own status: 415 for
 a wrong content type, 413 for an oversized body (checked while reading, not after), 400 for bad JSON.
@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from edgemoe.engine.engine import LLMEngine
 from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
-from edgemoe.server import anthropic, openai_chat, responses, tokens
+from edgemoe.server import anthropic, openai_chat, responses, responses_writer, tokens
 from edgemoe.server.answer import Writer, answer, plain_parser
 from edgemoe.server.chat_format import ChatFormats, Conversation, announce, detect_formats, render_chat
 from edgemoe.server.engine_loop import EngineLoop, RequestHandle
@@ -101,7 +101,7 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        return await _chat(request, state, responses.parse, responses.ResponsesWriter)
+        return await _chat(request, state, responses.parse, responses_writer.ResponsesWriter)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

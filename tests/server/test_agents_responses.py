@@ -93,7 +93,7 @@ def test_function_call_round_trip_and_incomplete(tool_server, client):
 
 BAD = [  # (id, body, param)
     ("previous-response", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ("hosted-tool", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ("untyped-tool", {"input": "hi", "tools": [{"name": "f"}]}, "tools.0.type"),
     ("image-input", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content.0"),
     ("unknown-call-id", {"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]},

@@ -23,6 +23,7 @@ import jinja2.meta
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
+from edgemoe.server.prompt import render_text
 from edgemoe.server.protocol import ChatCompletionRequest, ChatMessage, RequestError
 from edgemoe.server.reasoning import Reasoning, ReasoningParser, opens_reasoning
 from edgemoe.server.tool_calls import TOOL_PARSERS, Content, ToolCall, ToolParser
@@ -207,7 +208,7 @@ def render_chat(
         _mistral_ids(messages)
     kwargs = {**(template_kwargs or {}), **_template_kwargs(req.chat_template_kwargs)}
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools if use_tools else None, **kwargs)
+        text = render_text(tokenizer, messages, add_generation_prompt, tools if use_tools else None, kwargs)
     except EdgeMoEError as exc:
         raise RequestError(400, str(exc), "messages", "invalid_value") from None
     except (TypeError, ValueError, KeyError, AttributeError) as exc:  # the template's own code failed on this data

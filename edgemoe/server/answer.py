@@ -5,11 +5,12 @@ What differs between the APIs (OpenAI chat and text completions, Anthropic Messa
 they write: a `Writer` per API turns the loop's calls into that API's events, usage fields and error shape, so a fix
 to the loop lands once for all of them. The usage is one `Usage`, which each writer renders its own way.
 
-A stream's calls, in order: `head` once the request is admitted; `begin` with the first output (the prefix cache's
-share of the prompt is known by then: an API whose first event reports it waits for this); `output` per engine output
-(the parser's events, and the choice's `Finish` when it ends); `end` once every choice has finished, or `error` if the
-engine fails the request after the status line has gone out (after `begin`, with nothing cached, if no output came:
-an API's first event always goes first).
+A stream's calls, in order: `head` once the request is admitted (its frames go out at once; an SSE comment if it
+has none, so that a long prefill never leaves a client without a first byte); `begin` with the first output (the
+prefix cache's share of the prompt is known by then: an API whose first event reports it waits for this); `output`
+per engine output (the parser's events, and the choice's `Finish` when it ends); `end` once every choice has
+finished, or `error` if the engine fails the request after the status line has gone out (after `begin`, with
+nothing cached, if no output came: an API's first event always goes first).
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from edgemoe.server.engine_loop import EngineLoop, RequestHandle
 from edgemoe.server.protocol import RequestError
 from edgemoe.server.reasoning import Reasoning
 from edgemoe.server.tool_calls import ToolCall
+
+# An SSE comment: every client skips it, while a client's first-byte and idle timers see bytes. A stream sends one at
+# once when its API's first event must wait (Anthropic's message_start carries the cached share of the prompt, known
+# only once the prefill has run), and one every KEEPALIVE_S while no output comes.
+KEEPALIVE = ": keep-alive\n\n"
+KEEPALIVE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -137,10 +144,14 @@ async def _stream(handle: RequestHandle, writer: Writer, parser: Callable[[], Ou
     parsers = [parser() for _ in handle.params]
     called = [False] * len(parsers)
     begun = False
-    for frame in writer.head():
+    for frame in writer.head() or [KEEPALIVE]:  # bytes at once, whatever the API's first event waits for
         yield frame
     try:
-        async for index, out in handle.outputs():
+        async for item in _paced(handle.outputs(), KEEPALIVE_S):
+            if item is None:
+                yield KEEPALIVE
+                continue
+            index, out = item
             if not begun:
                 begun = True
                 for frame in writer.begin(Usage(len(handle.prompt_ids), 0, out.cached_tokens)):
@@ -158,6 +169,24 @@ async def _stream(handle: RequestHandle, writer: Writer, parser: Callable[[], Ou
         frames += writer.error(exc)
     for frame in frames:
         yield frame
+
+
+async def _paced(items: AsyncIterator, period: float) -> AsyncIterator:
+    """`items`, and None each time `period` seconds pass without one (a long prefill, a queue)."""
+    it = items.__aiter__()
+    while True:
+        step = asyncio.ensure_future(it.__anext__())
+        try:
+            while not (await asyncio.wait({step}, timeout=period))[0]:
+                yield None
+        finally:
+            if not step.done():  # the response was cancelled (the client left)
+                step.cancel()
+        try:
+            item = step.result()
+        except StopAsyncIteration:
+            return
+        yield item
 
 
 class _EventStream(StreamingResponse):

@@ -32,7 +32,6 @@ from edgemoe.server.engine_loop import EngineLoop, RequestHandle
 from edgemoe.server.http import ApiKeyGuard, add_error_handlers
 from edgemoe.server.metrics import CONTENT_TYPE, Metrics
 from edgemoe.server.protocol import (
-    DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
@@ -49,6 +48,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     tool_parser: str = "auto"  # ServeConfig's
     reasoning_parser: str = "auto"
+    default_max_tokens: int | None = None  # a request without max_tokens: this cap, or (None) the end of the context
 
 
 @dataclass
@@ -112,9 +112,15 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
         conv = anthropic.parse(await _read_json(request, config.max_body_bytes), count_only=True)
         _check_model(conv.req.model, state.names)
         engine = _loaded(engine_loop)
-        plan = await run_in_threadpool(
-            render_chat, engine.tokenizer, state.chat_formats(engine), conv.req, conv.template_kwargs, conv.prefill
-        )  # (count_tokens: no limit, a client may ask how far over it is)
+        plan = await run_in_threadpool(  # the messages route's size check: a long body must not stall the server
+            render_chat,
+            engine.tokenizer,
+            state.chat_formats(engine),
+            conv.req,
+            conv.template_kwargs,
+            conv.prefill,
+            limit=engine.max_model_len,
+        )
         return {"input_tokens": len(plan.prompt_ids)}
 
     @app.post("/v1/tokenize")
@@ -156,9 +162,12 @@ def _loaded(engine_loop: EngineLoop) -> LLMEngine:
     return engine_loop.engine
 
 
-def _kv_tokens(engine: LLMEngine) -> int:
-    """The longest sequence the KV cache holds."""
-    return engine.kv.num_blocks * engine.kv.block_size
+def _limit(engine: LLMEngine) -> tuple[int, str]:
+    """The longest sequence a request may make, and what sets it: the context, or the KV cache if it holds less."""
+    kv_tokens = engine.kv.num_blocks * engine.kv.block_size
+    if engine.max_model_len <= kv_tokens:
+        return engine.max_model_len, "the context limit"
+    return kv_tokens, "what the KV cache holds"
 
 
 async def _submit(handle: RequestHandle, engine_loop: EngineLoop) -> None:
@@ -177,7 +186,8 @@ async def _complete(request: Request, state: _State) -> Response:
     _check_model(req.model, state.names)
     engine = _loaded(engine_loop)
     prompt_ids = await run_in_threadpool(_tokenize, engine, req)  # a long prompt must not stall the event loop
-    handle = RequestHandle(prompt_ids, _sampling_params(req, len(prompt_ids), engine.max_model_len, _kv_tokens(engine)))
+    params = _sampling_params(req, len(prompt_ids), _limit(engine), state.config.default_max_tokens)
+    handle = RequestHandle(prompt_ids, params)
     await _submit(handle, engine_loop)
     writer = openai_chat.CompletionWriter(req, state.config.model_id)
     return await answer(request, handle, engine_loop, writer, plain_parser, req.stream)
@@ -204,7 +214,7 @@ async def _chat(
     room = engine.max_model_len - len(plan.prompt_ids)
     if conv.fit_max_tokens and req.max_tokens is not None and room > 0:
         req.max_tokens = min(req.max_tokens, room)
-    params = _sampling_params(req, len(plan.prompt_ids), engine.max_model_len, _kv_tokens(engine))
+    params = _sampling_params(req, len(plan.prompt_ids), _limit(engine), state.config.default_max_tokens)
     handle = RequestHandle(plan.prompt_ids, plan.sampling(params))
     await _submit(handle, engine_loop)
     out = writer(conv, plan, state.config.model_id)
@@ -254,20 +264,20 @@ def _tokenize(engine: LLMEngine, req: CompletionRequest) -> list[int]:
 
 
 def _sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, prompt_len: int, max_len: int, kv_tokens: int
+    req: ChatCompletionRequest | CompletionRequest, prompt_len: int, limit: tuple[int, str], default: int | None
 ) -> list[SamplingParams]:
-    """One SamplingParams per choice. Without max_tokens a request gets DEFAULT_MAX_TOKENS, or what the context
-    (and the KV cache) has left if that is less; an explicit max_tokens that does not fit is an error, not
-    truncated. `kv_tokens`: the longest sequence the KV cache holds."""
+    """One SamplingParams per choice. Without max_tokens a request may generate up to the end of the context (as
+    OpenAI's API does: an agent's long answer is not cut), or `default` tokens if that is less; an explicit max_tokens
+    that does not fit is an error, not truncated. `limit`: the longest sequence and what sets it (`_limit`)."""
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-    limit, what = (max_len, "the context limit") if max_len <= kv_tokens else (kv_tokens, "what the KV cache holds")
+    limit, what = limit
     if prompt_len >= limit:
         raise RequestError(
             400, f"the prompt has {prompt_len} tokens; {what} is {limit}", param, "context_length_exceeded"
         )
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, limit - prompt_len)
+        max_tokens = limit - prompt_len if default is None else min(default, limit - prompt_len)
     elif prompt_len + max_tokens > limit:
         name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         raise RequestError(

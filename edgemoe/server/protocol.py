@@ -14,8 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-DEFAULT_MAX_TOKENS = 256  # when a request gives none: this, or what the context has left if that is less
-
 
 def _no(v: Any) -> bool:
     return v is None or v is False or v == 0 or v == [] or v == {} or v == "none"

@@ -64,11 +64,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
         """`limit`: refuse, before tokenizing, a text whose length alone proves it holds more tokens than that."""
-        if limit is not None and len(text) > limit * self.max_token_chars:
-            raise EdgeMoEError(
-                f"the prompt has {len(text)} characters, at least {len(text) // self.max_token_chars} tokens; the "
-                f"context limit is {limit}"
-            )
+        if limit is not None:
+            self.check_length(len(text), limit)
         if not isinstance(text, str):
             raise EdgeMoEError(f"a prompt must be text or a list of token ids, got {type(text).__name__}")
         try:
@@ -80,6 +77,15 @@ class Tokenizer:
         # encode_batch lets go of the GIL while it works (encode holds it: 3.6 s for a 3.9 MB text, during which the
         # server's event loop, which called this from a worker thread, stood still); the ids are the same
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def check_length(self, chars: int, limit: int, tokens: int = 0) -> None:
+        """Refuse a prompt of `chars` characters of text and `tokens` tokens besides whose length alone proves it
+        holds more than `limit` tokens."""
+        if chars > (limit - tokens) * self.max_token_chars:
+            at_least = tokens + chars // self.max_token_chars
+            raise EdgeMoEError(
+                f"the prompt has {chars} characters, at least {at_least} tokens; the context limit is {limit}"
+            )
 
     @functools.cached_property
     def max_token_chars(self) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgemoe.server.answer import Finish, Usage, Writer
-from edgemoe.server.chat_format import ChatPlan, Conversation, Parsed, new_call_id
+from edgemoe.server.chat_format import ChatPlan, Conversation, Parsed
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
 from edgemoe.server.reasoning import Reasoning
 from edgemoe.server.tool_calls import Content, ToolCall
@@ -202,6 +202,8 @@ class MessagesWriter(Writer):
     the prompt's cached share is known), per block content_block_start / _delta... / _stop, message_delta (with the
     whole usage, as Anthropic's counts there are cumulative), message_stop."""
 
+    call_prefix = "toolu_"
+
     def __init__(self, conv: Conversation, plan: ChatPlan, model: str) -> None:
         self.model = model
         self.id = f"msg_{uuid.uuid4().hex}"
@@ -217,7 +219,7 @@ class MessagesWriter(Writer):
         (out, finish), *_ = choices
         content = [{"type": "thinking", "thinking": out.reasoning, "signature": SIGNATURE}] if out.reasoning else []
         content += [{"type": "text", "text": out.content}] if out.content else []
-        content += [{"type": "tool_use", "id": new_call_id("toolu_"), "name": c.name, "input": json.loads(c.arguments)}
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
                     for c in out.calls]  # fmt: skip
         return self._message(content, *stop_reason(finish.reason, finish.stop, finish.called), usage)
 
@@ -267,7 +269,7 @@ class MessagesWriter(Writer):
 
 def _start(e: Content | Reasoning | ToolCall) -> dict:
     if isinstance(e, ToolCall):
-        return {"type": "tool_use", "id": new_call_id("toolu_"), "name": e.name, "input": {}}
+        return {"type": "tool_use", "id": e.id, "name": e.name, "input": {}}
     if isinstance(e, Reasoning):
         return {"type": "thinking", "thinking": "", "signature": ""}
     return {"type": "text", "text": ""}

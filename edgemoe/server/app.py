@@ -23,11 +23,20 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from edgemoe.engine.engine import LLMEngine
+from edgemoe.engine.sequence import RequestOutput
 from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.server import anthropic, openai_chat, responses, responses_writer, tokens
-from edgemoe.server.answer import Writer, answer, plain_parser
-from edgemoe.server.chat_format import ChatFormats, Conversation, announce, detect_formats, render_chat
+from edgemoe.server.answer import OnAnswer, Writer, answer, plain_parser
+from edgemoe.server.chat_format import (
+    ChatFormats,
+    ChatPlan,
+    Conversation,
+    Parsed,
+    announce,
+    detect_formats,
+    render_chat,
+)
 from edgemoe.server.engine_loop import EngineLoop, RequestHandle
 from edgemoe.server.http import ApiKeyGuard, add_error_handlers
 from edgemoe.server.metrics import CONTENT_TYPE, Metrics
@@ -38,6 +47,7 @@ from edgemoe.server.protocol import (
     error_body,
     parse_request,
 )
+from edgemoe.server.replay import TurnStore
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class ServerConfig:
     tool_parser: str = "auto"  # ServeConfig's
     reasoning_parser: str = "auto"
     default_max_tokens: int | None = None  # a request without max_tokens: this cap, or (None) the end of the context
+    replay_tokens: int = 1 << 22  # the answers kept to be replayed as generated (replay.TurnStore): tokens in all,
+    replay_seconds: float = 3600.0  # and for how long each
 
 
 @dataclass
@@ -56,6 +68,7 @@ class _State:
     engine_loop: EngineLoop
     config: ServerConfig
     names: set[str]
+    turns: TurnStore  # the answers given, replayed as generated when a conversation returns them
     formats: ChatFormats | None = None  # the model's output formats, detected at the first chat request
 
     def chat_formats(self, engine: LLMEngine) -> ChatFormats:
@@ -66,7 +79,8 @@ class _State:
 
 
 def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) -> FastAPI:
-    state = _State(engine_loop, config, {config.model_id, *config.model_aliases})
+    turns = TurnStore(config.replay_tokens, config.replay_seconds)
+    state = _State(engine_loop, config, {config.model_id, *config.model_aliases}, turns)
     app = FastAPI(title="edgemoe", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app, metrics)
     app.add_middleware(ApiKeyGuard, api_key=config.api_key, metrics=metrics)
@@ -120,6 +134,7 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
             conv.template_kwargs,
             conv.prefill,
             limit=engine.max_model_len,
+            turns=state.turns,  # the count of the prompt /v1/messages runs
         )
         return {"input_tokens": len(plan.prompt_ids)}
 
@@ -129,7 +144,7 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
         req = parse_request(tokens.TokenizeRequest, body)
         _check_model(req.model, state.names)
         engine = _loaded(engine_loop)
-        return await run_in_threadpool(tokens.tokenize, engine, state.chat_formats(engine), body, req)
+        return await run_in_threadpool(tokens.tokenize, engine, state.chat_formats(engine), body, req, state.turns)
 
     @app.post("/v1/detokenize")
     async def detokenize(request: Request) -> dict:
@@ -210,6 +225,7 @@ async def _chat(
         conv.template_kwargs,
         conv.prefill,
         limit=engine.max_model_len,
+        turns=state.turns,
     )
     room = engine.max_model_len - len(plan.prompt_ids)
     if conv.fit_max_tokens and req.max_tokens is not None and room > 0:
@@ -218,7 +234,20 @@ async def _chat(
     handle = RequestHandle(plan.prompt_ids, plan.sampling(params))
     await _submit(handle, engine_loop)
     out = writer(conv, plan, state.config.model_id)
-    return await answer(request, handle, engine_loop, out, plan.parser, req.stream)
+    return await answer(request, handle, engine_loop, out, plan.parser, req.stream, _remember(state.turns, plan))
+
+
+def _remember(turns: TurnStore, plan: ChatPlan) -> OnAnswer | None:
+    """Where each answer goes once given: into the store, to be replayed as generated (if the prompt's end, which
+    the answer continues, is known)."""
+    if plan.opening is None:
+        return None
+
+    def remember(parsed: Parsed, output: RequestOutput) -> None:
+        calls = [(c.id, c.name, c.arguments) for c in parsed.calls]
+        turns.remember(parsed.reasoning, parsed.content, calls, output, plan.opening)
+
+    return remember
 
 
 async def _read_json(request: Request, limit: int) -> object:

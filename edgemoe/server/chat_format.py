@@ -23,9 +23,10 @@ import jinja2.meta
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
-from edgemoe.server.prompt import render_text
+from edgemoe.server.prompt import Segments, encode, render, replay_marks
 from edgemoe.server.protocol import ChatCompletionRequest, ChatMessage, RequestError
 from edgemoe.server.reasoning import Reasoning, ReasoningParser, opens_reasoning
+from edgemoe.server.replay import TurnStore
 from edgemoe.server.tool_calls import TOOL_PARSERS, Content, ToolCall, ToolParser
 from edgemoe.tokenizer import Tokenizer
 
@@ -128,16 +129,19 @@ class Parsed:
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
 
+    def add(self, e: Event) -> None:
+        if isinstance(e, ToolCall):
+            self.calls.append(e)
+        elif isinstance(e, Reasoning):
+            self.reasoning += e.text
+        else:
+            self.content += e.text
+
 
 def parse_all(parser: OutputParser, text: str) -> Parsed:
     out = Parsed()
     for e in parser.feed(text) + parser.finish():
-        if isinstance(e, ToolCall):
-            out.calls.append(e)
-        elif isinstance(e, Reasoning):
-            out.reasoning += e.text
-        else:
-            out.content += e.text
+        out.add(e)
     return out
 
 
@@ -168,6 +172,7 @@ class ChatPlan:
     parallel: bool = True
     in_reasoning: bool = False  # the prompt leaves the model inside <think>
     forced: str = ""  # the call's opening that the prompt ends with (tool_choice required or a function)
+    opening: str | None = None  # what the prompt ends with after the conversation (None: cannot be told)
 
     def parser(self) -> OutputParser:
         """A fresh output parser for one choice."""
@@ -192,9 +197,11 @@ def render_chat(
     prefill: str = "",
     add_generation_prompt: bool = True,
     limit: int | None = None,
+    turns: TurnStore | None = None,
 ) -> ChatPlan:
     """Check the conversation and render it. `template_kwargs`: switches the API sets (the request's
-    chat_template_kwargs win); `prefill`: the start of the answer, given by the client (not parsed as output)."""
+    chat_template_kwargs win); `prefill`: the start of the answer, given by the client (not parsed as output);
+    `turns`: the answers the server gave, replayed as generated where the conversation returns them."""
     tools = _tools(req.tools)
     choice, function = _tool_choice(req.tool_choice, tools)
     use_tools = bool(tools) and choice != "none"
@@ -204,30 +211,42 @@ def render_chat(
     if use_tools and formats.tool_parser is None:
         message = "the server does not know this model's tool-call format: start it with --tool-parser"
         raise RequestError(400, message, "tools", "invalid_value")
+    masked, marks = replay_marks(messages, turns)  # (before Mistral's ids: the store knows the ids it gave)
     if formats.tool_parser == "mistral":
         _mistral_ids(messages)
     kwargs = {**(template_kwargs or {}), **_template_kwargs(req.chat_template_kwargs)}
     try:
-        text = render_text(tokenizer, messages, add_generation_prompt, tools if use_tools else None, kwargs)
+        segments, gen = render(
+            tokenizer, masked, marks, messages, add_generation_prompt, tools if use_tools else None, kwargs
+        )
     except EdgeMoEError as exc:
         raise RequestError(400, str(exc), "messages", "invalid_value") from None
     except (TypeError, ValueError, KeyError, AttributeError) as exc:  # the template's own code failed on this data
         raise RequestError(400, f"chat template: {type(exc).__name__}: {exc}", "messages", "invalid_value") from None
     forced = _forced(formats, choice, function) if use_tools else ""
-    text += prefill + forced
+    segments[-1] += prefill + forced
+    ids = _tokens(tokenizer, segments, limit)
+    parallel = req.parallel_tool_calls is not False
+    in_reasoning = formats.reasoning and opens_reasoning(segments[-1])
+    opening = None if gen is None else gen + prefill + forced
+    return ChatPlan(ids, formats, tools, choice, parallel, in_reasoning, forced, opening)
+
+
+def _tokens(tokenizer: Tokenizer, segments: Segments, limit: int | None) -> list[int]:
+    """The prompt's tokens, checked."""
     try:
-        text.encode()  # a lone surrogate (valid JSON, invalid Unicode) would fail deep in the tokenizer
+        for s in segments:
+            if isinstance(s, str):
+                s.encode()  # a lone surrogate (valid JSON, invalid Unicode) would fail deep in the tokenizer
     except UnicodeEncodeError:
         raise RequestError(400, "the text is not valid Unicode (lone surrogate)", "messages", "invalid_value") from None
     try:  # `limit`: a conversation whose length alone proves it over the context is refused before tokenizing
-        ids = tokenizer.encode(text, add_special_tokens=False, limit=limit)
+        ids = encode(tokenizer, segments, limit)
     except EdgeMoEError as exc:
         raise RequestError(400, str(exc), "messages", "context_length_exceeded") from None
     if not ids:
         raise RequestError(400, "the prompt is empty", "messages", "invalid_value")
-    parallel = req.parallel_tool_calls is not False
-    in_reasoning = formats.reasoning and opens_reasoning(text)
-    return ChatPlan(ids, formats, tools, choice, parallel, in_reasoning, forced)
+    return ids
 
 
 def _forced(formats: ChatFormats, choice: str, function: str | None) -> str:

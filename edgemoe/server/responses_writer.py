@@ -9,7 +9,7 @@ import time
 import uuid
 
 from edgemoe.server.answer import Finish, Usage, Writer
-from edgemoe.server.chat_format import ChatPlan, Conversation, Event, Parsed, new_call_id
+from edgemoe.server.chat_format import ChatPlan, Conversation, Event, Parsed
 from edgemoe.server.protocol import RequestError
 from edgemoe.server.reasoning import Reasoning
 from edgemoe.server.responses import ResponsesRequest, custom_input
@@ -92,9 +92,9 @@ class _Items:
     def call(self, call: ToolCall, status: str) -> dict:
         """A finished call's item: a custom tool's with its raw input, a function's with its arguments."""
         if call.name in self.custom:
-            return {"type": "custom_tool_call", "id": f"ctc_{uuid.uuid4().hex}", "call_id": new_call_id(),
+            return {"type": "custom_tool_call", "id": f"ctc_{uuid.uuid4().hex}", "call_id": call.id,
                     "name": call.name, "input": custom_input(call.arguments)}  # fmt: skip
-        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": new_call_id(), "name": call.name,
+        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name,
                 "arguments": call.arguments, "status": status}  # fmt: skip
 
     def _call_events(self, call: ToolCall) -> list[str]:

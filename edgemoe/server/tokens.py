@@ -12,6 +12,7 @@ from edgemoe.engine.engine import LLMEngine
 from edgemoe.errors import EdgeMoEError
 from edgemoe.server.chat_format import ChatFormats, render_chat
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
+from edgemoe.server.replay import TurnStore
 
 
 class TokenizeRequest(BaseModel):
@@ -32,7 +33,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(min_length=0)
 
 
-def tokenize(engine: LLMEngine, formats: ChatFormats, body: dict, req: TokenizeRequest) -> dict:
+def tokenize(
+    engine: LLMEngine, formats: ChatFormats, body: dict, req: TokenizeRequest, turns: TurnStore | None = None
+) -> dict:
     """Runs in a worker thread (a long conversation must not stall the event loop), with the generation routes'
     size check: a text whose length alone proves it longer than the context is refused before it is tokenized."""
     tok = engine.tokenizer
@@ -52,7 +55,7 @@ def tokenize(engine: LLMEngine, formats: ChatFormats, body: dict, req: TokenizeR
         extra = ("add_special_tokens", "add_generation_prompt", "return_token_strs")
         chat = parse_request(ChatCompletionRequest, {k: v for k, v in body.items() if k not in extra})
         plan = render_chat(
-            tok, formats, chat, add_generation_prompt=req.add_generation_prompt, limit=engine.max_model_len
+            tok, formats, chat, add_generation_prompt=req.add_generation_prompt, limit=engine.max_model_len, turns=turns
         )
         ids = plan.prompt_ids
     out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
+import agents  # the openai-agents package (test extra)
+import openai
 import pytest
-
-agents = pytest.importorskip("agents")  # the test extra: openai-agents
 
 MODEL = "qwen-tools"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -23,8 +23,6 @@ def get_weather(city: str) -> str:
 
 @pytest.mark.parametrize("mode", ["responses", "chat"])
 def test_tool_loop(tool_server, mode):
-    import openai
-
     agents.set_tracing_disabled(True)  # nothing leaves this machine
     client = openai.AsyncOpenAI(base_url=f"{tool_server.url}/v1", api_key=tool_server.api_key, max_retries=0)
     if mode == "responses":

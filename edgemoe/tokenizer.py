@@ -93,6 +93,18 @@ class Tokenizer:
         vocabulary entry's length bounds the bytes it matches, and a character is at least one byte)."""
         return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
+    def added_token(self, text: str) -> int | None:
+        """The id of `text` if it is one of the tokenizer's added tokens (markup such as `<tool_call>`), else None."""
+        return self._added.get(text)
+
+    @functools.cached_property
+    def _added(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+
+    def to_json(self) -> str:
+        """The tokenizer as a `tokenizer.json` document (what the grammar library builds its own from)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -117,6 +117,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None  # the template's own switches, e.g. {"enable_thinking": false}
+    response_format: dict | None = None  # text, json_object or json_schema (`constraints.py`)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -4,7 +4,8 @@
 Nothing is stored: a conversation is sent whole each time (`previous_response_id` is refused). Input items: messages
 (text parts), `function_call` and `custom_tool_call`, their `function_call_output` and `custom_tool_call_output`
 (each answering a call made before it), `reasoning`. `reasoning.effort` "none" turns the template's
-`enable_thinking` off, any other effort on.
+`enable_thinking` off, any other effort on. `text.format` json_schema or json_object: the answer is that JSON
+(`constraints.py`).
 
 Tools: `function` tools as chat's; a `custom` tool (free-form text input, as Codex's `apply_patch`) is offered to the
 model as a function of one string argument, `input`, its grammar (if any) in the description, and its calls come
@@ -22,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgemoe.server.chat_format import Conversation
+from edgemoe.server.constraints import response_schema
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -66,12 +68,12 @@ def parse(body: object) -> Conversation:
             raise _bad(f"{name} is not supported: this server stores nothing; send the whole conversation", name)
     if req.background:
         raise _bad("background is not supported", "background")
-    if req.text and req.text.get("format", {"type": "text"}) != {"type": "text"}:
-        raise _bad("text.format: only text is supported", "text.format")
+    fmt = (req.text or {}).get("format")
+    response_schema(fmt, "text.format")  # (checked here to name the field)
     chat = {"model": req.model, "messages": _messages(req), "stream": req.stream,
             "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
-            "parallel_tool_calls": req.parallel_tool_calls}  # fmt: skip
+            "parallel_tool_calls": req.parallel_tool_calls, "response_format": fmt}  # fmt: skip
     kwargs = {}
     if req.reasoning and req.reasoning.get("effort") is not None:
         kwargs["enable_thinking"] = req.reasoning["effort"] != "none"

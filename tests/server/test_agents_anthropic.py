@@ -153,7 +153,7 @@ BAD = [  # (id, body, status, error type)
     ("server-tool", {"messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
      "invalid_request_error"),
     ("bad-role", {"messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error"),
-    ("structured-output", {"messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
+    ("format-without-schema", {"messages": USER, "output_config": {"format": {"type": "json_schema"}}},
      400, "invalid_request_error"),
     ("unknown-model", {"model": "claude-opus-4", "messages": USER}, 404, "not_found_error"),
 ]  # fmt: skip

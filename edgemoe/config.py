@@ -332,6 +332,9 @@ class ServeConfig:
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
     max_queue: int = option(64, "sequences that may wait for a slot; beyond that requests get 429")
     max_body_bytes: int = option(4 << 20, "largest request body; larger ones get 413")
+    default_max_tokens: int | None = option(
+        None, "most tokens a request that gives no max_tokens may generate (default: up to the end of the context)"
+    )
     tool_parser: str = option(
         "auto",
         f"tool-call format of the model's output: {', '.join(TOOL_PARSERS)} (auto: from the chat template and "
@@ -348,6 +351,8 @@ class ServeConfig:
             raise EdgeMoEError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_body_bytes < 1:
             raise EdgeMoEError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise EdgeMoEError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key.strip():
             raise EdgeMoEError("--api-key must not be empty")
         if self.tool_parser not in TOOL_PARSERS:

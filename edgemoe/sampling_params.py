@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False: special tokens reach the text (Mistral's [TOOL_CALLS] must)
+    grammar: str | None = None  # the output must follow it: llguidance's Lark syntax (`engine/grammar.py`)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +46,8 @@ class SamplingParams:
             raise EdgeMoEError("stop strings must be non-empty strings")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_int(t) for t in self.stop_token_ids):
             raise EdgeMoEError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise EdgeMoEError(f"grammar must be a string, got {type(self.grammar).__name__}")
         if self.seed is not None and (not _int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise EdgeMoEError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 

@@ -223,6 +223,7 @@ def test_bad_flags(args, fragment) -> None:
     [
         (["nope"], "invalid choice: 'nope'"),
         (["serve", "--port", "x"], "argument --port: invalid int value: 'x' (see edgemoe serve --help)"),
+        (["serve", "--default-max-tokens", "0"], "--default-max-tokens must be >= 1, got 0"),
         (["make-model", "/tmp/x", "--layers", "x"], "invalid int value: 'x' (see edgemoe make-model --help)"),
         (["make-model", "/tmp/x", "--layers", "-1"], "--layers must be >= 1"),
         (["cache-sim", "t.npy"], "the following arguments are required: --slots (see edgemoe cache-sim --help)"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
+import time
 
 import pytest
 
@@ -91,3 +93,30 @@ def test_text_that_was_not_utf8(demo_llm) -> None:
     """Bytes that are not UTF-8 arrive as lone surrogates (surrogateescape); tokenizers would raise a TypeError."""
     with pytest.raises(EdgeMoEError, match="not valid Unicode: a lone surrogate at character 3"):
         demo_llm.tokenizer.encode(b"caf\xe9".decode("utf-8", "surrogateescape"))
+
+
+def test_encoding_lets_other_threads_run() -> None:
+    """A long text is tokenized without holding the GIL (the server tokenizes on worker threads: its event loop must
+    keep answering meanwhile); the ids are those of the plain encoding."""
+    tok = Tokenizer(demo_model_path())
+    text = "To be, or not to be, that is the question: " * 25_000  # ~1 MB
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    start = time.perf_counter()
+    ids = tok.encode(text, add_special_tokens=False)
+    took = time.perf_counter() - start
+    done.set()
+    ticker.join()
+    assert ids == tok._tok.encode(text, add_special_tokens=False).ids
+    assert max(gaps) < took / 2, (max(gaps), took)  # holding the GIL, the ticker would wait the whole encoding

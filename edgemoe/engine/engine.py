@@ -24,6 +24,7 @@ from edgemoe.engine.activations import (
 )
 from edgemoe.engine.cuda_graphs import default_batch_sizes
 from edgemoe.engine.device import resolve_device, resolve_dtype
+from edgemoe.engine.grammar import GrammarConstraint
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Scheduler
@@ -133,6 +134,7 @@ class LLMEngine:
         else:
             self._seed_gen.manual_seed(config.seed)
         self._seqs: dict[str, Sequence] = {}
+        self._constraint: GrammarConstraint | None = None  # the grammars of the requests that have one
         self.load_seconds = time.perf_counter() - start  # the whole start-up: weights, KV cache, warm-up, graphs
 
     def _place(self, moe: ExpertCacheConfig) -> ExpertCache | None:
@@ -304,12 +306,15 @@ class LLMEngine:
                 f"a sequence of {longest} tokens does not fit the KV cache "
                 f"({self.kv.num_blocks * self.kv.block_size} tokens); raise kv_cache_memory or kv_cache_tokens"
             )
+        matcher = self._grammar().matcher(params.grammar) if params.grammar is not None else None
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_gen))
             generator = torch.Generator(device=self.device).manual_seed(seed)
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
         seq = Sequence(ids, params, detok, generator, request_id)
+        if matcher is not None:
+            self._grammar().attach(seq, matcher)
         if seq.request_id in self._seqs:
             raise EdgeMoEError(f"request id {seq.request_id!r} is already in use")
         self._seqs[seq.request_id] = seq
@@ -321,6 +326,14 @@ class LLMEngine:
         if seq is not None:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
+
+    def _grammar(self) -> GrammarConstraint:
+        """Constrained decoding, set up by the first request with a grammar (building the grammar library's view of
+        the vocabulary takes a moment) and run after the other logits processors."""
+        if self._constraint is None:
+            self._constraint = GrammarConstraint(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            self.logits_processors.append(self._constraint)
+        return self._constraint
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -5,16 +5,18 @@ What differs between the APIs (OpenAI chat and text completions, Anthropic Messa
 they write: a `Writer` per API turns the loop's calls into that API's events, usage fields and error shape, so a fix
 to the loop lands once for all of them. The usage is one `Usage`, which each writer renders its own way.
 
-A stream's calls, in order: `head` once the request is admitted; `begin` with the first output (the prefix cache's
-share of the prompt is known by then: an API whose first event reports it waits for this); `output` per engine output
-(the parser's events, and the choice's `Finish` when it ends); `end` once every choice has finished, or `error` if the
-engine fails the request after the status line has gone out (after `begin`, with nothing cached, if no output came:
-an API's first event always goes first).
+A stream's calls, in order: `head` once the request is admitted (its frames go out at once; an SSE comment if it
+has none, so that a long prefill never leaves a client without a first byte); `begin` with the first output (the
+prefix cache's share of the prompt is known by then: an API whose first event reports it waits for this); `output`
+per engine output (the parser's events, and the choice's `Finish` when it ends); `end` once every choice has
+finished, or `error` if the engine fails the request after the status line has gone out (after `begin`, with
+nothing cached, if no output came: an API's first event always goes first).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -22,11 +24,18 @@ from fastapi import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from edgemoe.server.chat_format import Event, OutputParser, Parsed, parse_all
+from edgemoe.engine.sequence import RequestOutput
+from edgemoe.server.chat_format import Event, OutputParser, Parsed, new_call_id, parse_all
 from edgemoe.server.engine_loop import EngineLoop, RequestHandle
 from edgemoe.server.protocol import RequestError
 from edgemoe.server.reasoning import Reasoning
 from edgemoe.server.tool_calls import ToolCall
+
+# An SSE comment: every client skips it, while a client's first-byte and idle timers see bytes. A stream sends one at
+# once when its API's first event must wait (Anthropic's message_start carries the cached share of the prompt, known
+# only once the prefill has run), and one every KEEPALIVE_S while no output comes.
+KEEPALIVE = ": keep-alive\n\n"
+KEEPALIVE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,10 @@ class Finish:
 
 class Writer:
     """One API's way of writing an answer (the module docstring says when each method is called). Each returns the
-    SSE frames to send; `whole` returns the non-streamed body."""
+    SSE frames to send; `whole` returns the non-streamed body. The loop gives each tool call its id, `call_prefix`
+    and a random part."""
+
+    call_prefix = "call_"
 
     def head(self) -> list[str]:
         return []
@@ -101,6 +113,9 @@ class Writer:
         raise NotImplementedError
 
 
+OnAnswer = Callable[[Parsed, RequestOutput], None]  # a finished choice: its parsed answer and the engine's output
+
+
 def plain_parser() -> OutputParser:
     """Text completions: the output is all content."""
     return OutputParser(None, None)
@@ -120,27 +135,42 @@ async def answer(
     writer: Writer,
     parser: Callable[[], OutputParser],
     stream: bool,
+    on_answer: OnAnswer | None = None,
 ) -> Response:
     """The response to an admitted request: its event stream, or its whole answer once every choice has finished.
-    `parser` makes one choice's output parser."""
+    `parser` makes one choice's output parser; `on_answer` hears of each choice's answer once it has finished."""
     if stream:
-        return _EventStream(_stream(handle, writer, parser), handle, engine_loop)
+        return _EventStream(_stream(handle, writer, parser, on_answer), handle, engine_loop)
     await _finish(request, handle, engine_loop)
     choices = []
     for final in handle.finals:
         out = parse_all(parser(), final.text)
+        out.calls = [_named(c, writer) for c in out.calls]
+        if on_answer is not None:
+            on_answer(out, final)
         choices.append((out, Finish(final.finish_reason, final.stop_reason, bool(out.calls))))
     return JSONResponse(writer.whole(choices, usage(handle)))
 
 
-async def _stream(handle: RequestHandle, writer: Writer, parser: Callable[[], OutputParser]) -> AsyncIterator[str]:
+def _named(call: ToolCall, writer: Writer) -> ToolCall:
+    return dataclasses.replace(call, id=new_call_id(writer.call_prefix))
+
+
+async def _stream(
+    handle: RequestHandle, writer: Writer, parser: Callable[[], OutputParser], on_answer: OnAnswer | None
+) -> AsyncIterator[str]:
     parsers = [parser() for _ in handle.params]
+    answers = [Parsed() for _ in handle.params]
     called = [False] * len(parsers)
     begun = False
-    for frame in writer.head():
+    for frame in writer.head() or [KEEPALIVE]:  # bytes at once, whatever the API's first event waits for
         yield frame
     try:
-        async for index, out in handle.outputs():
+        async for item in _paced(handle.outputs(), KEEPALIVE_S):
+            if item is None:
+                yield KEEPALIVE
+                continue
+            index, out = item
             if not begun:
                 begun = True
                 for frame in writer.begin(Usage(len(handle.prompt_ids), 0, out.cached_tokens)):
@@ -148,6 +178,11 @@ async def _stream(handle: RequestHandle, writer: Writer, parser: Callable[[], Ou
             events = parsers[index].feed(out.delta) if out.delta else []
             if out.finish_reason:
                 events += parsers[index].finish()
+            events = [_named(e, writer) if isinstance(e, ToolCall) else e for e in events]
+            for e in events:
+                answers[index].add(e)
+            if out.finish_reason and on_answer is not None:
+                on_answer(answers[index], out)
             called[index] |= any(isinstance(e, ToolCall) for e in events)
             finish = Finish(out.finish_reason, out.stop_reason, called[index]) if out.finish_reason else None
             for frame in writer.output(index, events, finish):
@@ -158,6 +193,24 @@ async def _stream(handle: RequestHandle, writer: Writer, parser: Callable[[], Ou
         frames += writer.error(exc)
     for frame in frames:
         yield frame
+
+
+async def _paced(items: AsyncIterator, period: float) -> AsyncIterator:
+    """`items`, and None each time `period` seconds pass without one (a long prefill, a queue)."""
+    it = items.__aiter__()
+    while True:
+        step = asyncio.ensure_future(it.__anext__())
+        try:
+            while not (await asyncio.wait({step}, timeout=period))[0]:
+                yield None
+        finally:
+            if not step.done():  # the response was cancelled (the client left)
+                step.cancel()
+        try:
+            item = step.result()
+        except StopAsyncIteration:
+            return
+        yield item
 
 
 class _EventStream(StreamingResponse):

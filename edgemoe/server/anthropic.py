@@ -4,9 +4,10 @@ Anthropic's shape.
 
 Mapping: `system` -> a system message; `tool_use` blocks -> the assistant's tool calls; `tool_result` blocks -> tool
 messages (each must answer a `tool_use` made before it); `thinking` blocks -> the assistant's reasoning (templates
-that show past reasoning get it back); a last assistant message -> the start of the answer. `thinking` switches the
-template's `enable_thinking` (the token budget is not enforced). `max_tokens` is capped to what the context has left,
-so that an agent's fixed large value still works on a short context.
+that show past reasoning get it back); a last assistant message -> the start of the answer; `output_config.format`
+-> the required JSON (`constraints.py`). `thinking` switches the template's `enable_thinking` (the token budget is
+not enforced). `max_tokens` is capped to what the context has left, so that an agent's fixed large value still works
+on a short context.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgemoe.server.answer import Finish, Usage, Writer
-from edgemoe.server.chat_format import ChatPlan, Conversation, Parsed, new_call_id
+from edgemoe.server.chat_format import ChatPlan, Conversation, Parsed
+from edgemoe.server.constraints import response_schema
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
 from edgemoe.server.reasoning import Reasoning
 from edgemoe.server.tool_calls import Content, ToolCall
@@ -96,10 +98,11 @@ def parse(body: object, count_only: bool = False) -> Conversation:
     req = parse_request(MessagesRequest, body)
     if req.max_tokens is None and not count_only:
         raise RequestError(400, "max_tokens: Field required", "max_tokens", "missing_required_parameter")
-    if (req.output_config or {}).get("format") is not None:
-        raise _bad("output_config.format: structured outputs are not supported", "output_config.format")
+    fmt = (req.output_config or {}).get("format")
+    response_schema(fmt, "output_config.format")  # (checked here to name the field)
     messages, prefill = _messages(req)
     chat = {"model": req.model, "messages": messages, "stream": req.stream, "stop": req.stop_sequences,
+            "response_format": fmt,
             "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
             **_tools(req)}  # fmt: skip
     kwargs = {}
@@ -202,6 +205,8 @@ class MessagesWriter(Writer):
     the prompt's cached share is known), per block content_block_start / _delta... / _stop, message_delta (with the
     whole usage, as Anthropic's counts there are cumulative), message_stop."""
 
+    call_prefix = "toolu_"
+
     def __init__(self, conv: Conversation, plan: ChatPlan, model: str) -> None:
         self.model = model
         self.id = f"msg_{uuid.uuid4().hex}"
@@ -217,7 +222,7 @@ class MessagesWriter(Writer):
         (out, finish), *_ = choices
         content = [{"type": "thinking", "thinking": out.reasoning, "signature": SIGNATURE}] if out.reasoning else []
         content += [{"type": "text", "text": out.content}] if out.content else []
-        content += [{"type": "tool_use", "id": new_call_id("toolu_"), "name": c.name, "input": json.loads(c.arguments)}
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
                     for c in out.calls]  # fmt: skip
         return self._message(content, *stop_reason(finish.reason, finish.stop, finish.called), usage)
 
@@ -267,7 +272,7 @@ class MessagesWriter(Writer):
 
 def _start(e: Content | Reasoning | ToolCall) -> dict:
     if isinstance(e, ToolCall):
-        return {"type": "tool_use", "id": new_call_id("toolu_"), "name": e.name, "input": {}}
+        return {"type": "tool_use", "id": e.id, "name": e.name, "input": {}}
     if isinstance(e, Reasoning):
         return {"type": "thinking", "thinking": "", "signature": ""}
     return {"type": "text", "text": ""}

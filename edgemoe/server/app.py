@@ -5,7 +5,7 @@
 The three chat APIs (chat completions, messages, responses) share one path, `_chat`: the request converted to OpenAI
 chat messages, rendered by the model's chat template (`chat_format.py`). Every API's answer, text completions' too,
 then goes through one answer loop (`answer.py`): its output parsed into reasoning, content and tool calls, and
-written in the request's API by that API's writer (`openai_chat.py`, `anthropic.py`, `responses.py`).
+written in the request's API by that API's writer (`openai_chat.py`, `anthropic.py`, `responses_writer.py`).
 
 Bodies are read and parsed here rather than by FastAPI so that each failure has its own status: 415 for
 a wrong content type, 413 for an oversized body (checked while reading, not after), 400 for bad JSON.
@@ -23,22 +23,31 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from edgemoe.engine.engine import LLMEngine
+from edgemoe.engine.sequence import RequestOutput
 from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
-from edgemoe.server import anthropic, openai_chat, responses, tokens
-from edgemoe.server.answer import Writer, answer, plain_parser
-from edgemoe.server.chat_format import ChatFormats, Conversation, announce, detect_formats, render_chat
+from edgemoe.server import anthropic, openai_chat, responses, responses_writer, tokens
+from edgemoe.server.answer import OnAnswer, Writer, answer, plain_parser
+from edgemoe.server.chat_format import (
+    ChatFormats,
+    ChatPlan,
+    Conversation,
+    Parsed,
+    announce,
+    detect_formats,
+    render_chat,
+)
 from edgemoe.server.engine_loop import EngineLoop, RequestHandle
 from edgemoe.server.http import ApiKeyGuard, add_error_handlers
 from edgemoe.server.metrics import CONTENT_TYPE, Metrics
 from edgemoe.server.protocol import (
-    DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
     error_body,
     parse_request,
 )
+from edgemoe.server.replay import TurnStore
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,9 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     tool_parser: str = "auto"  # ServeConfig's
     reasoning_parser: str = "auto"
+    default_max_tokens: int | None = None  # a request without max_tokens: this cap, or (None) the end of the context
+    replay_tokens: int = 1 << 22  # the answers kept to be replayed as generated (replay.TurnStore): tokens in all,
+    replay_seconds: float = 3600.0  # and for how long each
 
 
 @dataclass
@@ -56,6 +68,7 @@ class _State:
     engine_loop: EngineLoop
     config: ServerConfig
     names: set[str]
+    turns: TurnStore  # the answers given, replayed as generated when a conversation returns them
     formats: ChatFormats | None = None  # the model's output formats, detected at the first chat request
 
     def chat_formats(self, engine: LLMEngine) -> ChatFormats:
@@ -66,7 +79,8 @@ class _State:
 
 
 def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) -> FastAPI:
-    state = _State(engine_loop, config, {config.model_id, *config.model_aliases})
+    turns = TurnStore(config.replay_tokens, config.replay_seconds)
+    state = _State(engine_loop, config, {config.model_id, *config.model_aliases}, turns)
     app = FastAPI(title="edgemoe", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app, metrics)
     app.add_middleware(ApiKeyGuard, api_key=config.api_key, metrics=metrics)
@@ -101,7 +115,7 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        return await _chat(request, state, responses.parse, responses.ResponsesWriter)
+        return await _chat(request, state, responses.parse, responses_writer.ResponsesWriter)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -112,9 +126,16 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
         conv = anthropic.parse(await _read_json(request, config.max_body_bytes), count_only=True)
         _check_model(conv.req.model, state.names)
         engine = _loaded(engine_loop)
-        plan = await run_in_threadpool(
-            render_chat, engine.tokenizer, state.chat_formats(engine), conv.req, conv.template_kwargs, conv.prefill
-        )  # (count_tokens: no limit, a client may ask how far over it is)
+        plan = await run_in_threadpool(  # the messages route's size check: a long body must not stall the server
+            render_chat,
+            engine.tokenizer,
+            state.chat_formats(engine),
+            conv.req,
+            conv.template_kwargs,
+            conv.prefill,
+            limit=engine.max_model_len,
+            turns=state.turns,  # the count of the prompt /v1/messages runs
+        )
         return {"input_tokens": len(plan.prompt_ids)}
 
     @app.post("/v1/tokenize")
@@ -123,7 +144,7 @@ def create_app(engine_loop: EngineLoop, metrics: Metrics, config: ServerConfig) 
         req = parse_request(tokens.TokenizeRequest, body)
         _check_model(req.model, state.names)
         engine = _loaded(engine_loop)
-        return await run_in_threadpool(tokens.tokenize, engine, state.chat_formats(engine), body, req)
+        return await run_in_threadpool(tokens.tokenize, engine, state.chat_formats(engine), body, req, state.turns)
 
     @app.post("/v1/detokenize")
     async def detokenize(request: Request) -> dict:
@@ -156,9 +177,12 @@ def _loaded(engine_loop: EngineLoop) -> LLMEngine:
     return engine_loop.engine
 
 
-def _kv_tokens(engine: LLMEngine) -> int:
-    """The longest sequence the KV cache holds."""
-    return engine.kv.num_blocks * engine.kv.block_size
+def _limit(engine: LLMEngine) -> tuple[int, str]:
+    """The longest sequence a request may make, and what sets it: the context, or the KV cache if it holds less."""
+    kv_tokens = engine.kv.num_blocks * engine.kv.block_size
+    if engine.max_model_len <= kv_tokens:
+        return engine.max_model_len, "the context limit"
+    return kv_tokens, "what the KV cache holds"
 
 
 async def _submit(handle: RequestHandle, engine_loop: EngineLoop) -> None:
@@ -177,7 +201,8 @@ async def _complete(request: Request, state: _State) -> Response:
     _check_model(req.model, state.names)
     engine = _loaded(engine_loop)
     prompt_ids = await run_in_threadpool(_tokenize, engine, req)  # a long prompt must not stall the event loop
-    handle = RequestHandle(prompt_ids, _sampling_params(req, len(prompt_ids), engine.max_model_len, _kv_tokens(engine)))
+    params = _sampling_params(req, len(prompt_ids), _limit(engine), state.config.default_max_tokens)
+    handle = RequestHandle(prompt_ids, params)
     await _submit(handle, engine_loop)
     writer = openai_chat.CompletionWriter(req, state.config.model_id)
     return await answer(request, handle, engine_loop, writer, plain_parser, req.stream)
@@ -200,15 +225,29 @@ async def _chat(
         conv.template_kwargs,
         conv.prefill,
         limit=engine.max_model_len,
+        turns=state.turns,
     )
     room = engine.max_model_len - len(plan.prompt_ids)
     if conv.fit_max_tokens and req.max_tokens is not None and room > 0:
         req.max_tokens = min(req.max_tokens, room)
-    params = _sampling_params(req, len(plan.prompt_ids), engine.max_model_len, _kv_tokens(engine))
+    params = _sampling_params(req, len(plan.prompt_ids), _limit(engine), state.config.default_max_tokens)
     handle = RequestHandle(plan.prompt_ids, plan.sampling(params))
     await _submit(handle, engine_loop)
     out = writer(conv, plan, state.config.model_id)
-    return await answer(request, handle, engine_loop, out, plan.parser, req.stream)
+    return await answer(request, handle, engine_loop, out, plan.parser, req.stream, _remember(state.turns, plan))
+
+
+def _remember(turns: TurnStore, plan: ChatPlan) -> OnAnswer | None:
+    """Where each answer goes once given: into the store, to be replayed as generated (if the prompt's end, which
+    the answer continues, is known)."""
+    if plan.opening is None:
+        return None
+
+    def remember(parsed: Parsed, output: RequestOutput) -> None:
+        calls = [(c.id, c.name, c.arguments) for c in parsed.calls]
+        turns.remember(parsed.reasoning, parsed.content, calls, output, plan.opening)
+
+    return remember
 
 
 async def _read_json(request: Request, limit: int) -> object:
@@ -254,20 +293,20 @@ def _tokenize(engine: LLMEngine, req: CompletionRequest) -> list[int]:
 
 
 def _sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, prompt_len: int, max_len: int, kv_tokens: int
+    req: ChatCompletionRequest | CompletionRequest, prompt_len: int, limit: tuple[int, str], default: int | None
 ) -> list[SamplingParams]:
-    """One SamplingParams per choice. Without max_tokens a request gets DEFAULT_MAX_TOKENS, or what the context
-    (and the KV cache) has left if that is less; an explicit max_tokens that does not fit is an error, not
-    truncated. `kv_tokens`: the longest sequence the KV cache holds."""
+    """One SamplingParams per choice. Without max_tokens a request may generate up to the end of the context (as
+    OpenAI's API does: an agent's long answer is not cut), or `default` tokens if that is less; an explicit max_tokens
+    that does not fit is an error, not truncated. `limit`: the longest sequence and what sets it (`_limit`)."""
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-    limit, what = (max_len, "the context limit") if max_len <= kv_tokens else (kv_tokens, "what the KV cache holds")
+    limit, what = limit
     if prompt_len >= limit:
         raise RequestError(
             400, f"the prompt has {prompt_len} tokens; {what} is {limit}", param, "context_length_exceeded"
         )
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, limit - prompt_len)
+        max_tokens = limit - prompt_len if default is None else min(default, limit - prompt_len)
     elif prompt_len + max_tokens > limit:
         name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         raise RequestError(

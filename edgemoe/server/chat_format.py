@@ -23,8 +23,12 @@ import jinja2.meta
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
+from edgemoe.server import constraints
+from edgemoe.server.constraints import response_schema
+from edgemoe.server.prompt import Segments, encode, render, replay_marks
 from edgemoe.server.protocol import ChatCompletionRequest, ChatMessage, RequestError
 from edgemoe.server.reasoning import Reasoning, ReasoningParser, opens_reasoning
+from edgemoe.server.replay import TurnStore
 from edgemoe.server.tool_calls import TOOL_PARSERS, Content, ToolCall, ToolParser
 from edgemoe.tokenizer import Tokenizer
 
@@ -83,10 +87,8 @@ def detect_formats(tokenizer: Tokenizer, tool_parser: str = "auto", reasoning_pa
 class OutputParser:
     """One choice's output -> events: reasoning first, then tool calls in the answer."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, forced: str = "") -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
         self.reasoning, self.tools = reasoning, tools
-        if forced:  # the call's opening that the prompt ends with: the parser reads it as output
-            self.tools.feed(forced)
 
     def feed(self, text: str) -> list[Event]:
         return self._route(self.reasoning.feed(text) if self.reasoning else [("content", text)])
@@ -127,16 +129,19 @@ class Parsed:
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
 
+    def add(self, e: Event) -> None:
+        if isinstance(e, ToolCall):
+            self.calls.append(e)
+        elif isinstance(e, Reasoning):
+            self.reasoning += e.text
+        else:
+            self.content += e.text
+
 
 def parse_all(parser: OutputParser, text: str) -> Parsed:
     out = Parsed()
     for e in parser.feed(text) + parser.finish():
-        if isinstance(e, ToolCall):
-            out.calls.append(e)
-        elif isinstance(e, Reasoning):
-            out.reasoning += e.text
-        else:
-            out.content += e.text
+        out.add(e)
     return out
 
 
@@ -166,19 +171,21 @@ class ChatPlan:
     tool_choice: str  # none, auto, required or function
     parallel: bool = True
     in_reasoning: bool = False  # the prompt leaves the model inside <think>
-    forced: str = ""  # the call's opening that the prompt ends with (tool_choice required or a function)
+    opening: str | None = None  # what the prompt ends with after the conversation (None: cannot be told)
+    grammar: str | None = None  # what the answer must be (a forced call, a JSON schema): `constraints.py`
 
     def parser(self) -> OutputParser:
         """A fresh output parser for one choice."""
         tools = None
         if self.tools and self.tool_choice != "none":
             tools = TOOL_PARSERS[self.formats.tool_parser](self.tools, None if self.parallel else 1)
-        reasoning = ReasoningParser(self.in_reasoning) if self.formats.reasoning and not self.forced else None
-        return OutputParser(reasoning, tools, self.forced)
+        reasoning = ReasoningParser(self.in_reasoning) if self.formats.reasoning else None
+        return OutputParser(reasoning, tools)
 
     def sampling(self, params: list[SamplingParams]) -> list[SamplingParams]:
-        if self.formats.tool_parser == "mistral" and self.tools:  # its [TOOL_CALLS] token is a special one
-            for p in params:
+        for p in params:
+            p.grammar = self.grammar
+            if self.formats.tool_parser == "mistral" and self.tools:  # its [TOOL_CALLS] token is a special one
                 p.skip_special_tokens = False
         return params
 
@@ -191,9 +198,11 @@ def render_chat(
     prefill: str = "",
     add_generation_prompt: bool = True,
     limit: int | None = None,
+    turns: TurnStore | None = None,
 ) -> ChatPlan:
     """Check the conversation and render it. `template_kwargs`: switches the API sets (the request's
-    chat_template_kwargs win); `prefill`: the start of the answer, given by the client (not parsed as output)."""
+    chat_template_kwargs win); `prefill`: the start of the answer, given by the client (not parsed as output);
+    `turns`: the answers the server gave, replayed as generated where the conversation returns them."""
     tools = _tools(req.tools)
     choice, function = _tool_choice(req.tool_choice, tools)
     use_tools = bool(tools) and choice != "none"
@@ -203,47 +212,54 @@ def render_chat(
     if use_tools and formats.tool_parser is None:
         message = "the server does not know this model's tool-call format: start it with --tool-parser"
         raise RequestError(400, message, "tools", "invalid_value")
+    masked, marks = replay_marks(messages, turns)  # (before Mistral's ids: the store knows the ids it gave)
     if formats.tool_parser == "mistral":
         _mistral_ids(messages)
     kwargs = {**(template_kwargs or {}), **_template_kwargs(req.chat_template_kwargs)}
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools if use_tools else None, **kwargs)
+        segments, gen = render(
+            tokenizer, masked, marks, messages, add_generation_prompt, tools if use_tools else None, kwargs
+        )
     except EdgeMoEError as exc:
         raise RequestError(400, str(exc), "messages", "invalid_value") from None
     except (TypeError, ValueError, KeyError, AttributeError) as exc:  # the template's own code failed on this data
         raise RequestError(400, f"chat template: {type(exc).__name__}: {exc}", "messages", "invalid_value") from None
-    forced = _forced(formats, choice, function) if use_tools else ""
-    text += prefill + forced
+    segments[-1] += prefill
+    ids = _tokens(tokenizer, segments, limit)
+    parallel = req.parallel_tool_calls is not False
+    in_reasoning = formats.reasoning and opens_reasoning(segments[-1])
+    schema = response_schema(req.response_format, "response_format")
+    calls = _required_calls(choice, function, schema) if use_tools else None
+    grammar = constraints.grammar(tokenizer, formats, tools, calls, schema, parallel, in_reasoning)
+    if grammar is not None and prefill:
+        raise RequestError(400, "a required call or format cannot follow a given start of the answer", "messages")
+    opening = None if gen is None else gen + prefill
+    return ChatPlan(ids, formats, tools, choice, parallel, in_reasoning, opening, grammar)
+
+
+def _required_calls(choice: str, function: str | None, schema: dict | None) -> str | None:
+    """What `constraints.grammar` takes as `calls`: a call required ("required", or the function named), or
+    "auto" where a required format leaves the model free to call the tools instead; None: no constraint on calls."""
+    if choice == "function":
+        return function
+    return choice if choice == "required" else "auto" if schema is not None else None
+
+
+def _tokens(tokenizer: Tokenizer, segments: Segments, limit: int | None) -> list[int]:
+    """The prompt's tokens, checked."""
     try:
-        text.encode()  # a lone surrogate (valid JSON, invalid Unicode) would fail deep in the tokenizer
+        for s in segments:
+            if isinstance(s, str):
+                s.encode()  # a lone surrogate (valid JSON, invalid Unicode) would fail deep in the tokenizer
     except UnicodeEncodeError:
         raise RequestError(400, "the text is not valid Unicode (lone surrogate)", "messages", "invalid_value") from None
     try:  # `limit`: a conversation whose length alone proves it over the context is refused before tokenizing
-        ids = tokenizer.encode(text, add_special_tokens=False, limit=limit)
+        ids = encode(tokenizer, segments, limit)
     except EdgeMoEError as exc:
         raise RequestError(400, str(exc), "messages", "context_length_exceeded") from None
     if not ids:
         raise RequestError(400, "the prompt is empty", "messages", "invalid_value")
-    parallel = req.parallel_tool_calls is not False
-    in_reasoning = formats.reasoning and opens_reasoning(text)
-    return ChatPlan(ids, formats, tools, choice, parallel, in_reasoning, forced)
-
-
-def _forced(formats: ChatFormats, choice: str, function: str | None) -> str:
-    """The opening of a call, appended to the prompt so that the model must make one (`required`) or call `function`."""
-    if choice not in ("required", "function"):
-        return ""
-    name = json.dumps(function)
-    return {
-        ("qwen", "required"): "<tool_call>\n",
-        ("qwen", "function"): f'<tool_call>\n{{"name": {name}, "arguments": ',
-        ("qwen3_coder", "required"): "<tool_call>\n<function=",
-        ("qwen3_coder", "function"): f"<tool_call>\n<function={function}>\n",
-        ("mistral", "required"): "[TOOL_CALLS]",
-        ("mistral", "function"): f"[TOOL_CALLS]{function}[ARGS]"
-        if formats.mistral_v11
-        else f'[TOOL_CALLS] [{{"name": {name}, "arguments": ',
-    }[formats.tool_parser, choice]
+    return ids
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> RequestError:

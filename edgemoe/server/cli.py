@@ -30,7 +30,8 @@ def add_serve_parser(sub: argparse._SubParsersAction, engine_flags: Callable[[ar
         description="Serve the model over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, "
         "/v1/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, /v1/tokenize, /v1/detokenize, "
         "/v1/models, /health, /metrics), with continuous batching, tool calls and reasoning. A request without "
-        "max_tokens gets up to 256 tokens (fewer if the context or the KV cache has less room left). The KV cache "
+        "max_tokens may generate up to the end of the context (or of what the KV cache holds; --default-max-tokens "
+        "caps it). The KV cache "
         "holds --max-num-seqs sequences of --max-model-len tokens, within 80 percent of the free GPU memory (1 GiB on "
         "the CPU) unless --kv-cache-memory or --kv-cache-tokens sizes it; the server says what it reserved at start.",
     )
@@ -92,6 +93,7 @@ def run_serve(a: argparse.Namespace, engine_kwargs: dict) -> None:
         serve.max_body_bytes,
         serve.tool_parser,
         serve.reasoning_parser,
+        serve.default_max_tokens,
     )
     app = create_app(engine_loop, metrics, config)
     uv_config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)

@@ -14,7 +14,7 @@ import time
 import uuid
 
 from edgemoe.server.answer import Finish, Usage, Writer
-from edgemoe.server.chat_format import ChatPlan, Conversation, Event, Parsed, new_call_id
+from edgemoe.server.chat_format import ChatPlan, Conversation, Event, Parsed
 from edgemoe.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
 from edgemoe.server.tool_calls import ToolCall
 
@@ -94,7 +94,7 @@ class ChatWriter(_OpenAIWriter):
         return self._delta(index, {"reasoning_content": text})
 
     def tool_call(self, index: int, call: ToolCall) -> list[str]:
-        head = {"index": call.index, "id": new_call_id(), "type": "function",
+        head = {"index": call.index, "id": call.id, "type": "function",
                 "function": {"name": call.name, "arguments": ""}}  # fmt: skip
         args = {"index": call.index, "function": {"arguments": call.arguments}}
         return self._delta(index, {"tool_calls": [head]}) + self._delta(index, {"tool_calls": [args]})
@@ -111,7 +111,7 @@ class ChatWriter(_OpenAIWriter):
                 message["reasoning_content"] = answer.reasoning
             if answer.calls:
                 message["tool_calls"] = [
-                    {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                     for c in answer.calls
                 ]
             out.append({"index": i, "message": message, "logprobs": None,

@@ -14,8 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-DEFAULT_MAX_TOKENS = 256  # when a request gives none: this, or what the context has left if that is less
-
 
 def _no(v: Any) -> bool:
     return v is None or v is False or v == 0 or v == [] or v == {} or v == "none"
@@ -119,6 +117,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None  # the template's own switches, e.g. {"enable_thinking": false}
+    response_format: dict | None = None  # text, json_object or json_schema (`constraints.py`)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -1,32 +1,38 @@
 """The OpenAI Responses API (`POST /v1/responses`), stateless: requests converted to the OpenAI chat form that
-`chat_format` renders; answers as output items (reasoning, message, function calls), streamed as Responses events.
+`chat_format` renders (the answer's writer: `responses_writer.py`).
 
 Nothing is stored: a conversation is sent whole each time (`previous_response_id` is refused). Input items: messages
-(text parts), `function_call`, `function_call_output` (answering a call made before it), `reasoning`. `reasoning.effort`
-"none" turns the template's `enable_thinking` off, any other effort on.
+(text parts), `function_call` and `custom_tool_call`, their `function_call_output` and `custom_tool_call_output`
+(each answering a call made before it), `reasoning`. `reasoning.effort` "none" turns the template's
+`enable_thinking` off, any other effort on. `text.format` json_schema or json_object: the answer is that JSON
+(`constraints.py`).
+
+Tools: `function` tools as chat's; a `custom` tool (free-form text input, as Codex's `apply_patch`) is offered to the
+model as a function of one string argument, `input`, its grammar (if any) in the description, and its calls come
+back as `custom_tool_call` items holding that string. Other tool types run on OpenAI's servers (web search, image
+generation, tool search, namespaces of deferred tools): they are ignored, with one line on stderr the first time a
+type is seen, so that an agent that always sends them (Codex) still works.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import time
-import uuid
+import sys
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgemoe.server.answer import Finish, Usage, Writer
-from edgemoe.server.chat_format import ChatPlan, Conversation, Event, Parsed, new_call_id
+from edgemoe.server.chat_format import Conversation
+from edgemoe.server.constraints import response_schema
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
-from edgemoe.server.reasoning import Reasoning
-from edgemoe.server.tool_calls import Content, ToolCall
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+CUSTOM_ARGUMENT = "input"  # the one argument of the function a custom tool is offered as
+_ignored_tool_types: set[str] = set()  # announced once each
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")  # store, include, prompt_cache_key, ...: nothing to do
 
     model: str | None = None
     input: str | list[dict]
@@ -45,6 +51,11 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict | None = None
     background: bool | None = None
 
+    @property
+    def custom_tools(self) -> frozenset[str]:
+        """The names of the request's custom tools: their calls are written as `custom_tool_call` items."""
+        return frozenset(t.get("name") for t in self.tools or [] if t.get("type") == "custom")
+
 
 def _bad(message: str, param: str | None = None) -> RequestError:
     return RequestError(400, message, param, "invalid_value")
@@ -57,12 +68,12 @@ def parse(body: object) -> Conversation:
             raise _bad(f"{name} is not supported: this server stores nothing; send the whole conversation", name)
     if req.background:
         raise _bad("background is not supported", "background")
-    if req.text and req.text.get("format", {"type": "text"}) != {"type": "text"}:
-        raise _bad("text.format: only text is supported", "text.format")
+    fmt = (req.text or {}).get("format")
+    response_schema(fmt, "text.format")  # (checked here to name the field)
     chat = {"model": req.model, "messages": _messages(req), "stream": req.stream,
             "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
-            "parallel_tool_calls": req.parallel_tool_calls}  # fmt: skip
+            "parallel_tool_calls": req.parallel_tool_calls, "response_format": fmt}  # fmt: skip
     kwargs = {}
     if req.reasoning and req.reasoning.get("effort") is not None:
         kwargs["enable_thinking"] = req.reasoning["effort"] != "none"
@@ -82,6 +93,27 @@ def _text(content: Any, where: str) -> str:
     return "".join(part["text"] for part in content)
 
 
+def _strings(item: dict, where: str, *keys: str) -> None:
+    for key in keys:
+        if not isinstance(item.get(key), str) or not item[key]:
+            raise _bad(f"{where}.{key}: must be a non-empty string", f"{where}.{key}")
+
+
+def _call(item: dict, where: str) -> dict:
+    """A `function_call` or `custom_tool_call` item -> a chat tool call (a custom call's input as its argument)."""
+    if item["type"] == "custom_tool_call":
+        _strings(item, where, "call_id", "name")
+        if not isinstance(item.get("input"), str):
+            raise _bad(f"{where}.input: must be a string", f"{where}.input")
+        arguments = json.dumps({CUSTOM_ARGUMENT: item["input"]}, ensure_ascii=False)
+    else:
+        _strings(item, where, "call_id", "name", "arguments")
+        if not isinstance(_json(item["arguments"]), dict):
+            raise _bad(f"{where}.arguments: must be a JSON object", f"{where}.arguments")
+        arguments = item["arguments"]
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}}
+
+
 def _messages(req: ResponsesRequest) -> list[dict]:
     """Input items -> OpenAI chat messages: an assistant's message and the calls after it become one message."""
     out: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -94,26 +126,19 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role: must be user, system, developer or assistant", f"{where}.role")
             out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(key), str) or not item[key]:
-                    raise _bad(f"{where}.{key}: must be a non-empty string", f"{where}.{key}")
-            if not isinstance(_json(item["arguments"]), dict):
-                raise _bad(f"{where}.arguments: must be a JSON object", f"{where}.arguments")
-            calls.add(item["call_id"])
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
+        elif kind in ("function_call", "custom_tool_call"):
+            call = _call(item, where)
+            calls.add(call["id"])
             if not out or out[-1]["role"] != "assistant":
                 out.append({"role": "assistant", "content": None})
             out[-1].setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if item.get("call_id") not in calls:
-                raise _bad(f"{where}.call_id: {item.get('call_id')!r} answers no function_call before it",
-                           f"{where}.call_id")  # fmt: skip
+                raise _bad(f"{where}.call_id: {item.get('call_id')!r} answers no call before it", f"{where}.call_id")
             output = _text(item.get("output"), f"{where}.output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
+            parts = item.get("content") or item.get("summary") or []  # (encrypted_content: not ours to read)
             reasoning += "".join(p.get("text", "") for p in parts if isinstance(p, dict))
             continue
         else:
@@ -131,148 +156,53 @@ def _json(text: str) -> Any:
 
 
 def _tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses' flat function tools -> chat's nested ones."""
+    """Responses' flat function tools -> chat's nested ones; custom tools as functions of one string; the rest
+    ignored."""
     out = []
     for i, t in enumerate(tools or []):
-        if t.get("type") != "function":
-            raise _bad(f"tools.{i}.type: {t.get('type')!r} tools are not supported (only function)", "tools")
-        out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+        kind = t.get("type")
+        if kind == "function":
+            out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+        elif kind == "custom":
+            out.append(_custom_function(t, f"tools.{i}"))
+        elif not isinstance(kind, str):
+            raise _bad(f"tools.{i}.type: missing", f"tools.{i}.type")
+        elif kind not in _ignored_tool_types:
+            _ignored_tool_types.add(kind)
+            print(f"edgemoe: responses: ignoring tools of type {kind!r} (this server offers the model function and "
+                  "custom tools only)", file=sys.stderr, flush=True)  # fmt: skip
     return out or None
 
 
+def _custom_function(tool: dict, where: str) -> dict:
+    """A custom tool as a function whose one argument is the tool's raw input."""
+    description, fmt = tool.get("description", ""), tool.get("format", {"type": "text"})
+    if not isinstance(description, str):
+        raise _bad(f"{where}.description: must be a string", f"{where}.description")
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
+        raise _bad(f'{where}.format: must be {{"type": "text"}} or {{"type": "grammar", ...}}', f"{where}.format")
+    if fmt["type"] == "grammar":
+        if not isinstance(fmt.get("definition"), str) or not isinstance(fmt.get("syntax"), str):
+            raise _bad(f"{where}.format: a grammar needs a syntax and a definition", f"{where}.format")
+        description += f"\n\nThe input is text in this {fmt['syntax']} grammar:\n{fmt['definition']}"
+    text = {"type": "string", "description": "the tool's raw input text (not JSON)"}
+    parameters = {"type": "object", "properties": {CUSTOM_ARGUMENT: text}, "required": [CUSTOM_ARGUMENT]}
+    return {"type": "function", "function": {"name": tool.get("name"), "description": description.strip(),
+                                             "parameters": parameters}}  # fmt: skip
+
+
 def _tool_choice(choice: str | dict | None) -> str | dict | None:
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice
 
 
-def usage_body(usage: Usage) -> dict:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.total_tokens}  # fmt: skip
-
-
-class ResponsesWriter(Writer):
-    """One request's response, whole or as its event stream: response.created, response.in_progress, the output
-    items' events, response.completed (or .incomplete) with the usage."""
-
-    def __init__(self, conv: Conversation, plan: ChatPlan, model: str) -> None:
-        self.req: ResponsesRequest = conv.wire
-        self.parallel, self.model = plan.parallel, model
-        self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
-        self.items = _Items()
-        self.reason: str | None = None  # the engine's finish reason, once the answer has ended
-
-    def _response(self, output: list[dict], finish: str | None, usage: Usage | None) -> dict:
-        status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
-        return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
-            "model": self.model, "output": output, "parallel_tool_calls": self.parallel,
-            "previous_response_id": None, "reasoning": self.req.reasoning or {"effort": None, "summary": None},
-            "store": False, "temperature": 1.0 if self.req.temperature is None else self.req.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": self.req.tool_choice or "auto",
-            "tools": self.req.tools or [], "top_p": 1.0 if self.req.top_p is None else self.req.top_p,
-            "truncation": "disabled", "metadata": self.req.metadata or {},
-            "usage": None if usage is None else usage_body(usage),
-        }  # fmt: skip
-
-    def whole(self, choices: list[tuple[Parsed, Finish]], usage: Usage) -> dict:
-        (out, finish), *_ = choices
-        items = [_reasoning(f"rs_{uuid.uuid4().hex}", out.reasoning)] if out.reasoning else []
-        items += [_message(f"msg_{uuid.uuid4().hex}", out.content, "completed")] if out.content else []
-        items += [_call(f"fc_{uuid.uuid4().hex}", new_call_id(), c.name, c.arguments, "completed") for c in out.calls]
-        return self._response(items, finish.reason, usage)
-
-    def head(self) -> list[str]:
-        return [self.items.event(f"response.{kind}", response=self._response([], None, None))
-                for kind in ("created", "in_progress")]  # fmt: skip
-
-    def output(self, index: int, events: list[Event], finish: Finish | None) -> list[str]:
-        """Every event kind goes through `_Items`, which keeps the output's items in order."""
-        frames = [frame for e in events for frame in self.items.add(e)]
-        if finish is not None:
-            self.reason = finish.reason
-            frames += self.items.close()
-        return frames
-
-    def end(self, usage: Usage) -> list[str]:
-        final = self._response(self.items.done, self.reason, usage)
-        return [self.items.event(f"response.{final['status']}", response=final)]
-
-    def error(self, exc: RequestError) -> list[str]:
-        return [self.items.event("error", code=exc.code, message=exc.message, param=exc.param)]
-
-
-class _Items:
-    """The events of one response's output items, in order: a reasoning or message item stays open while its text
-    grows; a function call is whole when it comes."""
-
-    def __init__(self) -> None:
-        self.numbers = itertools.count()
-        self.done: list[dict] = []  # finished items
-        self.item: dict | None = None  # the open item: its type, id and text so far
-
-    def event(self, kind: str, **fields: object) -> str:
-        data = json.dumps({"type": kind, "sequence_number": next(self.numbers), **fields}, ensure_ascii=False)
-        return f"event: {kind}\ndata: {data}\n\n"
-
-    def add(self, e: Reasoning | Content | ToolCall) -> list[str]:
-        kind = "function_call" if isinstance(e, ToolCall) else "reasoning" if isinstance(e, Reasoning) else "message"
-        out = self.close() if self.item is not None and self.item["type"] != kind else []
-        at = len(self.done)
-        if isinstance(e, ToolCall):
-            call = _call(f"fc_{uuid.uuid4().hex}", new_call_id(), e.name, "", "in_progress")
-            ids = {"item_id": call["id"], "output_index": at}
-            self.done.append({**call, "arguments": e.arguments, "status": "completed"})
-            return out + [
-                self.event("response.output_item.added", output_index=at, item=call),
-                self.event("response.function_call_arguments.delta", **ids, delta=e.arguments),
-                self.event("response.function_call_arguments.done", **ids, arguments=e.arguments, name=e.name),
-                self.event("response.output_item.done", output_index=at, item=self.done[-1]),
-            ]
-        ids = {"output_index": at, "content_index": 0}
-        if self.item is None:
-            reasoning = kind == "reasoning"
-            self.item = {"type": kind, "id": f"{'rs' if reasoning else 'msg'}_{uuid.uuid4().hex}", "text": ""}
-            added = _reasoning(self.item["id"], "") if reasoning else _message(self.item["id"], "", "in_progress")
-            part = {"type": "reasoning_text", "text": ""} if reasoning else added["content"][0]
-            out += [self.event("response.output_item.added", output_index=at, item={**added, "content": []}),
-                    self.event("response.content_part.added", item_id=self.item["id"], **ids, part=part)]  # fmt: skip
-        self.item["text"] += e.text
-        if kind == "reasoning":
-            return out + [self.event("response.reasoning_text.delta", item_id=self.item["id"], **ids, delta=e.text)]
-        delta = self.event("response.output_text.delta", item_id=self.item["id"], **ids, delta=e.text, logprobs=[])
-        return out + [delta]
-
-    def close(self) -> list[str]:
-        """End the open item, if any."""
-        if self.item is None:
-            return []
-        item, at = self.item, len(self.done)
-        ids = {"item_id": item["id"], "output_index": at, "content_index": 0}
-        if item["type"] == "reasoning":
-            done = _reasoning(item["id"], item["text"])
-            text = self.event("response.reasoning_text.done", **ids, text=item["text"])
-        else:
-            done = _message(item["id"], item["text"], "completed")
-            text = self.event("response.output_text.done", **ids, text=item["text"], logprobs=[])
-        self.done.append(done)
-        self.item = None
-        return [text, self.event("response.content_part.done", **ids, part=done["content"][0]),
-                self.event("response.output_item.done", output_index=at, item=done)]  # fmt: skip
-
-
-def _reasoning(ident: str, text: str) -> dict:
-    return {"type": "reasoning", "id": ident, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def _message(ident: str, text: str, status: str) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"type": "message", "id": ident, "role": "assistant", "status": status, "content": content}
-
-
-def _call(ident: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"type": "function_call", "id": ident, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}  # fmt: skip
+def custom_input(arguments: str) -> str:
+    """A custom tool's raw input from the arguments of the function it was offered as: the `input` string, or the
+    one string the model gave under another name; else the arguments' JSON as they are (the tool then says what is
+    wrong with them, as it would of any malformed input)."""
+    args = json.loads(arguments)
+    strings = [v for v in args.values() if isinstance(v, str)]
+    if isinstance(args.get(CUSTOM_ARGUMENT), str):
+        return args[CUSTOM_ARGUMENT]
+    return strings[0] if len(args) == 1 and strings else arguments

@@ -9,8 +9,10 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgemoe.engine.engine import LLMEngine
+from edgemoe.errors import EdgeMoEError
 from edgemoe.server.chat_format import ChatFormats, render_chat
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
+from edgemoe.server.replay import TurnStore
 
 
 class TokenizeRequest(BaseModel):
@@ -31,8 +33,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(min_length=0)
 
 
-def tokenize(engine: LLMEngine, formats: ChatFormats, body: dict, req: TokenizeRequest) -> dict:
-    """Runs in a worker thread (a long conversation must not stall the event loop)."""
+def tokenize(
+    engine: LLMEngine, formats: ChatFormats, body: dict, req: TokenizeRequest, turns: TurnStore | None = None
+) -> dict:
+    """Runs in a worker thread (a long conversation must not stall the event loop), with the generation routes'
+    size check: a text whose length alone proves it longer than the context is refused before it is tokenized."""
     tok = engine.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise RequestError(400, "give either prompt or messages", "prompt", "invalid_value")
@@ -42,11 +47,17 @@ def tokenize(engine: LLMEngine, formats: ChatFormats, body: dict, req: TokenizeR
         except UnicodeEncodeError:
             message = "the text is not valid Unicode (lone surrogate)"
             raise RequestError(400, message, "prompt", "invalid_value") from None
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        try:  # refused before tokenizing where its length alone proves it too long, as the generation routes do
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens, limit=engine.max_model_len)
+        except EdgeMoEError as exc:
+            raise RequestError(400, str(exc), "prompt", "context_length_exceeded") from None
     else:
         extra = ("add_special_tokens", "add_generation_prompt", "return_token_strs")
         chat = parse_request(ChatCompletionRequest, {k: v for k, v in body.items() if k not in extra})
-        ids = render_chat(tok, formats, chat, add_generation_prompt=req.add_generation_prompt).prompt_ids
+        plan = render_chat(
+            tok, formats, chat, add_generation_prompt=req.add_generation_prompt, limit=engine.max_model_len, turns=turns
+        )
+        ids = plan.prompt_ids
     out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
         out["token_strs"] = [tok.decode([i], skip_special_tokens=False) for i in ids]

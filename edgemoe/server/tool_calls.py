@@ -35,6 +35,7 @@ class ToolCall:
     index: int  # 0, 1, ... in the order the model made them
     name: str
     arguments: str  # a JSON object
+    id: str = ""  # given by the answer loop, in the request's API's form
 
 
 @dataclass(frozen=True)

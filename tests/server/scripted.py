@@ -74,6 +74,14 @@ QWEN3_TEMPLATE = """
 """
 QWEN_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
 
+# Qwen3.5's refusal of a system message after the first (its templates raise; the server renders it in place)
+REFUSING_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "{%- elif m.role in ('user', 'system') %}",
+    "{%- elif m.role == 'system' %}{{- raise_exception('System message must be at the beginning.') }}\n"
+    "{%- elif m.role == 'user' %}",
+)
+assert REFUSING_TEMPLATE != QWEN3_TEMPLATE
+
 # Qwen3-Coder's shape: XML calls (only what detection and rendering read)
 CODER_TEMPLATE = """
 {%- for m in messages %}
@@ -174,6 +182,21 @@ class ScriptedOutput:
             logits[row] = float("-inf")
             logits[row, ids[step] if step < len(ids) else self.end] = 0.0
         return logits
+
+
+class PromptLog:
+    """A logits processor that changes nothing: the prompt ids of each request (by its id), in arrival order."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[str, list[int]] = {}
+
+    def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        for seq in seqs:
+            self.prompts.setdefault(seq.request_id, seq.token_ids[: seq.num_prompt_tokens])
+        return logits
+
+    def last(self, n: int) -> list[list[int]]:
+        return list(self.prompts.values())[-n:]
 
 
 def free_socket() -> socket.socket:

@@ -111,11 +111,12 @@ def test_what_each_script_gives(tool_server, client):
     script, upto = SCRIPTS["cut-by-max-tokens"]
     cut = ask(script, max_tokens=limit(tool_server, upto))
     assert cut["calls"] == [paris] and cut["content"].startswith("<tool_call>") and cut["finish"] == "length"
-    # tool_choice: the prompt ends with the call's opening, so the model writes only the rest
-    assert ask('{"city": "Oslo"}}\n</tool_call>', tool_choice={"type": "function", "function": {"name": "get_weather"}},
-               )["calls"] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]  # fmt: skip
-    assert ask('{"name": "read_file", "arguments": {"path": "a"}}\n</tool_call>', tool_choice="required")["calls"] == [
-        {"name": "read_file", "arguments": '{"path": "a"}'}]  # fmt: skip
+    # tool_choice: a grammar requires the call (tests/server/test_constraints.py); a script that is one passes
+    oslo = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert ask(oslo, tool_choice={"type": "function", "function": {"name": "get_weather"}})["calls"] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]  # fmt: skip
+    read = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a"}}\n</tool_call>'
+    assert ask(read, tool_choice="required")["calls"] == [{"name": "read_file", "arguments": '{"path": "a"}'}]
     assert ask(PARIS, tool_choice="none") == {"reasoning": "", "content": PARIS, "calls": [], "finish": "stop"}
     # a stop string still ends the output (before it is parsed)
     assert ask(f"Look.\n{PARIS}", stop=["Look"]) == {"reasoning": "", "content": "", "calls": [], "finish": "stop"}

@@ -1,11 +1,15 @@
 """Every API reports the prompt tokens the prefix cache held, as the engine counted them, on an agent's second turn
 (its prompt starts with the first turn's prompt and answer), through the official SDKs, whole and streamed: OpenAI
 chat in `prompt_tokens_details.cached_tokens`, Anthropic in `cache_read_input_tokens` (with `input_tokens` the
-uncached rest, in message_start and in the final message), Responses in `input_tokens_details.cached_tokens`."""
+uncached rest, in message_start and in the final message), Responses in `input_tokens_details.cached_tokens`; and
+/metrics counts the same tokens looked up and found."""
 
 from __future__ import annotations
 
+import re
+
 import anthropic
+import httpx
 import openai
 import pytest
 import torch
@@ -49,10 +53,32 @@ def system(api: str, stream: bool) -> str:
     return f"Test {api}, {'streamed' if stream else 'whole'}: be brief."
 
 
-def check_turns(tool_server, counts: EngineCounts, first: tuple[int, int], second: tuple[int, int]) -> int:
+def prefix_counters(tool_server) -> tuple[float, float]:
+    """/metrics' prompt tokens looked up in the prefix cache and found there, so far."""
+    text = httpx.get(f"{tool_server.url}/metrics", headers={"Authorization": f"Bearer {tool_server.api_key}"}).text
+    found = dict(re.findall(r"^edgemoe_prefix_cache_(\w+)_tokens_total (\S+)$", text, re.M))
+    return float(found["queried"]), float(found["hit"])
+
+
+@pytest.fixture
+def metrics(tool_server):
+    """Checks, after the test's two turns, that /metrics counted their prompts and cached tokens as usage did."""
+    before = prefix_counters(tool_server)
+    turns: list[tuple[int, int]] = []
+    yield turns
+    queried, hit = (after - was for after, was in zip(prefix_counters(tool_server), before))
+    assert (queried, hit) == (sum(p for p, _ in turns), sum(c for _, c in turns)) and hit > 0
+
+
+def check_turns(
+    tool_server, counts: EngineCounts, first: tuple[int, int], second: tuple[int, int], metrics: list | None = None
+) -> int:
     """`first`, `second`: each turn's (prompt tokens, cached tokens) as the API reported them. The engine's own
-    count must match; the first turn found nothing, the second at least the first's prompt (in whole KV blocks)."""
+    count must match; the first turn found nothing, the second at least the first's prompt (in whole KV blocks).
+    `metrics`: where the `metrics` fixture takes the turns to compare with /metrics."""
     assert tool_server.script.pending() == 0
+    if metrics is not None:
+        metrics += [first, second]
     block = tool_server.engine_loop.engine.kv.block_size
     engine_first, engine_second = list(counts.seen.values())[-2:]
     assert first == engine_first and first[1] == 0
@@ -61,7 +87,7 @@ def check_turns(tool_server, counts: EngineCounts, first: tuple[int, int], secon
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_openai_chat(tool_server, counts, stream):
+def test_openai_chat(tool_server, counts, metrics, stream):
     client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key=tool_server.api_key, max_retries=0, timeout=60)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
     messages = [{"role": "system", "content": system("chat", stream)}, {"role": "user", "content": QUESTION}]
@@ -78,11 +104,11 @@ def test_openai_chat(tool_server, counts, stream):
         two = client.chat.completions.create(model=MODEL, messages=messages, tools=tools)
     assert two.choices[0].message.content == ANSWER
     turns = [(r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens) for r in (one, two)]
-    check_turns(tool_server, counts, *turns)
+    check_turns(tool_server, counts, *turns, metrics)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_anthropic(tool_server, counts, stream):
+def test_anthropic(tool_server, counts, metrics, stream):
     client = anthropic.Anthropic(base_url=tool_server.url, api_key=tool_server.api_key, max_retries=0, timeout=60)
     kw = dict(model=MODEL, max_tokens=256, system=system("anthropic", stream),
               tools=[{"name": "get_weather", "input_schema": SCHEMA}])  # fmt: skip
@@ -109,14 +135,14 @@ def test_anthropic(tool_server, counts, stream):
     assert two.content[0].text == ANSWER
     turns = [(m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.cache_read_input_tokens)
              for m in (one, two)]  # fmt: skip
-    cached = check_turns(tool_server, counts, *turns)
+    cached = check_turns(tool_server, counts, *turns, metrics)
     assert two.usage.input_tokens == counts.last()[0] - cached > 0 and two.usage.cache_creation_input_tokens == 0
     count = client.messages.count_tokens(model=MODEL, system=kw["system"], tools=kw["tools"], messages=messages)
     assert count.input_tokens == counts.last()[0]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_responses(tool_server, counts, stream):
+def test_responses(tool_server, counts, metrics, stream):
     client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key=tool_server.api_key, max_retries=0, timeout=60)
     kw = dict(model=MODEL, instructions=system("responses", stream),
               tools=[{"type": "function", "name": "get_weather", "parameters": SCHEMA}])  # fmt: skip
@@ -133,4 +159,4 @@ def test_responses(tool_server, counts, stream):
         two = client.responses.create(input=items, **kw)
     assert two.output_text == ANSWER
     turns = [(r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens) for r in (one, two)]
-    check_turns(tool_server, counts, *turns)
+    check_turns(tool_server, counts, *turns, metrics)

@@ -80,12 +80,14 @@ def test_qwen_switches_and_forced_calls(folders):
     off = render(tok, formats, {"messages": user, "chat_template_kwargs": {"enable_thinking": False}})
     assert text_of(tok, off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     required = render(tok, formats, {"messages": user, "tools": TOOLS, "tool_choice": "required"})
-    assert text_of(tok, required).endswith("<|im_start|>assistant\n<tool_call>\n")
+    assert text_of(tok, required).endswith("<|im_start|>assistant\n") and "call_0" in required.grammar
     choice = {"type": "function", "function": {"name": "get_weather"}}
     named = render(tok, formats, {"messages": user, "tools": TOOLS, "tool_choice": choice})
-    assert text_of(tok, named).endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert "get_weather" in named.grammar and "call_1" not in named.grammar  # (tests/server/test_constraints.py)
+    auto = render(tok, formats, {"messages": user, "tools": TOOLS})
+    assert auto.grammar is None and auto.sampling([SamplingParams()])[0].grammar is None
     none = render(tok, formats, {"messages": user, "tools": TOOLS, "tool_choice": "none"})
-    assert "# Tools" not in text_of(tok, none) and none.parser().tools is None
+    assert "# Tools" not in text_of(tok, none) and none.parser().tools is None and none.grammar is None
     opened = render(tok, formats, {"messages": user}, prefill="<think>\n")
     assert opened.in_reasoning
 

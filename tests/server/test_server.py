@@ -27,10 +27,11 @@ PROMPTS = ["ROMEO:", "JULIET:\nO", "To be, or not", "KING HENRY:", "First Citize
 
 
 def sse_events(lines) -> list[str]:
-    """The data payloads of an SSE stream, in order; checks the framing on the way."""
+    """The data payloads of an SSE stream, in order; checks the framing on the way (comment lines, which a stream
+    sends before its first output, are skipped as SSE clients skip them)."""
     events = []
     for line in lines:
-        if line:
+        if line and not line.startswith(":"):
             assert line.startswith("data: "), line
             events.append(line[len("data: ") :])
     return events

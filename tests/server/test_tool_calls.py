@@ -175,15 +175,5 @@ def test_malformed_output_is_the_raw_text():
             assert chunked == parsed, (fmt, text)
 
 
-def test_forced_opening_is_read_as_output():
-    """tool_choice required or a named function: the prompt ends with the call's opening; the parser reads it."""
-    forced = '<tool_call>\n{"name": "get_weather", "arguments": '
-    parser = OutputParser(None, TOOL_PARSERS["qwen"](TOOLS), forced)
-    parsed, _ = run(parser, ['{"city": "Oslo"}}', "\n</tool_call>"])
-    assert [(c.name, c.arguments) for c in parsed.calls] == [("get_weather", '{"city": "Oslo"}')]
-    parsed, _ = run(OutputParser(None, TOOL_PARSERS["qwen"](TOOLS), forced), ["not json"])
-    assert parsed.content == forced + "not json" and not parsed.calls
-
-
 def test_flag_names_match_the_parsers():
     assert config.TOOL_PARSERS == ("auto", "none", *TOOL_PARSERS)

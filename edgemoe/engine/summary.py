@@ -2,7 +2,8 @@
 serve` alike (stderr), e.g.
 
     edgemoe: Qwen3-30B-A3B (qwen3_moe) on cuda:0, bfloat16 (auto: the checkpoint's): 30.5 B parameters (1.9 B dense
-    on the GPU, 28.6 B in experts: host RAM, 1,200 of 6,144 cached on the GPU), loaded in 12.3 s
+    on the GPU, 28.6 B in experts: host RAM, 1,200 of 6,144 cached on the GPU), context 40,960 tokens (40,960 in the
+    KV cache), loaded in 12.3 s
 
 Each part is one small function of the engine, so that a part (where the memory went, say) is one more function.
 """
@@ -20,8 +21,8 @@ if TYPE_CHECKING:
 
 
 def startup_line(engine: LLMEngine) -> str:
-    parts = (_model(engine), _compute(engine), _parameters(engine), f"loaded in {engine.load_seconds:.1f} s")
-    return f"edgemoe: {parts[0]} {parts[1]}: {parts[2]}, {parts[3]}"
+    parts = (_model(engine), _compute(engine), _parameters(engine), _context(engine))
+    return f"edgemoe: {parts[0]} {parts[1]}: {parts[2]}, {parts[3]}, loaded in {engine.load_seconds:.1f} s"
 
 
 def _model(engine: LLMEngine) -> str:
@@ -52,6 +53,13 @@ def _parameters(engine: LLMEngine) -> str:
     if engine.device.type == "cpu":
         return f"{total} parameters ({dense} dense, {in_experts}: host banks, {slots} in cache slots), all in RAM"
     return f"{total} parameters ({dense} dense on the GPU, {in_experts}: host RAM, {slots} cached on the GPU)"
+
+
+def _context(engine: LLMEngine) -> str:
+    """The longest sequence a request may reach (the model's own unless max_model_len is lower) and the tokens the KV
+    cache was given room for: all sequences together (fewer than max_num_seqs x the context where memory is short)."""
+    reserved = engine.kv.num_blocks * engine.kv.block_size
+    return f"context {engine.max_model_len:,} tokens ({reserved:,} in the KV cache)"
 
 
 def _memory(device: torch.device) -> str:

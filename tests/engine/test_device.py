@@ -55,12 +55,13 @@ def test_startup_line_resident_and_offloaded(demo_llm) -> None:
     line = startup_line(demo_llm.engine)
     assert re.fullmatch(
         r"edgemoe: the demo model \(qwen2_moe\) on cpu, float32 \(as asked\): 12\.6 M parameters \(4\.4 M dense, "
-        r"8\.3 M in experts\), all in RAM, loaded in \d+\.\d s",
+        r"8\.3 M in experts\), all in RAM, context [\d,]+ tokens \([\d,]+ in the KV cache\), loaded in \d+\.\d s",
         line,
     ), line
     offloaded = LLM(progress=False, moe_strategy="offload", moe_cache_slots=16, max_num_seqs=1, max_model_len=64)
     line = startup_line(offloaded.engine)
     assert "(4.4 M dense, 8.3 M in experts: host banks, 16 of 224 in cache slots), all in RAM" in line, line
+    assert ", context 64 tokens (64 in the KV cache), loaded in " in line, line
     assert "float32 (auto: " in line, line
 
 

@@ -36,7 +36,7 @@ def decode_us(runner: ModelRunner, batch: int, context: int, reps: int) -> float
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     ids = torch.randint(runner.model.config.vocab_size, (batch,)).tolist()
     slots = [t[context // BLOCK_SIZE] * BLOCK_SIZE + context % BLOCK_SIZE for t in tables]
-    runner.decode.fill(ids, [context] * batch, slots, [context + 1] * batch, tables)
+    runner.decode.fill(ids, [context] * batch, slots, [context + 1] * batch, [0] * batch, tables)
     size = runner.graphs.size_for(batch)
     return timed(lambda: runner.graphs.replay(size), runner.device, reps) * 1e6
 

@@ -25,6 +25,8 @@ class ForwardContext:
     # `edgemoe bench`), and each MoE layer's routed ids are written out (`--record-routing`); [moe_layers, seqs, top_k]
     forced_ids: torch.Tensor | None = None
     routed_ids: torch.Tensor | None = None
+    # [seqs] each sequence's slot in the state cache (`edgemoe.engine.state_cache`), for layers that keep a state
+    state_slots: torch.Tensor | None = None
 
 
 _CONTEXT: ForwardContext | None = None

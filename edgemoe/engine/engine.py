@@ -29,6 +29,7 @@ from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
+from edgemoe.engine.state_cache import StateCache, bytes_per_slot
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.ple import PLEOptions
@@ -107,9 +108,10 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at start-up: placement onwards
         self.expert_cache = self._place(moe)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens, config.batch_invariant)
+        seqs, invariant = config.max_num_seqs, config.batch_invariant
+        self.scheduler = Scheduler(self.kv, seqs, self.max_num_batched_tokens, invariant, self.states)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv, self.device, config.max_num_seqs, max_blocks)
+        self.runner = ModelRunner(self.model, self.kv, self.device, seqs, max_blocks, self.states)
         # Callables (sequences due a token, their logits [due, vocab]) -> logits, run in order before the sampler:
         # constrained decoding, banned tokens; the server tests force scripted outputs through one.
         self.logits_processors = self.runner.logits_processors
@@ -138,12 +140,15 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - start  # the whole start-up: weights, KV cache, warm-up, graphs
 
     def _place(self, moe: ExpertCacheConfig) -> ExpertCache | None:
-        """Choose the prefill chunk (`_prefill_chunk`) and allocate the KV cache and, when experts are offloaded, the
-        expert cache, within `vram_budget` if set: device memory = dense weights + prefill activations + KV + expert
-        slots (+ one scratch slot). Without a budget, an explicitly sized slot pool comes first, the chunk fits what
-        it leaves, and the KV cache takes its usual share of that."""
+        """Choose the prefill chunk (`_prefill_chunk`) and allocate the KV cache, the state cache where the model's
+        layers keep a state per sequence, and, when experts are offloaded, the expert cache, within `vram_budget` if
+        set: device memory = dense weights + per-sequence states + prefill activations + KV + expert slots (+ one
+        scratch slot). Without a budget, an explicitly sized slot pool comes first, the chunk fits what it leaves,
+        and the KV cache takes its usual share of that."""
         offload, cfg = moe.moe_strategy == "offload", self.model_config
-        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        self.states = self._state_cache()
+        state = 0 if self.states is None else self.states.num_bytes  # fixed, as the weights: counted with them
+        weights = state + sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         budget = None if moe.vram_budget is None else parse_size(moe.vram_budget)
         if budget is None and offload and moe.moe_cache_slots is None and moe.moe_cache_fraction is None:
             if self.device.type != "cuda":
@@ -163,7 +168,8 @@ class LLMEngine:
         acts += scratch
         if budget is not None and budget - weights - acts - reserve < per_block:
             parts = (
-                f"{'dense ' if offload else ''}weights take {weights / MiB:.1f} MiB, prefill activations "
+                f"{'dense ' if offload else ''}weights{' and per-sequence states' if state else ''} take "
+                f"{weights / MiB:.1f} MiB, prefill activations "
                 f"{acts / MiB:.1f} MiB, one KV block {per_block / MiB:.2f} MiB"
             )
             parts += f", the smallest expert cache {reserve / MiB:.1f} MiB" if offload else ""
@@ -176,15 +182,22 @@ class LLMEngine:
         if offload and kv_room is not None:
             kv_room //= 4  # KV "auto" under a budget takes at most a quarter: the rest caches experts
         blocks, why = kv_blocks(self.config, per_block, self.max_model_len, self.device, kv_room)
+        prefix_cache = self.config.prefix_cache and self.states is None
+        if self.config.prefix_cache and not prefix_cache:
+            print(
+                "edgemoe: prefix cache: off (this model's linear-attention layers keep a state per sequence, which "
+                "KV blocks alone cannot restore)",
+                file=sys.stderr,
+            )
         try:
-            self.kv = KVCache(cfg, blocks, self.config.block_size, self.dtype, self.device, self.config.prefix_cache)
+            self.kv = KVCache(cfg, blocks, self.config.block_size, self.dtype, self.device, prefix_cache)
         except RuntimeError:  # torch's out-of-memory errors (CUDA's is a subclass)
             raise EdgeMoEError(
                 f"cannot allocate a KV cache of {blocks * per_block / MiB:.1f} MiB on {self.device} ({why}): "
                 "lower kv_cache_memory, kv_cache_tokens, max_model_len or max_num_seqs"
             ) from None
         kv_bytes = 2 * self.kv.k.numel() * self.kv.k.element_size()
-        self.plan = {"weights": weights, "prefill": acts, "kv": kv_bytes}
+        self.plan = {"weights": weights - state, "prefill": acts, "kv": kv_bytes} | ({"state": state} if state else {})
         if budget is not None and weights + acts + kv_bytes + reserve > budget:
             raise EdgeMoEError(
                 f"vram_budget {moe.vram_budget} is too small for the KV cache ({why}): the "
@@ -202,11 +215,34 @@ class LLMEngine:
         if offload and cache is None:
             slots = cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, budget - weights - acts - kv_bytes)
             note = (
-                f"; budget {budget / MiB:.1f} MiB: dense {weights / MiB:.1f} MiB, prefill {acts / MiB:.1f} MiB, "
+                f"; budget {budget / MiB:.1f} MiB: dense {(weights - state) / MiB:.1f} MiB, "
+                + (f"state {state / MiB:.1f} MiB, " if state else "")
+                + f"prefill {acts / MiB:.1f} MiB, "
                 f"KV {kv_bytes / MiB:.1f} MiB"
             )
             cache = self._attach_cache(moe, slots, note)
         return cache
+
+    def _state_cache(self) -> StateCache | None:
+        """The per-sequence states of the layers that keep one (`edgemoe.engine.state_cache`), one slot per running
+        sequence; None for a model without such layers."""
+        per_slot = bytes_per_slot(self.model, self.dtype)
+        if not per_slot:
+            return None
+        seqs = self.config.max_num_seqs
+        try:
+            states = StateCache(self.model, seqs, self.dtype, self.device)
+        except RuntimeError:  # torch's out-of-memory errors (CUDA's is a subclass)
+            raise EdgeMoEError(
+                f"cannot allocate the per-sequence state of {seqs} sequences ({seqs} x {per_slot / MiB:.1f} MiB) on "
+                f"{self.device}: lower max_num_seqs"
+            ) from None
+        print(
+            f"edgemoe: state cache: {seqs} sequences x {per_slot / MiB:.1f} MiB (the linear-attention layers' state), "
+            f"{states.num_bytes / MiB:.1f} MiB",
+            file=sys.stderr,
+        )
+        return states
 
     def _prefill_chunk(self, offload: bool, room: int | None) -> tuple[int, str]:
         """Set `max_num_batched_tokens`, the prefill chunk: the user's, else `PREFILL_CHUNK` with resident experts, or

@@ -4,7 +4,8 @@ computes logits for the sequences due a token, and samples. The sampled ids are 
 Decode batches of a captured size replay a CUDA graph over static buffers (`DecodeBuffers`): a batch of n
 sequences runs the graph of the smallest captured size b >= n; rows n..b-1 are padding (token 0 at position 0,
 writing its K/V into the KV cache's pad block, attending to that block alone, routed to row 0's experts, so padding
-never fetches or counts an expert). Block tables are padded to the longest context the engine allows, so shapes
+never fetches or counts an expert; in a model whose layers keep a state per sequence, a padding row's is the state
+cache's pad slot). Block tables are padded to the longest context the engine allows, so shapes
 never change between replays, and a step's inputs reach the device as one copy.
 
 Pre-step hooks: a module of the model that needs a step's token ids on the host before the step runs (the `disk`
@@ -27,32 +28,42 @@ from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.sampler import Sampler
 from edgemoe.engine.scheduler import Batch
 from edgemoe.engine.sequence import Sequence
+from edgemoe.engine.state_cache import StateCache
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.sampling_params import SamplingParams
 
 # (sequences due a token, their logits [due, vocab] float32) -> logits the sampler draws from
 LogitsProcessor = Callable[[list[Sequence], torch.Tensor], torch.Tensor]
 
-_FIELDS = 4  # ids, positions, slots, context lengths (int64); then the valid flags, then the block tables
+_FIELDS = 5  # ids, positions, KV slots, context lengths, state slots (int64); then the valid flags, the block tables
 
 
 class DecodeBuffers:
     """Static decode inputs for up to `rows` sequences: one device buffer (int64) that one host copy fills, and its
     views. `valid` [rows] is False on padding rows."""
 
-    def __init__(self, rows: int, max_blocks: int, pad_block: int, block_size: int, device: torch.device) -> None:
-        self.rows, self.max_blocks, self.pad_block = rows, max_blocks, pad_block
+    def __init__(
+        self, rows: int, max_blocks: int, pad_block: int, block_size: int, pad_state: int, device: torch.device
+    ) -> None:
+        """`pad_state`: the state cache's pad slot (0 where the model keeps no state)."""
+        self.rows, self.max_blocks, self.pad_block, self.pad_state = rows, max_blocks, pad_block, pad_state
         self.pad_slot = pad_block * block_size
         self.flat = torch.zeros((_FIELDS + 1 + max_blocks) * rows, dtype=torch.long, device=device)
         fields = self.flat[: (_FIELDS + 1) * rows].view(_FIELDS + 1, rows)
-        self.ids, self.positions, self.slots, self.context_lens, valid = fields
+        self.ids, self.positions, self.slots, self.context_lens, self.state_slots, valid = fields
         self.valid = torch.ones(rows, dtype=torch.bool, device=device)
         self._valid_long = valid
         self.block_tables = self.flat[(_FIELDS + 1) * rows :].view(rows, max_blocks)
-        self.fill([], [], [], [], [])
+        self.fill([], [], [], [], [], [])
 
     def fill(
-        self, ids: list[int], positions: list[int], slots: list[int], context_lens: list[int], tables: list
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        context_lens: list[int],
+        state_slots: list[int],
+        tables: list,
     ) -> None:
         """The first len(ids) rows from these lists, the rest padding; one host-to-device copy."""
         n, pad = len(ids), self.rows - len(ids)
@@ -63,6 +74,7 @@ class DecodeBuffers:
                 *positions, *[0] * pad,
                 *slots, *[self.pad_slot] * pad,
                 *context_lens, *[1] * pad,
+                *state_slots, *[self.pad_state] * pad,
                 *[1] * n, *[0] * pad,
                 *[b for t in tables for b in (*t, *[self.pad_block] * (width - len(t)))],
                 *[self.pad_block] * (width * pad),
@@ -77,7 +89,13 @@ class DecodeBuffers:
     def context(self, b: int, **extra) -> ForwardContext:
         """The forward context of a decode step over the first b rows."""
         return ForwardContext(
-            False, self.slots[:b], self.context_lens[:b], self.block_tables[:b], valid=self.valid[:b], **extra
+            False,
+            self.slots[:b],
+            self.context_lens[:b],
+            self.block_tables[:b],
+            valid=self.valid[:b],
+            state_slots=self.state_slots[:b],
+            **extra,
         )
 
 
@@ -95,13 +113,21 @@ def warmup_lengths(chunk: int, every_size: bool = False) -> list[int]:
 
 class ModelRunner:
     def __init__(
-        self, model: MoEForCausalLM, kv: KVCache, device: torch.device, max_num_seqs: int, max_blocks: int
+        self,
+        model: MoEForCausalLM,
+        kv: KVCache,
+        device: torch.device,
+        max_num_seqs: int,
+        max_blocks: int,
+        states: StateCache | None = None,
     ) -> None:
-        self.model, self.kv, self.device = model, kv, device
+        """`states`: the state cache (already bound to the model), where the model keeps one."""
+        self.model, self.kv, self.device, self.states = model, kv, device, states
         self.sampler = Sampler()
         self.logits_processors: list[LogitsProcessor] = []  # applied in order, before the sampler
         self.graphs: DecodeGraphs | None = None  # once `capture_graphs` ran (CUDA)
-        self.decode = DecodeBuffers(max_num_seqs, max_blocks, kv.pad_block, kv.block_size, device)
+        pad_state = 0 if states is None else states.pad_slot
+        self.decode = DecodeBuffers(max_num_seqs, max_blocks, kv.pad_block, kv.block_size, pad_state, device)
         self.routed_ids: torch.Tensor | None = None  # [moe_layers, max_num_seqs, top_k] once `record_routing` ran
         self.step_hooks: list[Callable[[list[int]], None]] = [
             m.before_step for m in model.modules() if callable(getattr(m, "before_step", None))
@@ -150,10 +176,11 @@ class ModelRunner:
         for hook in self.step_hooks:
             hook(ids)
 
-    def host_inputs(self, batch: Batch) -> tuple[list[int], list[int], list[int], list[int]]:
-        """Token ids, positions and KV slots of the tokens computed this step; context length per sequence."""
-        bs = self.kv.block_size
-        ids, positions, slots, context_lens = [], [], [], []
+    def host_inputs(self, batch: Batch) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """Token ids, positions and KV slots of the tokens computed this step; context length and state slot per
+        sequence (a sequence without one, a warm-up's, uses the pad slot; 0 where the model keeps no state)."""
+        bs, pad_state = self.kv.block_size, self.decode.pad_state
+        ids, positions, slots, context_lens, state_slots = [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new):
             start = seq.num_computed
             ids += seq.token_ids[start : start + n]
@@ -161,11 +188,12 @@ class ModelRunner:
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
             context_lens.append(start + n)
-        return ids, positions, slots, context_lens
+            state_slots.append(pad_state if seq.state_slot is None else seq.state_slot)
+        return ids, positions, slots, context_lens, state_slots
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """Inputs of an eager step: tensors of the batch's own shape."""
-        ids, positions, slots, context_lens = self.host_inputs(batch)
+        ids, positions, slots, context_lens, state_slots = self.host_inputs(batch)
         self._before_step(ids)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [self.kv.pad_block] * (width - len(s.block_table)) for s in batch.seqs]
@@ -180,6 +208,7 @@ class ModelRunner:
             query_lens=list(batch.num_new) if batch.is_prefill else None,
             context_lens_host=context_lens if batch.is_prefill else None,
             routed_ids=routed,
+            state_slots=self._tensor(state_slots) if self.states is not None else None,
         )
         return self._tensor(ids), self._tensor(positions), ctx
 

@@ -1,5 +1,6 @@
 """Decides what each step computes: prefill chunks first (admitting waiting requests), else one decode
-token for every running sequence. Owns KV block allocation and preemption.
+token for every running sequence. Owns KV block allocation, state slots (models with layers that keep a state per
+sequence) and preemption.
 
 A step computes `n` not-yet-cached tokens per sequence. Prefill: several per sequence, up to a token
 budget (long prompts are chunked across steps). Decode: exactly the one token sampled last step.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.sequence import Sequence, Status
+from edgemoe.engine.state_cache import StateCache
 
 
 @dataclass
@@ -22,9 +24,17 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int, one_prefill: bool = False) -> None:
-        """`one_prefill`: a prefill step holds one sequence's chunk only (batch-invariant prefill)."""
-        self.kv = kv
+    def __init__(
+        self,
+        kv: KVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        one_prefill: bool = False,
+        states: StateCache | None = None,
+    ) -> None:
+        """`one_prefill`: a prefill step holds one sequence's chunk only (batch-invariant prefill). `states`: the
+        state cache (max_num_seqs slots), where the model keeps one: a running sequence holds a slot."""
+        self.kv, self.states = kv, states
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.one_prefill = one_prefill
         self.waiting: deque[Sequence] = deque()
@@ -75,6 +85,8 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+                if self.states is not None:
+                    seq.state_slot = self.states.allocate()
             seqs.append(seq)
             num_new.append(n)
             budget -= n
@@ -121,9 +133,10 @@ class Scheduler:
             seq.block_table += self.kv.allocate(need)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a sequence's KV and queue it first; it will recompute prompt + output so far."""
+        """Free a sequence's KV (and state) and queue it first; it will recompute prompt + output so far."""
         self.running.remove(seq)
         self.kv.release(seq.block_table)
+        self._release_state(seq)
         seq.num_computed = seq.num_cached = seq.num_hashed = 0
         seq.prefix_hash = None
         seq.status = Status.WAITING
@@ -135,4 +148,10 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.release(seq.block_table)
+        self._release_state(seq)
         seq.status = Status.FINISHED
+
+    def _release_state(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None

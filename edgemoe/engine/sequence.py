@@ -57,6 +57,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached = 0  # prompt tokens whose K/V came from the prefix cache
         self.num_hashed, self.prefix_hash = 0, None  # blocks the prefix cache knows, the last one's hash
+        self.state_slot: int | None = None  # its slot in the state cache while running (models whose layers keep one)
         self.text = ""
         self.emitted = 0  # characters of text already handed out
         self.finish_reason: str | None = None

@@ -32,3 +32,18 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+class PartialRotary(RotaryEmbedding):
+    """RoPE on the first `rotary_dim` of each head's dims only (rotate-half within them), the rest passed through:
+    Qwen3-Next's and Qwen3.5's partial rotary. The fused attention prologue rotates whole heads, so a layer with this
+    one keeps the plain-torch prologue."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__(rotary_dim, max_positions, theta)
+        self.rotary_dim = rotary_dim
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rotary_dim
+        q_rot, k_rot = super().forward(positions, q[..., :r], k[..., :r])
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)

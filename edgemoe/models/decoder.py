@@ -122,3 +122,9 @@ class MoEForCausalLM(nn.Module):
         """A checkpoint tensor's parameter name here, after the family's `rename`, where it depends on the config
         (this model's); None: a tensor the model does not use. Default: the name itself."""
         return name
+
+    def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A safetensors checkpoint's tensor (under its name here) as the tensors this model holds: a family whose
+        checkpoints store a weight otherwise (offset norms, projections laid out apart) converts it. Default: as
+        is."""
+        return [(name, tensor)]

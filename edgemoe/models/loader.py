@@ -262,27 +262,30 @@ def load_weights(
                 readers[name](file, key)
                 read.add(name)
                 continue
-            name, target = _target(name, params, model)
-            if target is None:
-                continue
-            shape = handle.get_slice(key).get_shape()
-            tensor = handle.get_tensor(key) if target.dtype != torch.uint8 else quantize_rows(model, name, handle, key)
-            if list(tensor.shape) != list(target.shape):
-                raise EdgeMoEError(f"tensor {key} has shape {shape}, the config implies {list(target.shape)}")
-            target.copy_(tensor)
-            filled[name] += target.numel()
+            for converted, tensor in model.convert(name, handle.get_tensor(key)):
+                pname, target = _target(converted, params, model)
+                if target is None:
+                    continue
+                if target.dtype == torch.uint8:
+                    tensor = quantize_rows(model, pname, tensor)
+                if list(tensor.shape) != list(target.shape):
+                    raise EdgeMoEError(
+                        f"tensor {key} has shape {list(tensor.shape)}, the config implies {list(target.shape)}"
+                    )
+                target.copy_(tensor)
+                filled[pname] += target.numel()
     _check_filled(params, filled, folder)
     unread = sorted(set(readers) - read)
     if unread:
         raise EdgeMoEError(f"checkpoint {folder} lacks {', '.join(unread)}")
 
 
-def quantize_rows(model: MoEForCausalLM, name: str, handle, key: str) -> torch.Tensor:  # noqa: ANN001
+def quantize_rows(model: MoEForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A checkpoint's expert weights [..., rows, n] in the block format of `name`'s layer (quantize-on-load)."""
     layer = int(name.split(".")[2])
     layout = model.model.layers[layer].mlp.experts.layout
     q = layout.q_down if name.endswith("down_proj") else layout.q_gate_up
-    return quantize(handle.get_tensor(key), q)
+    return quantize(tensor, q)
 
 
 def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausalLM):

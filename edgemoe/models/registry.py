@@ -14,11 +14,13 @@ from types import ModuleType
 
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models import gemma4, mixtral, olmoe, qwen2_moe, qwen3_moe
+from edgemoe.models import gemma4, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
 from edgemoe.models.gguf import GGUFCheckpoint
 
 FAMILIES: dict[str, ModuleType] = {
-    t: m for m in (qwen2_moe, qwen3_moe, mixtral, olmoe, gemma4) for t in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))
+    t: m
+    for m in (qwen2_moe, qwen3_moe, mixtral, olmoe, gemma4, qwen3_next)
+    for t in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))
 }
 # llama.cpp's architecture name -> the family that reads such GGUF files (its `GGUF_ARCH`, `gguf_config`)
 GGUF_FAMILIES: dict[str, ModuleType] = {m.GGUF_ARCH: m for m in set(FAMILIES.values()) if hasattr(m, "GGUF_ARCH")}

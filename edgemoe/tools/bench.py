@@ -38,6 +38,7 @@ from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Batch
 from edgemoe.engine.sequence import Sequence
+from edgemoe.engine.state_cache import StateCache, stateful_modules
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
@@ -82,11 +83,12 @@ def build_model(
 
 def make_runner(model: MoEForCausalLM, tokens: int) -> ModelRunner:
     """A batch-1 `ModelRunner` over a KV cache of `tokens` positions, whose one sequence's block table is every
-    block in order (slot = position)."""
+    block in order (slot = position), and its state in slot 0 where the model's layers keep one."""
     norm = model.model.norm.weight  # the model's device and dtype (the lm_head may hold GGUF blocks)
     kv = KVCache(model.config, -(-tokens // BLOCK_SIZE), BLOCK_SIZE, norm.dtype, norm.device)
     device = norm.device
-    return ModelRunner(model, kv, device, 1, kv.num_blocks)
+    states = StateCache(model, 1, norm.dtype, device) if stateful_modules(model) else None
+    return ModelRunner(model, kv, device, 1, kv.num_blocks, states)
 
 
 def routing(spec: str | None, steps: int, moe_layers: int, experts: int, top_k: int) -> np.ndarray | None:
@@ -112,7 +114,7 @@ class Decoder:
         self.runner, self.device = runner, runner.device
         self.buffers = runner.decode
         table = list(range(runner.kv.num_blocks))
-        self.buffers.fill([0], [context], [context], [context + 1], [table])  # slot = position
+        self.buffers.fill([0], [context], [context], [context + 1], [0], [table])  # slot = position
         self.step_ix = torch.zeros(1, dtype=torch.long, device=self.device)
         self.trace = None if trace is None else torch.from_numpy(trace.astype(np.int64)).to(self.device)
         self.step_ids = None  # [layers, 1, top_k]: the step's row of the trace

@@ -74,7 +74,7 @@ def test_profiler_sees_the_side_stream_beside_the_miss_copy() -> None:
     runner, seq = engine.runner, engine.scheduler.running[0]
     pos, bs = seq.num_computed, engine.kv.block_size
     slot = seq.block_table[pos // bs] * bs + pos % bs
-    runner.decode.fill([seq.token_ids[-1]], [pos], [slot], [pos + 1], [list(seq.block_table)])
+    runner.decode.fill([seq.token_ids[-1]], [pos], [slot], [pos + 1], [0], [list(seq.block_table)])
 
     def replay() -> None:  # the same decode step again and again (it rewrites one KV slot)
         runner.graphs.replay(1)

@@ -1,0 +1,227 @@
+"""The Gated DeltaNet layer of the hybrid families (Qwen3-Next, Qwen3.5/3.6 MoE): linear attention whose memory of the
+past is a fixed-size state per sequence instead of a growing KV cache.
+
+Per token: q, k, v (and an output gate z, a write strength beta, a decay rate a) are projected from the layer's input;
+q, k, v pass a causal depthwise convolution over the last `kernel` tokens (its state: the previous kernel - 1 inputs)
+and SiLU; q and k are L2-normalised; then, per value head, a matrix state S [k_dim, v_dim] decays by exp(g) and is
+corrected towards v along k (the delta rule: S += k (x) beta (v - k^T S)), and the output reads it along q. The output
+is RMS-normalised per head, gated by SiLU(z) and projected back.
+
+Each sequence's two states (the convolution's inputs, the fp32 matrix per head) live in a pool of slots that
+`edgemoe.engine.state_cache.StateCache` binds (`state_shapes`, `bind_state`); the step's slot per sequence comes in
+the forward context (`state_slots`). A slot starts at zero with its sequence. Prefill runs each sequence's new tokens
+through `chunked_delta_rule` from its slot's state; decode runs one `recurrent_step` for the whole batch, gathered from
+and scattered back to the slots: fixed shapes and no host reads, so CUDA graphs capture it. Both are plain torch here,
+the references of any kernel that replaces them.
+
+Grouped heads: a q/k head serves `v_heads // k_heads` consecutive value heads (the checkpoints' order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgemoe.context import get_context
+from edgemoe.layers.linear import DecodeLinear
+
+L2_EPS = 1e-6  # q and k are divided by sqrt(sum of squares + L2_EPS)
+CHUNK = 64  # tokens the chunked delta rule solves at once
+
+
+class GatedDeltaNet(nn.Module):
+    """Parameters under the Qwen3.5 names: in_proj_qkv (q, k, v rows: every q head, then every k head, then every
+    value head), in_proj_z, in_proj_b, in_proj_a, conv1d (depthwise: weight [channels, 1, kernel]), dt_bias, A_log,
+    norm, out_proj.
+    (Qwen3-Next's checkpoints interleave q, k, v, z per key head in one in_proj_qkvz: its family file reorders them.)"""
+
+    def __init__(
+        self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int, eps: float
+    ) -> None:
+        super().__init__()
+        if v_heads % k_heads:
+            raise ValueError(f"linear_num_value_heads {v_heads} is not a multiple of linear_num_key_heads {k_heads}")
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.kernel = k_heads, v_heads, k_dim, v_dim, kernel
+        self.qkv_sizes = [k_heads * k_dim, k_heads * k_dim, v_heads * v_dim]
+        self.channels = sum(self.qkv_sizes)
+        self.in_proj_qkv = DecodeLinear(hidden, self.channels, bias=False)
+        self.in_proj_z = DecodeLinear(hidden, v_heads * v_dim, bias=False)
+        self.in_proj_b = DecodeLinear(hidden, v_heads, bias=False)
+        self.in_proj_a = DecodeLinear(hidden, v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.channels, self.channels, kernel, groups=self.channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(v_heads))
+        self.A_log = nn.Parameter(torch.empty(v_heads))
+        self.norm = GatedRMSNorm(v_dim, eps)
+        self.out_proj = DecodeLinear(v_heads * v_dim, hidden, bias=False)
+        # the state cache binds these (`bind_state`): [slots, channels, kernel - 1] and [slots, v_heads, k_dim, v_dim]
+        self.conv_state = torch.empty(0)
+        self.recurrent_state = torch.empty(0)
+
+    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One sequence's states: the convolution's last inputs (the model's dtype) and the delta rule's matrices
+        (fp32, as transformers keeps them)."""
+        return [
+            ((self.channels, self.kernel - 1), dtype),
+            ((self.v_heads, self.k_dim, self.v_dim), torch.float32),
+        ]
+
+    def bind_state(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv_state, self.recurrent_state = conv, recurrent
+
+    def fuses_norm(self, *args) -> bool:
+        """`DecoderLayer` asks every token mixer; this one runs its input norm apart."""
+        return False
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, hidden] (normed) -> [tokens, hidden]. Positions are not used: the state carries the order."""
+        ctx = get_context()
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay, <= 0
+        if ctx.is_prefill:
+            out = self._prefill(mixed, beta, g, ctx)
+        else:
+            out = self._decode(mixed, beta, g, ctx.state_slots)
+        out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
+        return self.out_proj(out.reshape(x.shape[0], -1))
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved channels [tokens, channels] -> q, k [tokens, k_heads, k_dim], v [tokens, v_heads, v_dim]."""
+        q, k, v = mixed.split(self.qkv_sizes, dim=-1)
+        n = mixed.shape[0]
+        return q.reshape(n, -1, self.k_dim), k.reshape(n, -1, self.k_dim), v.reshape(n, -1, self.v_dim)
+
+    def _prefill(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, ctx) -> torch.Tensor:
+        outs, start = [], 0
+        for i, n in enumerate(ctx.query_lens):
+            slot = ctx.state_slots[i : i + 1]
+            conv = self.conv_state.index_select(0, slot)[0]
+            channels, conv = causal_conv(mixed[start : start + n], conv, self.conv1d.weight)
+            self.conv_state.index_copy_(0, slot, conv[None].to(self.conv_state.dtype))
+            q, k, v = self._heads(channels)
+            state = self.recurrent_state.index_select(0, slot)[0]
+            o, state = chunked_delta_rule(q, k, v, g[start : start + n], beta[start : start + n], state)
+            self.recurrent_state.index_copy_(0, slot, state[None])
+            outs.append(o)
+            start += n
+        return torch.cat(outs)
+
+    def _decode(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        conv = self.conv_state.index_select(0, slots)
+        channels, conv = conv_step(mixed, conv, self.conv1d.weight)
+        self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
+        q, k, v = self._heads(channels)
+        out, state = recurrent_step(q, k, v, g, beta, self.recurrent_state.index_select(0, slots))
+        self.recurrent_state.index_copy_(0, slots, state)
+        return out
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm per value head, then the output gate: weight * norm(x) * SiLU(z) (the norm's product in x's dtype, the
+    gate's in fp32, as transformers' Qwen3-Next computes it)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(z.float())).to(dtype)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's depthwise causal convolution and SiLU over its new tokens, after the inputs in `state`.
+    x: [tokens, channels]; state: [channels, kernel - 1]; weight: [channels, 1, kernel] -> (out [tokens, channels],
+    the new state: the last kernel - 1 inputs)."""
+    full = torch.cat((state.to(x.dtype), x.t()), dim=1)  # [channels, kernel - 1 + tokens]
+    out = F.conv1d(full[None], weight, groups=weight.shape[0])[0]  # [channels, tokens]
+    return F.silu(out).t(), full[:, full.shape[1] - state.shape[1] :]
+
+
+def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv` of one token for each sequence of a batch. x: [seqs, channels]; state: [seqs, channels,
+    kernel - 1] -> (out [seqs, channels], new states)."""
+    full = torch.cat((state.to(x.dtype), x[:, :, None]), dim=2)  # [seqs, channels, kernel]
+    out = F.conv1d(full, weight, groups=weight.shape[0])[:, :, 0]
+    return F.silu(out), full[:, :, 1:]
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+    """fp32 [v_heads, tokens, dim] per head: q and k L2-normalised (q also by sqrt(k_dim)) and repeated to serve
+    their value heads; g and beta [v_heads, tokens]."""
+    groups = v.shape[1] // k.shape[1]
+    q, k = (t.float().repeat_interleave(groups, dim=1).transpose(0, 1) for t in (q, k))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    q = q * q.shape[-1] ** -0.5
+    return q, k, v.float().transpose(0, 1), g.float().t(), beta.float().t()
+
+
+def recurrent_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for each sequence of a batch (decode).
+    q, k: [seqs, k_heads, k_dim]; v: [seqs, v_heads, v_dim]; g, beta: [seqs, v_heads]; state: [seqs, v_heads, k_dim,
+    v_dim] fp32 -> (out [seqs, v_heads, v_dim] in v's dtype, the new states)."""
+    groups = v.shape[1] // k.shape[1]
+    q, k = (t.float().repeat_interleave(groups, dim=1) for t in (q, k))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    q = q / q.shape[-1] ** 0.5  # (divided, where the chunked rule multiplies: each as transformers rounds it)
+    state = state * g.float().exp()[..., None, None]
+    predicted = (state * k[..., None]).sum(-2)  # k^T S: [seqs, v_heads, v_dim]
+    delta = (v.float() - predicted) * beta.float()[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(-2).to(v.dtype), state
+
+
+def chunked_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence's tokens from `state`, `chunk` tokens solved at once (prefill).
+    q, k: [tokens, k_heads, k_dim]; v: [tokens, v_heads, v_dim]; g, beta: [tokens, v_heads]; state: [v_heads, k_dim,
+    v_dim] fp32 -> (out [tokens, v_heads, v_dim] in v's dtype, the state after the last token).
+
+    Within a chunk, with G_t the decay summed from the chunk's start to t and S0 the state before it, the corrections
+    d_t = beta_t (v_t - k_t^T S_(t-1)) satisfy a unit lower-triangular system (I + A) d = beta (v - e^G K S0), with
+    A[t, s] = beta_t e^(G_t - G_s) k_t . k_s for s < t: one triangular solve a chunk instead of a step a token. Then
+    o_t = e^(G_t) q_t^T S0 + sum_(s <= t) e^(G_t - G_s) (q_t . k_s) d_s, and the chunk's last state follows alike."""
+    n, dtype = q.shape[0], v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    pad = -n % chunk
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    heads, chunks = q.shape[0], (n + pad) // chunk
+    q, k, v = (t.reshape(heads, chunks, chunk, -1) for t in (q, k, v))
+    g, beta = g.reshape(heads, chunks, chunk), beta.reshape(heads, chunks, chunk)
+    G = g.cumsum(-1)  # [heads, chunks, chunk]
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # s > t: not yet written
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(later, float("-inf")).exp()  # e^(G_t - G_s), s <= t
+    kb = k * beta[..., None]
+    system = (kb @ k.transpose(-1, -2)) * decay  # its strict lower triangle is A; the solve takes a unit diagonal
+    corrections = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    reads = torch.linalg.solve_triangular(system, kb * G.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay  # s <= t
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()[..., None, None]
+    out = torch.empty_like(v)
+    for c in range(chunks):
+        d = corrections[:, c] - reads[:, c] @ state  # [heads, chunk, v_dim]
+        out[:, c] = q_decayed[:, c] @ state + attn[:, c] @ d
+        state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ d
+    out = out.reshape(heads, chunks * chunk, -1)[:, :n].transpose(0, 1)
+    return out.to(dtype), state

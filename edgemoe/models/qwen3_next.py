@@ -1,0 +1,194 @@
+"""Qwen3-Next and Qwen3.5 / Qwen3.6 MoE: hybrid layers, three Gated DeltaNet (linear attention, a fixed state per
+sequence: `edgemoe.layers.linear_attention`) to one gated full-attention layer (`layer_types`), and in every layer
+routed experts plus a sigmoid-gated shared expert.
+
+The full-attention layers gate their output per channel (q_proj writes each head's q and its gate side by side),
+normalise q and k per head and rotate only the first quarter of each head's dims (`PartialRotary`). Every RMSNorm
+but the linear attention's output norm scales by (1 + weight): the loader adds the 1 once (`convert`), as llama.cpp's
+converter does, so the norms are the other families' (and their kernels).
+
+Checkpoints: Qwen3-Next (`Qwen3NextForCausalLM`) interleaves each key head's q, k, v and z rows in one
+`in_proj_qkvz` and its b and a rows in `in_proj_ba`; Qwen3.5 writes four projections, the layout kept here. Qwen3.5
+ships as `Qwen3_5MoeForConditionalGeneration` (its language model under `model.language_model`, a vision tower under
+`model.visual`, skipped) or as `Qwen3_5MoeForCausalLM` (`qwen3_5_moe_text`). The multi-token-prediction head the
+checkpoints carry (`mtp.*`) is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edgemoe.config import ModelConfig
+from edgemoe.errors import EdgeMoEError
+from edgemoe.layers.attention import Attention
+from edgemoe.layers.linear import DecodeLinear
+from edgemoe.layers.linear_attention import GatedDeltaNet
+from edgemoe.layers.norm import RMSNorm
+from edgemoe.layers.rotary import PartialRotary
+from edgemoe.models.decoder import DecoderLayer, DecoderModel, MoEForCausalLM, moe_or_mlp
+from edgemoe.models.hf_config import common_fields, sparse_layers
+
+MODEL_TYPE = "qwen3_next"
+MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    layer_types: tuple[str, ...]  # per layer, one of LAYER_TYPES
+    k_heads: int  # the linear attention's q/k heads
+    v_heads: int  # its value heads (a multiple of k_heads)
+    k_dim: int
+    v_dim: int
+    conv_kernel: int  # its causal convolution's width
+    rotary_dim: int  # the full attention's rotated dims per head
+    interleaved: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba checkpoints (else Qwen3.5's four projections)
+
+
+def text_config(hf: dict) -> dict:
+    """A Qwen3.5 MoE `config.json` keeps the language model's fields under `text_config` (the token ids may be at
+    the top): one flat dict, `model_type` the outer one's."""
+    inner = hf.get("text_config")
+    if not isinstance(inner, dict):
+        return hf
+    top = {k: v for k, v in hf.items() if k.endswith("token_id") and v is not None}
+    return {**inner, **top, "model_type": hf["model_type"]}
+
+
+def normalise(hf: dict) -> ModelConfig:
+    hf = text_config(hf)
+    layers, experts = hf["num_hidden_layers"], hf["num_experts"]
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0 else "linear_attention"
+        for i in range(layers)
+    ]
+    if len(types) != layers:
+        raise EdgeMoEError(f"layer_types has {len(types)} entries for {layers} layers (num_hidden_layers)")
+    for i, t in enumerate(types):
+        if t not in LAYER_TYPES:
+            raise EdgeMoEError(f"layer_types[{i}] is {t!r}; this family has {' and '.join(LAYER_TYPES)} layers")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    common = common_fields(hf)
+    bias = bool(hf.get("attention_bias", False))
+    settings = HybridSettings(
+        layer_types=tuple(types),
+        k_heads=hf["linear_num_key_heads"],
+        v_heads=hf["linear_num_value_heads"],
+        k_dim=hf["linear_key_head_dim"],
+        v_dim=hf["linear_value_head_dim"],
+        conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+        rotary_dim=int(common["head_dim"] * partial),
+        interleaved=hf["model_type"] == "qwen3_next",
+    )
+    if settings.v_heads % settings.k_heads:
+        raise EdgeMoEError(
+            f"linear_num_value_heads {settings.v_heads} is not a multiple of linear_num_key_heads {settings.k_heads}"
+        )
+    return ModelConfig(
+        **common,
+        intermediate_size=hf.get("intermediate_size", 0),
+        num_experts=experts,
+        top_k=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        moe_layers=sparse_layers(hf, experts),
+        # Qwen3.5's router always renormalises its top k
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)) or hf["model_type"] != "qwen3_next",
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
+        qkv_bias=bias,
+        o_proj_bias=bias,
+        no_kv_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        family_config=settings,
+    )
+
+
+def rename(name: str) -> str:
+    """Checkpoint names -> ours: the language model of a Qwen3.5 checkpoint under `model.`, a linear-attention layer's
+    mixer under `self_attn` like a full-attention layer's (`DecoderLayer` runs either)."""
+    if name.startswith("model.language_model."):
+        name = "model." + name.removeprefix("model.language_model.")
+    return name.replace(".linear_attn.", ".self_attn.")
+
+
+class GatedAttention(Attention):
+    """Attention whose output is gated per channel by sigmoid(gate), the gate projected with q: q_proj's rows are
+    each head's q then its gate (`qkv_proj` holds them as q_proj does), then k and v."""
+
+    def __init__(self, cfg: ModelConfig, rotary: PartialRotary) -> None:
+        nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        super().__init__(cfg.hidden_size, nq, nkv, d, rotary, cfg.qkv_bias, cfg.o_proj_bias, cfg.rms_norm_eps)
+        self.qkv_sizes = [2 * nq * d, nkv * d, nkv * d]
+        self.qkv_proj = DecodeLinear(cfg.hidden_size, sum(self.qkv_sizes), bias=cfg.qkv_bias)
+
+    def use_kernels(self, device: torch.device) -> None:
+        super().use_kernels(device)
+        self._prologue = self._prologue_reference  # the fused prologue rotates whole heads; this rotary is partial
+
+    def forward(self, x: torch.Tensor | None, positions: torch.Tensor, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.qkv_proj(x) if qkv is None else qkv
+        q_gate, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        q_gate = q_gate.view(-1, self.nq, 2 * self.d)
+        q, gate = q_gate[..., : self.d], q_gate[..., self.d :]
+        k, v = k.view(-1, self.nkv, self.d), v.view(-1, self.nkv, self.d)
+        out = self.attn.attend(self._prologue(q, k, v, positions))  # [tokens, heads * head_dim]
+        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
+
+
+class HybridDecoderLayer(DecoderLayer):
+    """A Gated DeltaNet or a gated full-attention layer, as `layer_types` says; routed experts plus a sigmoid-gated
+    shared expert, or a dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: PartialRotary) -> None:
+        super().__init__(cfg, layer)
+        s: HybridSettings = cfg.family_config
+        if s.layer_types[layer] == "linear_attention":
+            self.self_attn = GatedDeltaNet(
+                cfg.hidden_size, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel, cfg.rms_norm_eps
+            )
+        else:
+            self.self_attn = GatedAttention(cfg, rotary)
+        self.mlp = moe_or_mlp(cfg, self, shared=cfg.shared_expert_intermediate_size)
+
+
+LAYER = HybridDecoderLayer
+
+
+class HybridModel(DecoderModel):
+    @staticmethod
+    def make_rotary(cfg: ModelConfig) -> nn.Module:
+        rotary_dim = cfg.family_config.rotary_dim
+        return PartialRotary(cfg.head_dim, rotary_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+
+class HybridForCausalLM(MoEForCausalLM):
+    model_class = HybridModel
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The multi-token-prediction head and a vision tower are not used."""
+        if name.startswith(("mtp.", "model.visual.", "model.mtp.")):
+            return None
+        return name
+
+    def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(1 + weight) norms as plain ones; Qwen3-Next's interleaved projections as Qwen3.5's four."""
+        if name.endswith("norm.weight") and isinstance(self.get_submodule(name.removesuffix(".weight")), RMSNorm):
+            return [(name, tensor.float() + 1)]
+        s: HybridSettings = self.config.family_config
+        if not s.interleaved:
+            return [(name, tensor)]
+        prefix, hidden = name.rsplit(".", 2)[0], tensor.shape[-1]
+        r = s.v_heads // s.k_heads  # value heads per key head
+        if name.endswith(".in_proj_qkvz.weight"):  # per key head: q, k, r x v, r x z rows
+            parts = tensor.view(s.k_heads, -1, hidden).split([s.k_dim, s.k_dim, r * s.v_dim, r * s.v_dim], 1)
+            q, k, v, z = (p.reshape(-1, hidden) for p in parts)
+            return [(f"{prefix}.in_proj_qkv.weight", torch.cat((q, k, v))), (f"{prefix}.in_proj_z.weight", z)]
+        if name.endswith(".in_proj_ba.weight"):  # per key head: r x b, r x a rows
+            b, a = (p.reshape(-1, hidden) for p in tensor.view(s.k_heads, 2 * r, hidden).split([r, r], 1))
+            return [(f"{prefix}.in_proj_b.weight", b), (f"{prefix}.in_proj_a.weight", a)]
+        return [(name, tensor)]
+
+
+MODEL = HybridForCausalLM

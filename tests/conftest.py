@@ -76,6 +76,18 @@ TINY = {
     "qwen3-mqa-tied": ("qwen3_moe", dict(num_key_value_heads=1, norm_topk_prob=False, tie_word_embeddings=True)),
     "mixtral-gqa": ("mixtral", dict(num_key_value_heads=2)),
     "olmoe-mha-clip": ("olmoe", dict(num_key_value_heads=4, clip_qkv=4.0)),
+    # hybrid: 3 Gated DeltaNet layers to 1 gated full-attention layer; grouped value heads (4 per 2 key heads)
+    "qwen3next-dense": ("qwen3_next", dict(mlp_only_layers=[1], attention_bias=True)),
+    "qwen35-tied-mha": ("qwen3_5_moe_text", dict(linear_num_key_heads=4, tie_word_embeddings=True)),
+}
+# transformers' (config, model) classes where they are not f"{Prefix}Config" / f"{Prefix}ForCausalLM"
+_HF_CLASSES = {
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
 
 
@@ -83,7 +95,7 @@ def hf_model(family: str, **overrides):
     """A transformers model of `family` with small shapes and weights scaled so outputs are not flat."""
     import transformers
 
-    cls = {"qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "olmoe": "Olmoe"}[family]
+    config_class, model_class = _HF_CLASSES[family]
     base = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -102,14 +114,18 @@ def hf_model(family: str, **overrides):
     )
     if family in ("qwen2_moe", "qwen3_moe"):
         base.update(num_experts=8, moe_intermediate_size=32)
+    elif family in ("qwen3_next", "qwen3_5_moe_text"):
+        base.update(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_hidden_layers=4,
+                    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=8)  # fmt: skip
     elif family == "mixtral":
         base.update(num_local_experts=8, intermediate_size=32)
     else:
         base.update(num_experts=8, intermediate_size=32)
     base.update(overrides)
-    config = getattr(transformers, f"{cls}Config")(**base)
+    config = getattr(transformers, config_class)(**base)
     torch.manual_seed(zlib.crc32(repr(sorted(overrides.items())).encode()))  # stable across processes
-    model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -11,6 +11,11 @@ from edgemoe import LLM, SamplingParams
 from tests.conftest import TINY
 
 NEW_TOKENS = 32
+# The hybrid families' reference logits come from one forward over the whole sequence (the chunked delta rule);
+# decode runs its recurrent form, equal in exact arithmetic: transformers' own incremental decode of these tiny models
+# differs from its whole forward by up to 5.4e-5 over 30 positions (attention-only models: 4e-6), and the gap grows
+# with the steps.
+ATOL = {"qwen3next-dense": 5e-4, "qwen35-tied-mha": 5e-4}
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -57,7 +62,7 @@ def test_logits_match_transformers(tiny_checkpoint, case: str) -> None:
             seq = step.seqs[i]
             k = seqs.index(seq)
             pos = len(seq.token_ids) - 1
-            torch.testing.assert_close(logits[row], ref[k][pos], atol=1e-4, rtol=0)
+            torch.testing.assert_close(logits[row], ref[k][pos], atol=ATOL.get(case, 1e-4), rtol=0)
             checked += 1
             if pos + 1 < len(full[k]):
                 seq.token_ids.append(full[k][pos + 1])

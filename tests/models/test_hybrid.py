@@ -1,0 +1,154 @@
+"""The hybrid linear-attention families (Qwen3-Next, Qwen3.5/3.6 MoE) around the engine: a Qwen3.5 checkpoint as the
+Hub ships it (a vision tower beside the language model), each sequence's state slot through scheduling that changes
+nothing (chunks, one at a time, preemption, offloaded experts), slots all returned, and bad checkpoints refused in
+one line. Greedy tokens are compared with transformers' own classes (tests/models/test_hf_parity.py holds the
+per-family parity on both checkpoint layouts)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from edgemoe import LLM, SamplingParams
+from edgemoe.engine.kv_cache import bytes_per_block
+from edgemoe.errors import EdgeMoEError
+from edgemoe.models.registry import read_config
+from tests.conftest import VOCAB, save_checkpoint
+
+NEW = 20
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+
+
+def prompts(seed: int, lengths=(7, 33, 70)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 6000, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int]) -> list[int]:
+    return model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def next_checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("qwen3next-dense", "per-expert")
+
+
+@pytest.fixture(scope="module")
+def reference(next_checkpoint) -> dict:
+    _, hf = next_checkpoint
+    batch = prompts(3)
+    return {"prompts": batch, "tokens": [hf_greedy(hf, p) for p in batch]}
+
+
+def test_qwen35_as_the_hub_ships_it(tmp_path) -> None:
+    """`Qwen3_5MoeForConditionalGeneration`: the language model under model.language_model, a vision tower under
+    model.visual (skipped), the text fields under text_config."""
+    import transformers
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, max_position_embeddings=512)  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(5)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn_like(p) + (1 if ".linear_attn.norm" in name else 0))
+            elif "embed_tokens" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            elif p.numel() and p.dim() > 1:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    folder = save_checkpoint(model, tmp_path / "qwen35", "per-expert")
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["model_type"] == "qwen3_5_moe" and "text_config" in saved
+    llm = LLM(str(folder), progress=False, dtype="float32")
+    batch = prompts(4, (9, 40))
+    for prompt, out in zip(batch, llm.generate(batch, GREEDY)):
+        assert out.token_ids == hf_greedy(model, prompt)
+    assert len({t for t in out.token_ids}) > 5, "degenerate model: the comparison would prove little"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_num_batched_tokens=8),  # every prompt in chunks, each from its slot's state
+        dict(max_num_seqs=1),  # one at a time: each sequence gets a slot another one used
+        dict(moe_strategy="offload", moe_cache_slots=9, max_num_batched_tokens=16),
+        "preempt",  # a KV cache too small for all three: a preempted sequence restarts from a cleared slot
+    ],
+)
+def test_scheduling_keeps_each_sequence_state(next_checkpoint, reference, options) -> None:
+    folder, _ = next_checkpoint
+    if options == "preempt":
+        per_block = bytes_per_block(read_config(folder)[0], 16, torch.float32)
+        options = dict(kv_cache_memory=9 * per_block, block_size=16)  # 9 blocks; 2 + 4 + 6 are needed at the end
+    llm = LLM(str(folder), progress=False, dtype="float32", **options)
+    preempted = []
+    original = llm.engine.scheduler.preempt
+    llm.engine.scheduler.preempt = lambda s: (preempted.append(s.seq_id), original(s))
+    outs = llm.generate(reference["prompts"], GREEDY)
+    assert [o.token_ids for o in outs] == reference["tokens"]
+    states = llm.engine.states
+    assert sorted(states.free) == list(range(states.num_slots))  # every slot back
+    assert llm.engine.kv.num_free == llm.engine.kv.num_blocks
+    assert ("kv_cache_memory" in options) == bool(preempted)
+
+
+def test_prefix_cache_is_off_until_states_are_kept(next_checkpoint, reference, capfd) -> None:
+    """Reusing a prompt's KV blocks without the linear layers' state would be wrong: the engine says it is off."""
+    folder, _ = next_checkpoint
+    llm = LLM(str(folder), progress=False, dtype="float32", prefix_cache=True)
+    assert "prefix cache: off" in capfd.readouterr().err
+    first = llm.generate(reference["prompts"][2], GREEDY)[0]
+    again = llm.generate(reference["prompts"][2], GREEDY)[0]
+    assert again.token_ids == first.token_ids == reference["tokens"][2]
+    assert again.cached_tokens == 0
+
+
+def _config(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c.update(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), r"layer_types\[3\] is 'sl"),
+        (lambda c: c.update(layer_types=["linear_attention"] * 3), "layer_types has 3 entries for 4 layers"),
+        (lambda c: c.update(linear_num_value_heads=3), "linear_num_value_heads 3 is not a multiple of"),
+    ],
+)
+def test_bad_config_is_one_line(next_checkpoint, tmp_path, change, message) -> None:
+    folder, _ = next_checkpoint
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in folder.iterdir():
+        (bad / f.name).symlink_to(f)
+    config = _config(folder)
+    change(config)
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EdgeMoEError, match=message) as err:
+        LLM(str(bad), progress=False)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_state_tensor_is_one_line(next_checkpoint, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = next_checkpoint
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors":
+            (bad / f.name).symlink_to(f)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.2.linear_attn.A_log"]
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(EdgeMoEError, match=r"lacks 1 tensors, e\.g\. model\.layers\.2\.self_attn\.A_log"):
+        LLM(str(bad), progress=False)

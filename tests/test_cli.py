@@ -117,7 +117,8 @@ def test_chat_and_seed() -> None:
     assert lines[0] == "edgemoe: loading the demo model ...", a.stderr
     assert any(
         re.fullmatch(r"edgemoe: the demo model \(qwen2_moe\) on cpu, float32 \(auto: [^)]*\): 12\.6 M parameters "
-                     r"\(4\.4 M dense, 8\.3 M in experts\), all in RAM, loaded in \d+\.\d s", line) for line in lines
+                     r"\(4\.4 M dense, 8\.3 M in experts\), all in RAM, "
+                     r"context 2,048 tokens \(\d+ in the KV cache\), loaded in \d+\.\d s", line) for line in lines
     ), a.stderr  # fmt: skip
     help_text = " ".join(edgemoe("generate", "--help").stdout.split())
     assert "the same seed gives the same text (default: a new one each run)" in help_text

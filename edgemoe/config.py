@@ -42,6 +42,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     hidden_act: str = "silu"  # the MLPs' and experts' gate activation, a key of `edgemoe.layers.mlp.ACTIVATIONS`
+    rotary_dim: int | None = None  # partial rotary: the leading dims of each head that RoPE turns; None: all of them
     # Per layer (kv_heads, head_dim) where layers differ (Gemma-4's global layers); empty: all (num_kv_heads, head_dim)
     kv_shapes: tuple[tuple[int, int], ...] = ()
     # Per layer, the layer whose KV cache it reads (a KV-shared layer reads an earlier one's, writing none); empty:
@@ -66,6 +67,9 @@ class ModelConfig:
         for _, kv_heads, _ in filter(None, self.kv_layers()):
             if self.num_heads % kv_heads:
                 raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {kv_heads}")
+        rot = self.rotary_dim
+        if rot is not None and not (_count(rot) and rot <= self.head_dim and rot % 2 == 0):
+            raise ValueError(f"rotary_dim must be an even integer in 2..head_dim {self.head_dim}, got {rot!r}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

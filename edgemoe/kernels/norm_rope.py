@@ -173,8 +173,9 @@ def _norm_rotate_row(
     RNE_BY_HAND: tl.constexpr,
 ):
     """One head [optionally RMSNorm-ed with weight w] * cos + rotate_half(it) * sin, each product and the sum
-    rounded to X_TY -> fp32 [BLOCK]."""
-    partner = tl.where(offs < half, offs + half, offs - half)  # rotate_half: (-x2, x1)
+    rounded to X_TY -> fp32 [BLOCK]. rotate_half pairs the dims below 2 * half (the rotary dims); a dim above them is
+    its own partner, which its table row (cos 1, sin 0) leaves as it is."""
+    partner = tl.where(offs < half, offs + half, tl.where(offs < 2 * half, offs - half, offs))  # (-x2, x1), rest
     x = tl.load(src + offs * stride_d, mask=mask, other=0.0).to(tl.float32)  # padding adds 0 to the sum
     xp = tl.load(src + partner * stride_d, mask=mask, other=0.0).to(tl.float32)
     if NORM:  # what rms_norm would have stored at offs and at the partners: one r for the row, same rounding
@@ -238,6 +239,7 @@ def _attention_prologue(
     stride_vcd,
     stride_cs,
     stride_cp,
+    half,
     NORM: tl.constexpr,
     X_TY: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -257,7 +259,6 @@ def _attention_prologue(
     if h < heads + kv_heads:
         c, s = _cos_sin(cos_sin, positions, t, stride_cs, stride_cp, offs, mask, X_TY, RNE_BY_HAND)
         wait_for_inputs(PDL)
-        half = dim // 2
         if h < heads:
             o = _norm_rotate_row(
                 q + t * stride_qt + h * stride_qh, stride_qd, q_w, inv_dim, eps, c, s, offs, half, mask, NORM, X_TY,
@@ -290,6 +291,7 @@ def attention_prologue(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
     """Per-head q/k RMSNorm (when both weights are given), rotary on q and k, and the KV-cache write, in one launch:
     returns q_out (new, contiguous, q's dtype) and writes k_cache[slot_mapping[t]] = rotated k[t],
@@ -297,11 +299,16 @@ def attention_prologue(
 
     Equal to `rms_norm` (each head) + `RotaryEmbedding` + `index_copy_`: same shapes, dtypes and conditions as those,
     plus v: [tokens, kv_heads, head_dim] (any float dtype, strides); k_cache, v_cache: [slots, kv_heads, head_dim];
-    slot_mapping: [tokens] integer. The norm's output dtype must be q's (torch.promote_types(q, weight) == q).
+    slot_mapping: [tokens] integer; `rotary_dim`: partial rotary, the leading dims of each head that turn (None: all;
+    the table's other dims hold cos 1 and sin 0, as `RotaryEmbedding.build` writes them). The norm's output dtype
+    must be q's (torch.promote_types(q, weight) == q).
     Slots and positions are not checked (checking would sync); slots must be distinct, except padding tokens that
     share a pad slot (whose content is then one of theirs, as with index_copy_)."""
     _check_rotary(q, k, cos_sin, positions, "attention_prologue")
     tokens, heads, dim = q.shape
+    rotary_dim = dim if rotary_dim is None else rotary_dim
+    if not 0 < rotary_dim <= dim or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even and in 1..{dim}, got {rotary_dim}")
     kv_heads = k.shape[1]
     if v.shape != k.shape or v.dtype not in _DTYPES or slot_mapping.shape != (tokens,):
         raise ValueError(f"v {list(v.shape)} {v.dtype} and slot_mapping {list(slot_mapping.shape)} must match k")
@@ -325,7 +332,7 @@ def attention_prologue(
     _attention_prologue[(tokens, heads + 2 * kv_heads)](
         q, k, v, q_out, k_cache, v_cache, *weights, cos_sin, positions, slot_mapping, heads, kv_heads, dim, 1.0 / dim,
         eps, *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), cos_sin.stride(0),
-        cos_sin.stride(1), norm, _DTYPES[q.dtype], block, not q.is_cuda,
+        cos_sin.stride(1), rotary_dim // 2, norm, _DTYPES[q.dtype], block, not q.is_cuda,
         num_warps=_norm_warps(block),
         enable_fp_fusion=False, **launch_args(q.device),
     )  # fmt: skip

@@ -201,7 +201,8 @@ class Attention(nn.Module):
 
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.head_norm else (None, None, 0.0)
         cache = (self.attn.k_cache, self.attn.v_cache, get_context().slot_mapping)
-        return attention_prologue(q, k, v, positions, self.rotary[0].cos_sin, *cache, *norms)
+        rotary = self.rotary[0]
+        return attention_prologue(q, k, v, positions, rotary.cos_sin, *cache, *norms, rotary_dim=rotary.rotary_dim)
 
     def fuses_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> bool:
         """Whether `add_norm_forward` runs `norm` inside the qkv GEMV: chosen (GPUs without PDL), one token, one dtype

@@ -86,7 +86,7 @@ class DecoderModel(nn.Module):
     @staticmethod
     def make_rotary(cfg: ModelConfig) -> nn.Module:
         """The RoPE module every layer is given (built by the loader with `build(device)`)."""
-        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rotary_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [tokens, hidden]

@@ -3,7 +3,7 @@ sequence: `edgemoe.layers.linear_attention`) to one gated full-attention layer (
 routed experts plus a sigmoid-gated shared expert.
 
 The full-attention layers gate their output per channel (q_proj writes each head's q and its gate side by side),
-normalise q and k per head and rotate only the first quarter of each head's dims (`PartialRotary`). Every RMSNorm
+normalise q and k per head and rotate only the first quarter of each head's dims (`rotary_dim`). Every RMSNorm
 but the linear attention's output norm scales by (1 + weight): the loader adds the 1 once (`convert`), as llama.cpp's
 converter does, so the norms are the other families' (and their kernels).
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
@@ -27,8 +26,8 @@ from edgemoe.layers.attention import Attention
 from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.linear_attention import GatedDeltaNet
 from edgemoe.layers.norm import RMSNorm
-from edgemoe.layers.rotary import PartialRotary
-from edgemoe.models.decoder import DecoderLayer, DecoderModel, MoEForCausalLM, moe_or_mlp
+from edgemoe.layers.rotary import RotaryEmbedding
+from edgemoe.models.decoder import DecoderLayer, MoEForCausalLM, moe_or_mlp
 from edgemoe.models.hf_config import common_fields, sparse_layers
 
 MODEL_TYPE = "qwen3_next"
@@ -44,7 +43,6 @@ class HybridSettings:
     k_dim: int
     v_dim: int
     conv_kernel: int  # its causal convolution's width
-    rotary_dim: int  # the full attention's rotated dims per head
     interleaved: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba checkpoints (else Qwen3.5's four projections)
 
 
@@ -81,7 +79,6 @@ def normalise(hf: dict) -> ModelConfig:
         k_dim=hf["linear_key_head_dim"],
         v_dim=hf["linear_value_head_dim"],
         conv_kernel=hf.get("linear_conv_kernel_dim", 4),
-        rotary_dim=int(common["head_dim"] * partial),
         interleaved=hf["model_type"] == "qwen3_next",
     )
     if settings.v_heads % settings.k_heads:
@@ -90,6 +87,7 @@ def normalise(hf: dict) -> ModelConfig:
         )
     return ModelConfig(
         **common,
+        rotary_dim=int(common["head_dim"] * partial),
         intermediate_size=hf.get("intermediate_size", 0),
         num_experts=experts,
         top_k=hf["num_experts_per_tok"],
@@ -117,15 +115,11 @@ class GatedAttention(Attention):
     """Attention whose output is gated per channel by sigmoid(gate), the gate projected with q: q_proj's rows are
     each head's q then its gate (`qkv_proj` holds them as q_proj does), then k and v."""
 
-    def __init__(self, cfg: ModelConfig, rotary: PartialRotary) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         super().__init__(cfg.hidden_size, nq, nkv, d, rotary, cfg.qkv_bias, cfg.o_proj_bias, cfg.rms_norm_eps)
         self.qkv_sizes = [2 * nq * d, nkv * d, nkv * d]
         self.qkv_proj = DecodeLinear(cfg.hidden_size, sum(self.qkv_sizes), bias=cfg.qkv_bias)
-
-    def use_kernels(self, device: torch.device) -> None:
-        super().use_kernels(device)
-        self._prologue = self._prologue_reference  # the fused prologue rotates whole heads; this rotary is partial
 
     def forward(self, x: torch.Tensor | None, positions: torch.Tensor, qkv: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x) if qkv is None else qkv
@@ -141,7 +135,7 @@ class HybridDecoderLayer(DecoderLayer):
     """A Gated DeltaNet or a gated full-attention layer, as `layer_types` says; routed experts plus a sigmoid-gated
     shared expert, or a dense MLP."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: PartialRotary) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, layer)
         s: HybridSettings = cfg.family_config
         if s.layer_types[layer] == "linear_attention":
@@ -156,16 +150,7 @@ class HybridDecoderLayer(DecoderLayer):
 LAYER = HybridDecoderLayer
 
 
-class HybridModel(DecoderModel):
-    @staticmethod
-    def make_rotary(cfg: ModelConfig) -> nn.Module:
-        rotary_dim = cfg.family_config.rotary_dim
-        return PartialRotary(cfg.head_dim, rotary_dim, cfg.max_position_embeddings, cfg.rope_theta)
-
-
 class HybridForCausalLM(MoEForCausalLM):
-    model_class = HybridModel
-
     def checkpoint_name(self, name: str) -> str | None:
         """The multi-token-prediction head and a vision tower are not used."""
         if name.startswith(("mtp.", "model.visual.", "model.mtp.")):

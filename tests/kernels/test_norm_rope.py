@@ -88,8 +88,8 @@ def test_rms_norm_mixed_dtypes_promote_like_torch(x_dtype, w_dtype) -> None:
     assert_close_to_reference(rms_norm(x, weight, EPS), ref, x_dtype)
 
 
-def rotary_table(dim: int, max_positions: int = 4096) -> RotaryEmbedding:
-    rotary = RotaryEmbedding(dim, max_positions, 1e6)
+def rotary_table(dim: int, max_positions: int = 4096, rotary_dim: int | None = None) -> RotaryEmbedding:
+    rotary = RotaryEmbedding(dim, max_positions, 1e6, rotary_dim)
     rotary.build("cpu")
     return rotary
 
@@ -104,14 +104,16 @@ def random_positions(tokens: int, max_positions: int = 4096) -> torch.Tensor:
 ROTARY_SHAPES = [(4, 4, 64), (8, 2, 96), (6, 1, 200), (3, 1, 32)]  # MHA, GQA, MQA off powers of two
 
 
-def unfused_prologue(*case: torch.Tensor | None, kernels: bool = True) -> tuple[torch.Tensor, ...]:
+def unfused_prologue(
+    *case: torch.Tensor | None, kernels: bool = True, rotary_dim: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """What `SelfAttention` runs on the CPU: [per-head norm], rotary, index_copy_ into copies of the caches; the norm
     by the Triton kernel, or by its torch reference -> (q_out, k_cache, v_cache)."""
     q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w = case
     if q_w is not None:
         norm = rms_norm if kernels else norm_reference
         q, k = norm(q, q_w, EPS), norm(k, k_w, EPS)
-    rotary = RotaryEmbedding(q.shape[2], cos_sin.shape[1], 1.0)
+    rotary = RotaryEmbedding(q.shape[2], cos_sin.shape[1], 1.0, rotary_dim)
     rotary.cos_sin = cos_sin
     q, k = rotary(positions, q, k)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
@@ -120,12 +122,12 @@ def unfused_prologue(*case: torch.Tensor | None, kernels: bool = True) -> tuple[
     return q, k_cache, v_cache
 
 
-def fused_prologue(*case: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def fused_prologue(*case: torch.Tensor | None, rotary_dim: int | None = None) -> tuple[torch.Tensor, ...]:
     """The kernel on copies of the caches; its inputs must stay as they were -> (q_out, k_cache, v_cache)."""
     q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w = case
     inputs = [t.clone() for t in (q, k, v, positions, slots)]
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    q_out = attention_prologue(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w, EPS)
+    q_out = attention_prologue(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w, EPS, rotary_dim)
     assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v, positions, slots)))
     return q_out, k_cache, v_cache
 
@@ -139,6 +141,7 @@ def prologue_case(
     norm: bool = True,
     slots: int = 64,
     cache_dtype: torch.dtype | None = None,
+    rotary_dim: int | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Random q, k, v, positions, a cache of random values (so a stray write shows) and distinct random slots in it
     (most of the cache untouched) -> attention_prologue's arguments."""
@@ -148,7 +151,8 @@ def prologue_case(
     k_cache, v_cache = (torch.randn(slots, kv_heads, dim).to(cache_dtype or dtype) for _ in range(2))
     positions, slot_mapping = random_positions(tokens), torch.randperm(slots)[:tokens]
     weights = (random_weight(dim, dtype), random_weight(dim, dtype)) if norm else (None, None)
-    return q, k, v, positions, rotary_table(dim).cos_sin, k_cache, v_cache, slot_mapping, *weights
+    cos_sin = rotary_table(dim, rotary_dim=rotary_dim).cos_sin
+    return q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, *weights
 
 
 def test_rms_norm_no_rows() -> None:
@@ -242,6 +246,20 @@ def test_prologue_prefill_sized_batch_and_a_shared_pad_slot() -> None:
     assert any(torch.equal(v_out[pad], v[i]) for i in range(2, 5))
 
 
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rotary_dim", [32, 16, 2])  # GLM-4.5's half of the head, Qwen3-Next's quarter, one pair
+def test_prologue_partial_rotary(rotary_dim: int, dtype: torch.dtype, norm: bool) -> None:
+    """The leading rotary_dim dims of each head turn, the others pass through (their table rows: cos 1, sin 0):
+    bitwise the unfused sequence, whose rotary is transformers' partial one (tests/layers/test_rotary.py)."""
+    case = prologue_case(4, 2, 64, tokens=5, dtype=dtype, norm=norm, rotary_dim=rotary_dim)
+    outs = fused_prologue(*case, rotary_dim=rotary_dim)
+    assert_bitwise(outs, unfused_prologue(*case, rotary_dim=rotary_dim))
+    full = fused_prologue(*case)  # the same table read whole: the passed-through dims come out alike
+    assert torch.equal(outs[0][..., rotary_dim:], full[0][..., rotary_dim:])
+    assert not torch.equal(outs[0][..., :rotary_dim], full[0][..., :rotary_dim])
+
+
 def test_prologue_no_tokens_and_bad_arguments() -> None:
     q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w = prologue_case(4, 2, 32, 1, torch.float32)
     q, k, v, positions, slots = (t[:0] for t in (q, k, v, positions, slots))
@@ -254,3 +272,5 @@ def test_prologue_no_tokens_and_bad_arguments() -> None:
         attention_prologue(q.bfloat16(), k.bfloat16(), v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w, EPS)
     with pytest.raises(ValueError, match="caches"):
         attention_prologue(q, k, v, positions, cos_sin, k_cache[:, :1], v_cache, slots, q_w, k_w, EPS)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        attention_prologue(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_w, k_w, EPS, rotary_dim=7)

@@ -74,7 +74,10 @@ class GGUFCheckpoint:
                 raise EdgeMoEError(f"cannot read {file}: not a complete GGUF file ({exc})") from None
         self.tensors = {t.name: t for r in self.readers for t in r.tensors}
         self.arch = str(self.field("general.architecture"))
-        self.permuted_qk = False  # llama.cpp's RoPE row permutation of q and k (the family says: `read_checkpoint`)
+        # what the family says (`read_checkpoint`): llama.cpp's RoPE row permutation of q and k; the per-layer tensor
+        # names only its architecture uses (llama.cpp's with suffix -> Hugging Face's)
+        self.permuted_qk = False
+        self.layer_tensors: dict[str, str] = {}
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer and chat template the file's metadata holds."""
@@ -90,6 +93,13 @@ class GGUFCheckpoint:
             return default
         return field.contents()
 
+    @property
+    def layers(self) -> int:
+        """The decoder's blocks: llama.cpp counts the next-token-prediction (MTP) blocks that follow them in
+        block_count; edgemoe does not read those."""
+        a = self.arch
+        return int(self.field(f"{a}.block_count")) - int(self.field(f"{a}.nextn_predict_layers", 0))
+
     def common_config(self) -> dict[str, Any]:
         """The metadata every family reads alike, as `config.json` fields (a family's `gguf_config` adds its own)."""
         a = self.arch
@@ -97,7 +107,7 @@ class GGUFCheckpoint:
         hidden = int(self.field(f"{a}.embedding_length"))
         vocab = self.field(f"{a}.vocab_size", None) or int(self._tensor("token_embd.weight").shape[1])
         return dict(
-            vocab_size=int(vocab), hidden_size=hidden, num_hidden_layers=int(self.field(f"{a}.block_count")),
+            vocab_size=int(vocab), hidden_size=hidden, num_hidden_layers=self.layers,
             num_attention_heads=heads, num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
             head_dim=int(self.field(f"{a}.attention.key_length", hidden // heads)),
             rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
@@ -118,14 +128,17 @@ class GGUFCheckpoint:
         return self.tensors[name]
 
     def dense_tensors(self) -> list[tuple[str, Any]]:
-        """(Hugging Face name, reader tensor) of every tensor but the routed experts."""
-        out = []
+        """(Hugging Face name, reader tensor) of every tensor of the decoder's layers but the routed experts."""
+        out, layers = [], self.layers
         for name, tensor in self.tensors.items():
-            if "_exps." in name:
+            block = re.match(r"^blk\.(\d+)\.", name)
+            if "_exps." in name or block and int(block[1]) >= layers:
                 continue
             hf = _GLOBAL.get(name)
             m = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-            if m and m[2] in _LAYER:
+            if m and f"{m[2]}.{m[3]}" in self.layer_tensors:
+                hf = f"model.layers.{m[1]}.{self.layer_tensors[f'{m[2]}.{m[3]}']}"
+            elif m and m[2] in _LAYER:
                 hf = f"model.layers.{m[1]}.{_LAYER[m[2]]}.{m[3]}"
             if hf is None:
                 if name.startswith("rope_") or name.endswith(".rope_freqs.weight"):

@@ -3,8 +3,9 @@
 A family is a module with `MODEL_TYPE`, `normalise(hf) -> ModelConfig`, `rename(checkpoint name) -> our name` and
 `LAYER`, its `DecoderLayer` class; optionally `MODEL_TYPES` (every `model_type` it reads), `MODEL`, its
 `MoEForCausalLM` subclass (another embedding, layer loop or logits, config-dependent checkpoint names), and for GGUF
-files `GGUF_ARCH` (llama.cpp's architecture name), `gguf_config(ckpt) -> config.json fields` and `GGUF_PERMUTED_QK`
-(q/k rows in llama.cpp's RoPE order)."""
+files `GGUF_ARCH` (llama.cpp's architecture name), `gguf_config(ckpt) -> config.json fields`, `GGUF_PERMUTED_QK`
+(q/k rows in llama.cpp's RoPE order) and `GGUF_TENSORS` (llama.cpp's per-layer tensor names that only this
+architecture uses -> Hugging Face's, e.g. `exp_probs_b.bias`)."""
 
 from __future__ import annotations
 
@@ -72,8 +73,12 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, ModuleType, GGUFCheckpoint
             supported = ", ".join(sorted(GGUF_FAMILIES))
             raise EdgeMoEError(f"{path.name}: architecture {ckpt.arch!r} is not supported; supported: {supported}")
         ckpt.permuted_qk = getattr(family, "GGUF_PERMUTED_QK", False)
+        ckpt.layer_tensors = getattr(family, "GGUF_TENSORS", {})
         try:
             return family.normalise(family.gguf_config(ckpt)), family, ckpt
+        except EdgeMoEError as exc:  # the family refuses what it does not support, named by the file
+            message = str(exc)
+            raise EdgeMoEError(message if path.name in message else f"{path.name}: {message}") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise EdgeMoEError(f"{path.name}: bad or missing metadata {exc}") from None
     if not path.is_dir():

@@ -14,7 +14,10 @@ through `chunked_delta_rule` from its slot's state; decode runs one `recurrent_s
 and scattered back to the slots: fixed shapes and no host reads, so CUDA graphs capture it. Both are plain torch here,
 the references of any kernel that replaces them.
 
-Grouped heads: a q/k head serves `v_heads // k_heads` consecutive value heads (the checkpoints' order).
+Grouped heads: a q/k head serves `v_heads // k_heads` value heads: consecutive ones in the Hugging Face checkpoints'
+order, every `k_heads`-th one in the order llama.cpp's converter writes Qwen3.5 GGUF files in (`tiled`: value head h
+reads q/k head h % k_heads). Every value-head tensor (v, z, b, a, A, dt_bias, the convolution's v channels, out_proj's
+columns) follows the one order, so only the pairing with q/k heads differs.
 """
 
 from __future__ import annotations
@@ -32,26 +35,44 @@ CHUNK = 64  # tokens the chunked delta rule solves at once
 
 class GatedDeltaNet(nn.Module):
     """Parameters under the Qwen3.5 names: in_proj_qkv (q, k, v rows: every q head, then every k head, then every
-    value head), in_proj_z, in_proj_b, in_proj_a, conv1d (depthwise: weight [channels, 1, kernel]), dt_bias, A_log,
-    norm, out_proj.
-    (Qwen3-Next's checkpoints interleave q, k, v, z per key head in one in_proj_qkvz: its family file reorders them.)"""
+    value head), in_proj_z, in_proj_b and in_proj_a (or, `fused_ba`, Qwen3-Next's in_proj_ba: per q/k head its value
+    heads' b rows then their a rows), conv1d (depthwise: weight [channels, 1, kernel]), dt_bias, A, norm, out_proj.
+
+    A is the per-head decay rate as llama.cpp stores it (`ssm_a`), -exp(A_log) of the Hugging Face checkpoints (the
+    family converts), kept in fp32 as transformers computes it. (Qwen3-Next's checkpoints interleave q, k, v, z per
+    key head in one in_proj_qkvz: its family file splits them.) `tiled`: the value heads' order (module docstring)."""
+
+    float32_parameters = ("A",)  # the loader keeps it fp32 whatever the model's dtype (`keep_float32`)
 
     def __init__(
-        self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int, eps: float
+        self,
+        hidden: int,
+        k_heads: int,
+        v_heads: int,
+        k_dim: int,
+        v_dim: int,
+        kernel: int,
+        eps: float,
+        fused_ba: bool = False,
+        tiled: bool = False,
     ) -> None:
         super().__init__()
         if v_heads % k_heads:
             raise ValueError(f"linear_num_value_heads {v_heads} is not a multiple of linear_num_key_heads {k_heads}")
         self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.kernel = k_heads, v_heads, k_dim, v_dim, kernel
+        self.tiled = tiled
         self.qkv_sizes = [k_heads * k_dim, k_heads * k_dim, v_heads * v_dim]
         self.channels = sum(self.qkv_sizes)
         self.in_proj_qkv = DecodeLinear(hidden, self.channels, bias=False)
         self.in_proj_z = DecodeLinear(hidden, v_heads * v_dim, bias=False)
-        self.in_proj_b = DecodeLinear(hidden, v_heads, bias=False)
-        self.in_proj_a = DecodeLinear(hidden, v_heads, bias=False)
+        if fused_ba:
+            self.in_proj_ba = DecodeLinear(hidden, 2 * v_heads, bias=False)
+        else:
+            self.in_proj_b = DecodeLinear(hidden, v_heads, bias=False)
+            self.in_proj_a = DecodeLinear(hidden, v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.channels, self.channels, kernel, groups=self.channels, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(v_heads))
-        self.A_log = nn.Parameter(torch.empty(v_heads))
+        self.A = nn.Parameter(torch.empty(v_heads))
         self.norm = GatedRMSNorm(v_dim, eps)
         self.out_proj = DecodeLinear(v_heads * v_dim, hidden, bias=False)
         # the state cache binds these (`bind_state`): [slots, channels, kernel - 1] and [slots, v_heads, k_dim, v_dim]
@@ -78,8 +99,9 @@ class GatedDeltaNet(nn.Module):
         ctx = get_context()
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay, <= 0
+        b, a = self._ba(x)
+        beta = torch.sigmoid(b)
+        g = self.A * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
         if ctx.is_prefill:
             out = self._prefill(mixed, beta, g, ctx)
         else:
@@ -87,11 +109,25 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return self.out_proj(out.reshape(x.shape[0], -1))
 
+    def _ba(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> b, a [tokens, v_heads]: two projections, or one whose rows are per q/k head its value
+        heads' b then their a."""
+        if not hasattr(self, "in_proj_ba"):
+            return self.in_proj_b(x), self.in_proj_a(x)
+        ba = self.in_proj_ba(x).view(x.shape[0], self.k_heads, -1)
+        b, a = ba.chunk(2, dim=-1)
+        return b.reshape(x.shape[0], -1), a.reshape(x.shape[0], -1)
+
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Convolved channels [tokens, channels] -> q, k [tokens, k_heads, k_dim], v [tokens, v_heads, v_dim]."""
+        """Convolved channels [tokens, channels] -> q, k [tokens, k_heads, k_dim] (tiled: [tokens, v_heads, k_dim],
+        each value head's own), v [tokens, v_heads, v_dim]."""
         q, k, v = mixed.split(self.qkv_sizes, dim=-1)
         n = mixed.shape[0]
-        return q.reshape(n, -1, self.k_dim), k.reshape(n, -1, self.k_dim), v.reshape(n, -1, self.v_dim)
+        q, k, v = q.reshape(n, -1, self.k_dim), k.reshape(n, -1, self.k_dim), v.reshape(n, -1, self.v_dim)
+        if self.tiled:  # value head h reads q/k head h % k_heads
+            r = self.v_heads // self.k_heads
+            q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)
+        return q, k, v
 
     def _prefill(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, ctx) -> torch.Tensor:
         outs, start = [], 0

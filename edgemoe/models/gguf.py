@@ -135,10 +135,11 @@ class GGUFCheckpoint:
             if "_exps." in name or block and int(block[1]) >= layers:
                 continue
             hf = _GLOBAL.get(name)
-            m = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-            if m and f"{m[2]}.{m[3]}" in self.layer_tensors:
-                hf = f"model.layers.{m[1]}.{self.layer_tensors[f'{m[2]}.{m[3]}']}"
-            elif m and m[2] in _LAYER:
+            m = re.match(r"^blk\.(\d+)\.(\w+)(?:\.(weight|bias))?$", name)  # (suffixless: qwen3next's ssm_a)
+            own = m and (f"{m[2]}.{m[3]}" if m[3] else m[2])
+            if m and own in self.layer_tensors:
+                hf = f"model.layers.{m[1]}.{self.layer_tensors[own]}"
+            elif m and m[3] and m[2] in _LAYER:
                 hf = f"model.layers.{m[1]}.{_LAYER[m[2]]}.{m[3]}"
             if hf is None:
                 if name.startswith("rope_") or name.endswith(".rope_freqs.weight"):

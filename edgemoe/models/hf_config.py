@@ -45,7 +45,7 @@ def gguf_sparse_fields(ckpt: Any, renormalise: bool) -> dict[str, Any]:
     """The Qwen-MoE families' GGUF metadata as `config.json` fields: experts and their width, the dense layers (those
     without expert tensors), q/k/v bias where the file has it, and the top-k renormalisation llama.cpp applies (the
     file does not record it: Qwen3-MoE renormalises, Qwen2-MoE does not). `ckpt`: a `GGUFCheckpoint`."""
-    a, layers = ckpt.arch, int(ckpt.field(f"{ckpt.arch}.block_count"))
+    a, layers = ckpt.arch, ckpt.layers
     bias = ckpt.has("blk.0.attn_q.bias")
     return dict(
         num_experts=int(ckpt.field(f"{a}.expert_count")), decoder_sparse_step=1,

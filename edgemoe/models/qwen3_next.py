@@ -8,10 +8,15 @@ but the linear attention's output norm scales by (1 + weight): the loader adds t
 converter does, so the norms are the other families' (and their kernels).
 
 Checkpoints: Qwen3-Next (`Qwen3NextForCausalLM`) interleaves each key head's q, k, v and z rows in one
-`in_proj_qkvz` and its b and a rows in `in_proj_ba`; Qwen3.5 writes four projections, the layout kept here. Qwen3.5
-ships as `Qwen3_5MoeForConditionalGeneration` (its language model under `model.language_model`, a vision tower under
+`in_proj_qkvz` (split here into Qwen3.5's in_proj_qkv and in_proj_z, as llama.cpp's converter does) and its b and a
+rows in `in_proj_ba` (kept: one projection); Qwen3.5 writes four projections. Qwen3.5 ships as
+`Qwen3_5MoeForConditionalGeneration` (its language model under `model.language_model`, a vision tower under
 `model.visual`, skipped) or as `Qwen3_5MoeForCausalLM` (`qwen3_5_moe_text`). The multi-token-prediction head the
-checkpoints carry (`mtp.*`) is skipped.
+checkpoints carry (`mtp.*`; llama.cpp's next-n blocks) is skipped.
+
+GGUF files (llama.cpp's `qwen3next` and `qwen35moe`) hold the norms with their 1 added, A as -exp(A_log), the
+projections split, and for `qwen35moe` the value heads in tiled order (`edgemoe.layers.linear_attention`): read as
+stored, no conversion.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from edgemoe.layers.linear_attention import GatedDeltaNet
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.models.decoder import DecoderLayer, MoEForCausalLM, moe_or_mlp
-from edgemoe.models.hf_config import common_fields, sparse_layers
+from edgemoe.models.hf_config import common_fields, gguf_sparse_fields, sparse_layers
 
 MODEL_TYPE = "qwen3_next"
 MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -43,7 +48,8 @@ class HybridSettings:
     k_dim: int
     v_dim: int
     conv_kernel: int  # its causal convolution's width
-    interleaved: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba checkpoints (else Qwen3.5's four projections)
+    interleaved: bool  # Qwen3-Next's layout: in_proj_qkvz (Hugging Face checkpoints), in_proj_ba (else b and a apart)
+    tiled: bool  # the value heads in llama.cpp's tiled order (a `qwen35moe` GGUF file)
 
 
 def text_config(hf: dict) -> dict:
@@ -80,6 +86,7 @@ def normalise(hf: dict) -> ModelConfig:
         v_dim=hf["linear_value_head_dim"],
         conv_kernel=hf.get("linear_conv_kernel_dim", 4),
         interleaved=hf["model_type"] == "qwen3_next",
+        tiled=bool(hf.get("value_heads_tiled", False)),
     )
     if settings.v_heads % settings.k_heads:
         raise EdgeMoEError(
@@ -101,6 +108,53 @@ def normalise(hf: dict) -> ModelConfig:
         no_kv_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
         family_config=settings,
     )
+
+
+GGUF_ARCHS = ("qwen3next", "qwen35moe")  # llama.cpp's names for Qwen3-Next and Qwen3.5 / 3.6 MoE
+_GGUF_MODEL_TYPES = {"qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
+# llama.cpp's per-layer tensors whose names only the hybrid architectures use -> ours
+GGUF_TENSORS = {
+    "attn_qkv.weight": "self_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "self_attn.in_proj_z.weight",
+    "ssm_ba.weight": "self_attn.in_proj_ba.weight",
+    "ssm_beta.weight": "self_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "self_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "self_attn.conv1d.weight",
+    "ssm_dt.bias": "self_attn.dt_bias",
+    "ssm_a": "self_attn.A",
+    "ssm_norm.weight": "self_attn.norm.weight",
+    "ssm_out.weight": "self_attn.out_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
+    """The file's metadata as this family's `config.json`: the linear attention's shapes from llama.cpp's ssm keys
+    (state_size: the q/k head dim, group_count: the q/k heads, time_step_rank: the value heads, inner_size: all value
+    dims), the layer types from `attention.recurrent_layers` (the decoder's entries; the next-n blocks follow), the
+    rotary dims from `rope.dimension_count`. llama.cpp renormalises both architectures' top-k weights."""
+    a, common = ckpt.arch, ckpt.common_config()
+    layers, v_heads = common["num_hidden_layers"], int(ckpt.field(f"{a}.ssm.time_step_rank"))
+    recurrent = ckpt.field(f"{a}.attention.recurrent_layers", None)
+    if recurrent is None:
+        interval = int(ckpt.field(f"{a}.full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    first_full = next((i for i, r in enumerate(recurrent[:layers]) if not r), 0)
+    k_heads = int(ckpt.field(f"{a}.ssm.group_count"))
+    fields = dict(
+        shared_expert_intermediate_size=int(ckpt.field(f"{a}.expert_shared_feed_forward_length", 0)),
+        layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        linear_conv_kernel_dim=int(ckpt.field(f"{a}.ssm.conv_kernel")),
+        linear_key_head_dim=int(ckpt.field(f"{a}.ssm.state_size")),
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_value_head_dim=int(ckpt.field(f"{a}.ssm.inner_size")) // v_heads,
+        partial_rotary_factor=int(ckpt.field(f"{a}.rope.dimension_count", common["head_dim"])) / common["head_dim"],
+        attention_bias=ckpt.has(f"blk.{first_full}.attn_q.bias"),
+        value_heads_tiled=a == "qwen35moe" and v_heads != k_heads,
+    )
+    sparse = gguf_sparse_fields(ckpt, renormalise=True)
+    return common | sparse | fields | {"model_type": _GGUF_MODEL_TYPES[a]}
 
 
 def rename(name: str) -> str:
@@ -140,8 +194,9 @@ class HybridDecoderLayer(DecoderLayer):
         s: HybridSettings = cfg.family_config
         if s.layer_types[layer] == "linear_attention":
             self.self_attn = GatedDeltaNet(
-                cfg.hidden_size, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel, cfg.rms_norm_eps
-            )
+                cfg.hidden_size, s.k_heads, s.v_heads, s.k_dim, s.v_dim, s.conv_kernel, cfg.rms_norm_eps,
+                fused_ba=s.interleaved, tiled=s.tiled,
+            )  # fmt: skip
         else:
             self.self_attn = GatedAttention(cfg, rotary)
         self.mlp = moe_or_mlp(cfg, self, shared=cfg.shared_expert_intermediate_size)
@@ -158,22 +213,21 @@ class HybridForCausalLM(MoEForCausalLM):
         return name
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """(1 + weight) norms as plain ones; Qwen3-Next's interleaved projections as Qwen3.5's four."""
+        """A Hugging Face checkpoint's tensor as llama.cpp's converter writes it: (1 + weight) norms as plain ones,
+        A_log as A = -exp(A_log) (in fp32, as transformers computes it), Qwen3-Next's in_proj_qkvz as in_proj_qkv
+        and in_proj_z."""
         if name.endswith("norm.weight") and isinstance(self.get_submodule(name.removesuffix(".weight")), RMSNorm):
             return [(name, tensor.float() + 1)]
+        if name.endswith(".A_log"):
+            return [(name.removesuffix("_log"), -tensor.float().exp())]
         s: HybridSettings = self.config.family_config
-        if not s.interleaved:
+        if not name.endswith(".in_proj_qkvz.weight"):
             return [(name, tensor)]
         prefix, hidden = name.rsplit(".", 2)[0], tensor.shape[-1]
-        r = s.v_heads // s.k_heads  # value heads per key head
-        if name.endswith(".in_proj_qkvz.weight"):  # per key head: q, k, r x v, r x z rows
-            parts = tensor.view(s.k_heads, -1, hidden).split([s.k_dim, s.k_dim, r * s.v_dim, r * s.v_dim], 1)
-            q, k, v, z = (p.reshape(-1, hidden) for p in parts)
-            return [(f"{prefix}.in_proj_qkv.weight", torch.cat((q, k, v))), (f"{prefix}.in_proj_z.weight", z)]
-        if name.endswith(".in_proj_ba.weight"):  # per key head: r x b, r x a rows
-            b, a = (p.reshape(-1, hidden) for p in tensor.view(s.k_heads, 2 * r, hidden).split([r, r], 1))
-            return [(f"{prefix}.in_proj_b.weight", b), (f"{prefix}.in_proj_a.weight", a)]
-        return [(name, tensor)]
+        r = s.v_heads // s.k_heads  # value heads per key head: per key head q, k, r x v, r x z rows
+        parts = tensor.view(s.k_heads, -1, hidden).split([s.k_dim, s.k_dim, r * s.v_dim, r * s.v_dim], 1)
+        q, k, v, z = (p.reshape(-1, hidden) for p in parts)
+        return [(f"{prefix}.in_proj_qkv.weight", torch.cat((q, k, v))), (f"{prefix}.in_proj_z.weight", z)]
 
 
 MODEL = HybridForCausalLM

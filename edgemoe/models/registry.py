@@ -24,7 +24,12 @@ FAMILIES: dict[str, ModuleType] = {
     for t in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))
 }
 # llama.cpp's architecture name -> the family that reads such GGUF files (its `GGUF_ARCH`, `gguf_config`)
-GGUF_FAMILIES: dict[str, ModuleType] = {m.GGUF_ARCH: m for m in set(FAMILIES.values()) if hasattr(m, "GGUF_ARCH")}
+# (`GGUF_ARCHS` where a family reads several: Qwen3-Next's and Qwen3.5's)
+GGUF_FAMILIES: dict[str, ModuleType] = {
+    a: m
+    for m in set(FAMILIES.values())
+    for a in getattr(m, "GGUF_ARCHS", [m.GGUF_ARCH] if hasattr(m, "GGUF_ARCH") else [])
+}
 
 
 def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:

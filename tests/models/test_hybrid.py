@@ -150,5 +150,5 @@ def test_missing_state_tensor_is_one_line(next_checkpoint, tmp_path) -> None:
     tensors = load_file(str(folder / "model.safetensors"))
     del tensors["model.layers.2.linear_attn.A_log"]
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(EdgeMoEError, match=r"lacks 1 tensors, e\.g\. model\.layers\.2\.self_attn\.A_log"):
+    with pytest.raises(EdgeMoEError, match=r"lacks 1 tensors, e\.g\. model\.layers\.2\.self_attn\.A\b"):
         LLM(str(bad), progress=False)

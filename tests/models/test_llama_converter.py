@@ -36,7 +36,26 @@ CASES = {
     "qwen3_moe": ("qwen3moe", dict(TINY["qwen3-head-dim"][1], mlp_only_layers=[])),
     "mixtral": ("llama", TINY["mixtral-gqa"][1]),
     "olmoe": ("olmoe", dict(TINY["olmoe-mha-clip"][1], clip_qkv=None, rms_norm_eps=1e-5)),
+    # the hybrids: two q/k heads for four value heads, so that Qwen3.5's file holds them in tiled order
+    "qwen3_next": ("qwen3next", dict(attention_bias=True)),
+    "qwen3_5_moe_text": ("qwen35moe", dict(linear_num_key_heads=2, linear_num_value_heads=4)),
 }
+HYBRIDS = ("qwen3_next", "qwen3_5_moe_text")
+
+
+def add_mtp_head(folder: Path, model: torch.nn.Module) -> None:
+    """The multi-token-prediction head a released Qwen3-Next / Qwen3.5 checkpoint carries (`mtp.*`: a projection of
+    two normed inputs and one more full-attention layer), here a copy of the last layer's tensors: the converter
+    requires it of Qwen3-Next and writes it as a next-n block after the decoder's, which edgemoe must leave out."""
+    from safetensors.torch import load_file, save_file
+
+    file = folder / "model.safetensors"
+    tensors, hidden = load_file(file), model.config.hidden_size
+    last = f"model.layers.{model.config.num_hidden_layers - 1}."
+    tensors |= {"mtp.layers.0." + k.removeprefix(last): v.clone() for k, v in tensors.items() if k.startswith(last)}
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden)
+    tensors |= {f"mtp.{n}.weight": torch.ones(hidden) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +69,8 @@ def converted(tmp_path_factory):
                 pytest.importorskip("sentencepiece", reason="llama.cpp's converter needs sentencepiece for Mixtral")
             model = hf_model(family, **CASES[family][1])
             folder = save_checkpoint(model, tmp_path_factory.mktemp(f"{family}-hf"), "per-expert")
+            if family in HYBRIDS:
+                add_mtp_head(folder, model)
             cache[family] = convert(folder, folder.parent / f"{family}.gguf"), folder, model
         return cache[family]
 
@@ -82,3 +103,24 @@ def test_greedy_matches_transformers_on_the_source_checkpoint(converted, family:
     source = AutoTokenizer.from_pretrained(folder)
     for text in ("ROMEO.\nWhat news?", "café 日本 🙂", "  spaced\tout  "):
         assert llm.tokenizer.encode(text) == source.encode(text)
+
+
+def test_hybrid_files_hold_what_edgemoe_reads_as_stored(converted) -> None:
+    """What the hybrids' greedy parity rests on, checked on the files themselves: the next-n block follows the
+    decoder's (block_count one more, its tensors present), A is stored as -exp(A_log), and Qwen3.5's value heads are
+    in tiled order (so a grouped reading would pair them with the wrong q/k heads) while Qwen3-Next's are not."""
+    for family in HYBRIDS:
+        path, _, hf = converted(family)
+        reader = gguf.GGUFReader(path)
+        arch, config = CASES[family][0], hf.config
+        assert reader.fields[f"{arch}.block_count"].contents() == config.num_hidden_layers + 1
+        assert reader.fields[f"{arch}.nextn_predict_layers"].contents() == 1
+        names = {t.name: t for t in reader.tensors}
+        assert f"blk.{config.num_hidden_layers}.nextn.eh_proj.weight" in names
+        stored = torch.from_numpy(names["blk.0.ssm_a"].data.copy())
+        a_log = hf.model.layers[0].linear_attn.A_log.detach()
+        grouped, tiled = -a_log.exp(), -a_log.view(2, 2).t().reshape(-1).exp()  # 2 q/k heads x 2 value heads each
+        assert not torch.equal(grouped, tiled)
+        assert torch.equal(stored, tiled if arch == "qwen35moe" else grouped), family
+        llm = LLM(str(path), progress=False, dtype="float32")
+        assert llm.engine.model.config.num_layers == config.num_hidden_layers

@@ -21,6 +21,7 @@ stored, no conversion.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,28 @@ def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
     )
     sparse = gguf_sparse_fields(ckpt, renormalise=True)
     return common | sparse | fields | {"model_type": _GGUF_MODEL_TYPES[a]}
+
+
+def checkpoint_shapes(shapes: list[tuple[str, tuple[int, ...]]], cfg: ModelConfig) -> list[tuple[str, tuple]]:
+    """Our tensors (name, shape) as a Hugging Face checkpoint of the family names them (random checkpoints,
+    `edgemoe.tools.random_weights`): linear-attention layers under `linear_attn`, A as A_log, and for Qwen3-Next
+    in_proj_qkv and in_proj_z as one in_proj_qkvz (the rows' order does not matter to random weights)."""
+    s: HybridSettings = cfg.family_config
+    out = []
+    for name, shape in shapes:
+        m = re.match(r"model\.layers\.(\d+)\.self_attn\.(.+)$", name)
+        if not m or s.layer_types[int(m[1])] != "linear_attention":
+            out.append((name, shape))
+            continue
+        prefix, part = f"model.layers.{m[1]}.linear_attn", m[2]
+        if part == "A":
+            out.append((f"{prefix}.A_log", shape))
+        elif s.interleaved and part == "in_proj_qkv.weight":
+            z_rows = s.v_heads * s.v_dim
+            out.append((f"{prefix}.in_proj_qkvz.weight", (shape[0] + z_rows, shape[1])))
+        elif not (s.interleaved and part == "in_proj_z.weight"):
+            out.append((f"{prefix}.{part}", shape))
+    return out
 
 
 def rename(name: str) -> str:

@@ -74,8 +74,9 @@ def build_model(
     RoPE table covers at least `positions` (a benchmark may run a geometry past its trained context)."""
     preset = dict(PRESETS[geometry])
     preset["max_position_embeddings"] = max(preset.get("max_position_embeddings") or 0, positions)
-    family = FAMILIES[preset.pop("family", "qwen2_moe")]
-    cfg = family.normalise(hf_config(family.MODEL_TYPE, preset, preset["vocab_size"] or 6144, layers))
+    model_type = preset.pop("family", "qwen2_moe")  # (one family module may read several: qwen3_next)
+    family = FAMILIES[model_type]
+    cfg = family.normalise(hf_config(model_type, preset, preset["vocab_size"] or 6144, layers))
     host_embedding = not resident and device.type == "cuda"  # as the engine places it
     opts = LoadOptions(device, dtype, False, not resident, expert_dtype, host_embedding=host_embedding)
     return load_model(None, cfg, family, opts)

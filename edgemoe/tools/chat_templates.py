@@ -1,8 +1,8 @@
 """The chat templates that the demo model and `edgemoe make-model` checkpoints ship: ChatML turns with a tools branch in
 Qwen's format (tools listed in the system turn, calls as `<tool_call>{json}</tool_call>`, results as
-`<tool_response>` in a user turn), and Mistral's (`[AVAILABLE_TOOLS]`, `[TOOL_CALLS]`, `[TOOL_RESULTS]`) for the
-Mixtral family. `edgemoe.server.chat_format.detect_formats` reads the first as the `qwen` tool-call format and the
-second as `mistral`.
+`<tool_response>` in a user turn), Qwen3.5's (the same turns, calls as XML), and Mistral's (`[AVAILABLE_TOOLS]`,
+`[TOOL_CALLS]`, `[TOOL_RESULTS]`) for the Mixtral family. `edgemoe.server.chat_format.detect_formats` reads them as
+the `qwen`, `qwen3_coder` and `mistral` tool-call formats.
 
 Without tools, the Qwen template renders exactly what the demo model was trained on, `<|im_start|>ROLE\\nTEXT<|im_end|>`
 per message, with no default system turn."""
@@ -87,10 +87,54 @@ MISTRAL = """
 {%- endfor %}
 """
 
-TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL}
+# Qwen3.5's and Qwen3-Coder's format, in our words: the tools listed in the system turn, calls as XML, one parameter
+# per element (strings as they are, other values as JSON), results as `<tool_response>` in a user turn; a generation
+# prompt with thinking turned off writes the empty think block, as Qwen3's templates do
+QWEN3_CODER = """
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nThese functions are available:\n\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nTo call one, write:\n<tool_call>\n<function=NAME>\n<parameter=PARAMETER>\nVALUE\n' }}
+{{- '</parameter>\n</function>\n</tool_call>\n\nA value that is not a string is written as JSON. Several calls ' }}
+{{- 'may follow one another.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first and tools %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant\n' + (message.content or '') }}
+{%- for call in message.tool_calls %}
+{%- if message.content or not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n<function=' + call.function.name + '>\n' }}
+{%- if call.function.arguments is mapping %}
+{%- for name, value in call.function.arguments | items %}
+{{- '<parameter=' + name + '>\n' + (value if value is string else value | tojson) + '\n</parameter>\n' }}
+{%- endfor %}
+{%- else %}{{- call.function.arguments + '\n' }}
+{%- endif %}
+{{- '</function>\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}
+"""
+
+TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER}
 # family -> the tool-call format of its template; OLMoE's chat models have no tool format of their own: Qwen's
 # (Hermes') is the common one
-FAMILY_TOOL_FORMAT = {"qwen2_moe": "qwen", "qwen3_moe": "qwen", "mixtral": "mistral", "olmoe": "qwen"}
+FAMILY_TOOL_FORMAT = {"qwen2_moe": "qwen", "qwen3_moe": "qwen", "mixtral": "mistral", "olmoe": "qwen",
+                     "qwen3_next": "qwen", "qwen3_5_moe_text": "qwen3_coder"}  # fmt: skip
 
 
 def chat_template(family: str) -> str:

@@ -49,6 +49,11 @@ def make_model(
         raise EdgeMoEError("layout must be per-expert or fused")
     geometry = dict(PRESETS[size])
     family = geometry.pop("family", family)
+    if format == "gguf" and family in ("qwen3_next", "qwen3_5_moe_text"):
+        raise EdgeMoEError(
+            f"--format gguf does not write {family} yet: write --format hf and convert it with llama.cpp's "
+            "convert_hf_to_gguf.py, whose files edgemoe reads"
+        )
     torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
         raise EdgeMoEError("dtype must be bfloat16, float16 or float32")

@@ -88,7 +88,50 @@ PRESETS: dict[str, dict] = {
         rope_theta=1e6,
         max_position_embeddings=32768,
     ),
+    # the hybrids (#46), from the public config.json files: three Gated DeltaNet layers to one gated full-attention
+    # layer, 16 q/k heads for 32 value heads of 128 dims in the linear attention, a quarter of each head rotated
+    "qwen3-next-80b-a3b": dict(
+        family="qwen3_next",
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        intermediate_size=5120,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=151936,
+        rope_theta=1e7,
+        max_position_embeddings=262144,
+    ),
+    "qwen3.5-35b-a3b": dict(
+        family="qwen3_5_moe_text",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=248320,
+        rope_theta=1e7,
+        max_position_embeddings=262144,
+    ),
 }
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")  # the families `hf_config` writes
+# the families `hf_config` writes
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text")
 # family -> how its tokenizer splits text before byte-level BPE, by llama.cpp's name (tokenizer.ggml.pre)
-TOKENIZER_PRE = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "mixtral": "gpt-2", "olmoe": "gpt-2"}
+TOKENIZER_PRE = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "mixtral": "gpt-2", "olmoe": "gpt-2",
+                 "qwen3_next": "qwen2", "qwen3_5_moe_text": "qwen2"}  # fmt: skip

@@ -152,3 +152,24 @@ def test_missing_state_tensor_is_one_line(next_checkpoint, tmp_path) -> None:
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(EdgeMoEError, match=r"lacks 1 tensors, e\.g\. model\.layers\.2\.self_attn\.A\b"):
         LLM(str(bad), progress=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
+def test_make_model_writes_what_transformers_and_edgemoe_read_alike(tmp_path, family: str) -> None:
+    """A random checkpoint of each hybrid family (`edgemoe make-model`): transformers loads it as the family's own
+    class with every tensor in place (none missing, none unused), both greedy-decode the same tokens, and the tiny
+    geometry keeps a full-attention layer among its three."""
+    from transformers import AutoModelForCausalLM
+
+    from edgemoe.tools.make_model import make_model
+
+    folder = make_model(tmp_path / family, family, "tiny", dtype="float32")
+    hf, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(hf).__name__ == ("Qwen3NextForCausalLM" if family == "qwen3_next" else "Qwen3_5MoeForCausalLM")
+    assert hf.config.layer_types == ["linear_attention", "linear_attention", "full_attention"]
+    llm = LLM(str(folder), progress=False, dtype="float32")
+    prompt = [11, 200, 3000, 45, 7]
+    ours = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    ref = hf.eval().generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
+    assert ours == ref and len(set(ours)) > 3

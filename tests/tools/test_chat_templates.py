@@ -28,6 +28,8 @@ TURNS = [
 WRITTEN = {
     "qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+    "</tool_call>",
 }
 
 
@@ -64,7 +66,8 @@ def test_make_model_templates_are_their_family_format(tmp_path, family: str) -> 
     tok = family_tokenizer(tmp_path, family)
     formats = detect_formats(tok)
     tool_format = FAMILY_TOOL_FORMAT[family]
-    assert formats == ChatFormats(tool_format, False, True)
+    reasoning = family == "qwen3_5_moe_text"  # Qwen3.5's template writes the empty think block: a reasoning model
+    assert formats == ChatFormats(tool_format, reasoning, True)
     body = {"messages": [TURNS[1], {**TURNS[2], "content": None}, TURNS[3]], "tools": TOOLS}
     plan = render_chat(tok, formats, parse_request(ChatCompletionRequest, body))
     text = tok.decode(plan.prompt_ids, skip_special_tokens=False)

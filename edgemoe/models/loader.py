@@ -155,6 +155,7 @@ def _empty_model(
     device, dtype = opts.device, opts.dtype
     with torch.device("meta"):
         model = build_model(cfg, family).to(dtype)
+    keep_float32(model)
     kept = keep_quantized(model, dense_formats, dtype) if dense_formats else {}
     host = _place_experts(model, layouts, dtype, device, opts.progress, opts.offload)
     if opts.host_embedding:
@@ -163,6 +164,17 @@ def _empty_model(
     model.to_empty(device=device)
     model.tie_weights()
     return model, host | ple_tables, readers, kept
+
+
+def keep_float32(model: torch.nn.Module) -> None:
+    """The parameters that a module names in its `float32_parameters` (dotted paths below it) made float32 again
+    after the model's cast to its dtype: small ones whose precision decides something (a sigmoid router's weight and
+    correction bias, which transformers keeps in float32 too)."""
+    for module in model.modules():
+        for path in getattr(module, "float32_parameters", ()):
+            owner, _, name = path.rpartition(".")
+            owner = module.get_submodule(owner)
+            setattr(owner, name, torch.nn.Parameter(getattr(owner, name).float(), requires_grad=False))
 
 
 def _ready(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:

@@ -89,6 +89,29 @@ def rename(name: str) -> str:
     return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
 
 
+def checkpoint_key(name: str) -> str:
+    """Our parameter name as transformers' checkpoints spell it (`rename` undone): for random checkpoints."""
+    return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+
+
+def random_config(base: dict, g: dict) -> dict:
+    """A random checkpoint's config.json (`edgemoe.tools.random_weights`): `base`, the fields every family writes,
+    plus this family's from the geometry `g` (a preset of `edgemoe.tools.presets`), transformers' defaults where it
+    names none."""
+    own = {k: g.get(k, v) for k, v in _DEFAULTS.items()}
+    rope = {"rope_type": "default", "rope_theta": base["rope_theta"]}
+    fields = {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "n_routed_experts": g["num_experts"],
+        "moe_intermediate_size": g["moe_intermediate_size"],
+        "intermediate_size": g["intermediate_size"],
+        "head_dim": g.get("head_dim", g["hidden_size"] // g["num_attention_heads"]),
+        "rope_parameters": rope | {"partial_rotary_factor": g.get("partial_rotary_factor", 0.5)},
+        "num_nextn_predict_layers": 0,
+    }
+    return base | own | fields
+
+
 GGUF_ARCH = "glm4moe"  # llama.cpp's name for the architecture; its converter writes q and k unpermuted
 # llama.cpp's per-layer tensors whose names this architecture alone uses -> Hugging Face's
 GGUF_TENSORS = {
@@ -96,6 +119,21 @@ GGUF_TENSORS = {
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
 _SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def gguf_hparams(writer, config: dict) -> None:  # noqa: ANN001 - a gguf.GGUFWriter
+    """The keys llama.cpp's converter writes for this architecture beyond every family's (`edgemoe.tools.make_gguf`:
+    random checkpoints as GGUF); no next-n blocks, as random checkpoints have no MTP layer."""
+    rope = config["rope_parameters"]
+    writer.add_rope_dimension_count(int(config["head_dim"] * rope["partial_rotary_factor"]))
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_uint32(f"{GGUF_ARCH}.expert_gating_func", _SIGMOID)  # the value of gguf's ExpertGatingFuncType.SIGMOID
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    writer.add_expert_group_count(config["n_group"])
+    writer.add_expert_group_used_count(config["topk_group"])
 
 
 def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint

@@ -45,6 +45,9 @@ def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) 
     }
     if "head_dim" in g:
         base["head_dim"] = g["head_dim"]
+    own = getattr(FAMILIES.get(family), "random_config", None)  # a family that writes its own
+    if own is not None:
+        return own(base, g)
     if family == "qwen2_moe":
         return {
             **base,
@@ -101,8 +104,10 @@ def _draw(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
 
 
 def checkpoint_shapes(family: str, config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(Hugging Face name, shape) of every tensor, experts fused, in the order `random_tensors` draws them."""
+    """(Hugging Face name, shape) of every tensor, experts fused, in the order `random_tensors` draws them (a family
+    whose parameter names differ from its checkpoints' names them with its `checkpoint_key`)."""
     module = FAMILIES[family]
+    key = getattr(module, "checkpoint_key", lambda name: name)
     with torch.device("meta"):
         model = MoEForCausalLM(module.normalise(config), module.LAYER)
     params = dict(model.named_parameters())
@@ -118,7 +123,7 @@ def checkpoint_shapes(family: str, config: dict) -> list[tuple[str, tuple[int, .
                 if has_bias:
                     shapes.append((f"{attn}.{part}_proj.bias", (rows,)))
             continue
-        shapes.append((name, tuple(p.shape)))
+        shapes.append((key(name), tuple(p.shape)))
     return shapes
 
 

@@ -28,6 +28,7 @@ TURNS = [
 WRITTEN = {
     "qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "glm": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
 }
 
 
@@ -64,7 +65,7 @@ def test_make_model_templates_are_their_family_format(tmp_path, family: str) -> 
     tok = family_tokenizer(tmp_path, family)
     formats = detect_formats(tok)
     tool_format = FAMILY_TOOL_FORMAT[family]
-    assert formats == ChatFormats(tool_format, False, True)
+    assert formats == ChatFormats(tool_format, tool_format == "glm", True)  # GLM's template writes <think> blocks
     body = {"messages": [TURNS[1], {**TURNS[2], "content": None}, TURNS[3]], "tools": TOOLS}
     plan = render_chat(tok, formats, parse_request(ChatCompletionRequest, body))
     text = tok.decode(plan.prompt_ids, skip_special_tokens=False)

@@ -79,6 +79,32 @@ TINY = {
     # hybrid: 3 Gated DeltaNet layers to 1 gated full-attention layer; grouped value heads (4 per 2 key heads)
     "qwen3next-dense": ("qwen3_next", dict(mlp_only_layers=[1], attention_bias=True)),
     "qwen35-tied-mha": ("qwen3_5_moe_text", dict(linear_num_key_heads=4, tie_word_embeddings=True)),
+    # sigmoid routing: 4 groups of 4 experts, the best 2 in play; a dense first layer; q/k norm; q/k/v bias; an MTP
+    # layer in the checkpoint (skipped)
+    "glm-groups-qknorm-mtp": (
+        "glm4_moe",
+        dict(
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            num_nextn_predict_layers=1,
+        ),
+    ),
+    # GLM-4.5-Air's kind: one group, two dense layers, no q/k norm nor bias, no top-k renormalisation, 2 shared
+    # experts' width, a quarter of each head rotated, no MTP layer
+    "glm-air-dense2": (
+        "glm4_moe",
+        dict(
+            first_k_dense_replace=2,
+            num_hidden_layers=4,
+            norm_topk_prob=False,
+            n_shared_experts=2,
+            partial_rotary_factor=0.25,
+            num_nextn_predict_layers=0,
+        ),
+    ),
 }
 # transformers' (config, model) classes where they are not f"{Prefix}Config" / f"{Prefix}ForCausalLM"
 _HF_CLASSES = {
@@ -88,6 +114,7 @@ _HF_CLASSES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
 }
 
 
@@ -118,6 +145,8 @@ def hf_model(family: str, **overrides):
         base.update(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_hidden_layers=4,
                     head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                     linear_value_head_dim=8)  # fmt: skip
+    elif family == "glm4_moe":
+        base.update(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, head_dim=32)
     elif family == "mixtral":
         base.update(num_local_experts=8, intermediate_size=32)
     else:
@@ -136,6 +165,9 @@ def hf_model(family: str, **overrides):
                 p.copy_(0.1 * torch.randn_like(p))
             elif p.numel():
                 p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():  # a learnt buffer: GLM's routing bias, which transformers zeroes
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     return model
 
 
@@ -154,7 +186,31 @@ def save_checkpoint(model, folder: Path, layout: str) -> Path:
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo_model_path() / name, folder / name)
+    if getattr(model.config, "num_nextn_predict_layers", 0):
+        add_mtp_layers(model, folder)
     return folder
+
+
+def add_mtp_layers(model, folder: Path) -> None:
+    """GLM-4.5's next-token-prediction layers, numbered after the decoder's, into the checkpoint as the Hub's carry
+    them (transformers builds none): a decoder layer's tensors plus the MTP block's own (random values)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg, path = model.config, folder / "model.safetensors"
+    state, last = load_file(str(path)), cfg.num_hidden_layers - 1
+    H, g = cfg.hidden_size, torch.Generator().manual_seed(1)
+    for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        layer = {
+            k.replace(f".layers.{last}.", f".layers.{i}."): v.clone()
+            for k, v in state.items()
+            if f".layers.{last}." in k
+        }
+        extra = {"eh_proj.weight": (H, 2 * H), "enorm.weight": (H,), "hnorm.weight": (H,),
+                 "embed_tokens.weight": (cfg.vocab_size, H), "shared_head.norm.weight": (H,),
+                 "shared_head.head.weight": (cfg.vocab_size, H)}  # fmt: skip
+        layer |= {f"model.layers.{i}.{k}": torch.randn(shape, generator=g) for k, shape in extra.items()}
+        state |= layer
+    save_file(state, str(path), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="session")

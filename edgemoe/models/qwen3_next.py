@@ -158,6 +158,37 @@ def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
     return common | sparse | fields | {"model_type": _GGUF_MODEL_TYPES[a]}
 
 
+def random_config(base: dict, g: dict) -> dict:
+    """A random checkpoint's config.json (`edgemoe.tools.random_weights`): `base`, the fields every family writes,
+    plus this family's from the geometry `g` (a preset of `edgemoe.tools.presets`); the linear attention's shapes
+    where a preset names none (the small ones): half as many q/k heads as value heads, as the released models have,
+    each as wide as an attention head."""
+    head_dim = g.get("head_dim", g["hidden_size"] // g["num_attention_heads"])
+    heads = g["num_attention_heads"]
+    linear = dict(linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=head_dim,
+                  linear_value_head_dim=head_dim)  # fmt: skip
+    architecture = "Qwen3NextForCausalLM" if base["model_type"] == "qwen3_next" else "Qwen3_5MoeForCausalLM"
+    return (
+        base
+        | {k: g.get(k, v) for k, v in linear.items()}
+        | {
+            "architectures": [architecture],
+            "num_experts": g["num_experts"],
+            "moe_intermediate_size": g["moe_intermediate_size"],
+            "shared_expert_intermediate_size": g["shared_expert_intermediate_size"],
+            "intermediate_size": g.get("intermediate_size", g["moe_intermediate_size"]),
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "full_attention_interval": min(4, g["num_hidden_layers"]),  # a small preset keeps one full layer
+            "linear_conv_kernel_dim": 4,
+            "partial_rotary_factor": 0.25,
+            "attention_bias": False,
+            "head_dim": head_dim,
+        }
+    )
+
+
 def checkpoint_shapes(shapes: list[tuple[str, tuple[int, ...]]], cfg: ModelConfig) -> list[tuple[str, tuple]]:
     """Our tensors (name, shape) as a Hugging Face checkpoint of the family names them (random checkpoints,
     `edgemoe.tools.random_weights`): linear-attention layers under `linear_attn`, A as A_log, and for Qwen3-Next

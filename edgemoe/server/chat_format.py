@@ -57,8 +57,9 @@ def _template_source(tokenizer: Tokenizer) -> str:
 
 def detect_formats(tokenizer: Tokenizer, tool_parser: str = "auto", reasoning_parser: str = "auto") -> ChatFormats:
     """The model's formats from its chat template and vocabulary: Qwen3-Coder's template writes `<function=` and
-    `<parameter=`; Mistral's tokenizers have a `[TOOL_CALLS]` token; Qwen's and Hermes' a `<tool_call>` token (or
-    their template mentions it); `<think>` in the template or both think tags as tokens: reasoning."""
+    `<parameter=`, GLM-4.5's `<arg_key>` and `<arg_value>`; Mistral's tokenizers have a `[TOOL_CALLS]` token; Qwen's
+    and Hermes' a `<tool_call>` token (or their template mentions it); `<think>` in the template or both think tags
+    as tokens: reasoning."""
     source = _template_source(tokenizer)
 
     def token(text: str) -> bool:
@@ -67,6 +68,8 @@ def detect_formats(tokenizer: Tokenizer, tool_parser: str = "auto", reasoning_pa
     if tool_parser == "auto":
         if "<function=" in source and "<parameter=" in source:
             tool_parser = "qwen3_coder"
+        elif "<arg_key>" in source and "<arg_value>" in source:
+            tool_parser = "glm"
         elif token("[TOOL_CALLS]"):
             tool_parser = "mistral"
         elif token("<tool_call>"):

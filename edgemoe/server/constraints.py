@@ -96,8 +96,8 @@ def _calls(tok: Tokenizer, formats: ChatFormats, tools: list[dict], parallel: bo
     for i, t in enumerate(tools):
         fn = t["function"]
         schema, name = fn.get("parameters") or {"type": "object"}, fn["name"]
-        if formats.tool_parser == "qwen3_coder":
-            rules += _coder_call(tok, i, name, schema)
+        if formats.tool_parser in ("qwen3_coder", "glm"):
+            rules += (_coder_call if formats.tool_parser == "qwen3_coder" else _glm_call)(tok, i, name, schema)
             continue
         head = {"name": name, "arguments": None}
         opening = json.dumps(head, ensure_ascii=False).removesuffix("null}")  # {"name": "f", "arguments":
@@ -114,9 +114,21 @@ def _calls(tok: Tokenizer, formats: ChatFormats, tools: list[dict], parallel: bo
         more = ' (", " call)*' if parallel else ""
         rules.append(f'calls: {_lit(tok, "[TOOL_CALLS]")} " [" call{more} "]"')
     else:
-        sep = '"\\n"' if formats.tool_parser in ("qwen", "qwen3_coder") else ""
+        sep = '"\\n"' if formats.tool_parser in ("qwen", "qwen3_coder", "glm") else ""
         rules.append(f"calls: call ({sep} call)*" if parallel else "calls: call")
     return rules
+
+
+def _glm_call(tok: Tokenizer, i: int, name: str, schema: dict) -> list[str]:
+    """GLM-4.5's call: arguments among the schema's, each value any text up to its closing tag (the parser types it
+    by the schema)."""
+    props = list((schema.get("properties") or {}) if isinstance(schema, dict) else {})
+    names = " | ".join(json.dumps(p) for p in props)
+    key, value = (f"{_lit(tok, f'<{t}>')} {{}} {_lit(tok, f'</{t}>')}" for t in ("arg_key", "arg_value"))
+    pair = f'{key.format(f"({names})")} "\\n" {value.format(f"value_{i}")} "\\n"'
+    args = [f"arg_{i}: {pair}", f"value_{i}: /(.|\\n)*/"] if props else []
+    body = f" arg_{i}*" if props else ""
+    return args + [f"call_{i}: {_lit(tok, '<tool_call>')} {json.dumps(name + NL)}{body} {_lit(tok, '</tool_call>')}"]
 
 
 def _coder_call(tok: Tokenizer, i: int, name: str, schema: dict) -> list[str]:

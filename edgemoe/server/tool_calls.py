@@ -15,6 +15,8 @@ Formats (`edgemoe serve --tool-parser`; `auto` picks one per model, see `chat_fo
   values are typed by the tool's JSON schema (a string parameter keeps its text as it is)
 - `mistral`: `[TOOL_CALLS] [{"name": NAME, "arguments": {...}}, ...]` (v3 tokenizers) or `[TOOL_CALLS]NAME[ARGS]{...}`
   (v11 and later)
+- `glm`: `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>` (GLM-4.5); values
+  typed by the tool's JSON schema, as `qwen3_coder`'s
 """
 
 from __future__ import annotations
@@ -394,8 +396,56 @@ class MistralToolParser(ToolParser):
         return None if _ARGS.startswith(text[pos:]) else _Malformed(pos)
 
 
+_GLM_NAME = re.compile(r"\s*([\w.\-]+)\s*")
+_ARG_KEY = re.compile(r"<arg_key>([^<\n]+)</arg_key>\s*<arg_value>")
+
+
+class GlmToolParser(ToolParser):
+    """A call ends at the first `</tool_call>` (so a value cannot contain that text); inside it a value ends at the
+    first `</arg_value>` followed by the next `<arg_key>` or the call's end, so values may contain `</arg_value>`."""
+
+    start, end = "<tool_call>", "</tool_call>"
+
+    def _reset_call(self) -> None:
+        self._searched = 0
+
+    def _parse(self, text: str, final: bool) -> _Calls | _Malformed | None:
+        i = text.find(self.end, self._searched)
+        if i < 0 and not final:
+            self._searched = max(0, len(text) - len(self.end) + 1)
+            return None
+        body, end = (text, len(text)) if i < 0 else (text[:i], i + len(self.end))
+        call = self._call(body)
+        return _Calls([call], end) if call else _Malformed(end)
+
+    def _call(self, body: str) -> tuple[str, dict] | None:
+        m = _GLM_NAME.match(body)
+        if m is None:
+            return None
+        name, pos, args = m[1], m.end(), {}
+        schema = self.schemas.get(name, {}).get("properties")
+        schema = schema if isinstance(schema, dict) else {}
+        while pos < len(body):
+            k = _ARG_KEY.match(body, pos)
+            if k is None:
+                return None
+            close = k.end()
+            while True:  # the value's end: an </arg_value> that the next <arg_key> or the call's end follows
+                close = body.find("</arg_value>", close)
+                if close < 0:
+                    return None
+                pos = _first_non_space(body, close + len("</arg_value>"))
+                if pos == len(body) or body.startswith("<arg_key>", pos):
+                    break
+                close += 1
+            key = k[1].strip()
+            args[key] = _typed(body[k.end() : close], schema.get(key))
+        return name, args
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen": QwenToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "mistral": MistralToolParser,
+    "glm": GlmToolParser,
 }

@@ -1,8 +1,10 @@
 """The chat templates that the demo model and `edgemoe make-model` checkpoints ship: ChatML turns with a tools branch in
 Qwen's format (tools listed in the system turn, calls as `<tool_call>{json}</tool_call>`, results as
-`<tool_response>` in a user turn), Qwen3.5's (the same turns, calls as XML), and Mistral's (`[AVAILABLE_TOOLS]`,
-`[TOOL_CALLS]`, `[TOOL_RESULTS]`) for the Mixtral family. `edgemoe.server.chat_format.detect_formats` reads them as
-the `qwen`, `qwen3_coder` and `mistral` tool-call formats.
+`<tool_response>` in a user turn), Qwen3.5's (the same turns, calls as XML), Mistral's (`[AVAILABLE_TOOLS]`,
+`[TOOL_CALLS]`, `[TOOL_RESULTS]`) for the Mixtral family, and GLM-4.5's
+(`<tool_call>NAME<arg_key>..</arg_key><arg_value>..</arg_value></tool_call>`) for glm4_moe.
+`edgemoe.server.chat_format.detect_formats` reads them as the `qwen`, `qwen3_coder`, `mistral` and `glm` tool-call
+formats.
 
 Without tools, the Qwen template renders exactly what the demo model was trained on, `<|im_start|>ROLE\\nTEXT<|im_end|>`
 per message, with no default system turn."""
@@ -130,11 +132,55 @@ QWEN3_CODER = """
 {%- endif %}
 """
 
-TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER}
+# GLM-4.5's shape: [gMASK]<sop>, role tags without closing tags, tools listed in a system turn, calls as
+# <tool_call>NAME then <arg_key>/<arg_value> pairs (strings as they are, other values as JSON), results in an
+# <|observation|> turn, reasoning in <think> (an empty block when thinking is switched off). The instructions are
+# edgemoe's own words, not GLM's
+GLM = """
+{{- '[gMASK]<sop>' }}
+{%- if tools %}
+{{- '<|system|>\\n# Tools\\n\\nThese functions are available, described inside <tools></tools>:\\n<tools>\\n' }}
+{%- for tool in tools %}{{- (tool | tojson) + '\\n' }}{%- endfor %}
+{{- '</tools>\\n\\nTo call one, write its name and each argument in this form:\\n<tool_call>{function-name}\\n' }}
+{{- '<arg_key>{arg-key}</arg_key>\\n<arg_value>{arg-value}</arg_value>\\n</tool_call>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|assistant|>\\n<think>' + (message.reasoning_content or '') + '</think>' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for call in message.tool_calls or [] %}
+{{- '\\n<tool_call>' + call.function.name + '\\n' }}
+{%- for key, value in call.function.arguments | items %}
+{{- '<arg_key>' + key + '</arg_key>\\n<arg_value>' + (value if value is string else value | tojson) }}
+{{- '</arg_value>\\n' }}
+{%- endfor %}
+{{- '</tool_call>' }}
+{%- endfor %}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|observation|>' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- else %}
+{{- '<|' + message.role + '|>\\n' + message.content }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|assistant|>' }}
+{%- if enable_thinking is defined and not enable_thinking %}{{- '\\n<think></think>' }}{%- endif %}
+{%- endif %}
+"""
+
+TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER, "glm": GLM}
 # family -> the tool-call format of its template; OLMoE's chat models have no tool format of their own: Qwen's
 # (Hermes') is the common one
-FAMILY_TOOL_FORMAT = {"qwen2_moe": "qwen", "qwen3_moe": "qwen", "mixtral": "mistral", "olmoe": "qwen",
-                     "qwen3_next": "qwen", "qwen3_5_moe_text": "qwen3_coder"}  # fmt: skip
+FAMILY_TOOL_FORMAT = {
+    "qwen2_moe": "qwen",
+    "qwen3_moe": "qwen",
+    "mixtral": "mistral",
+    "olmoe": "qwen",
+    "qwen3_next": "qwen",
+    "qwen3_5_moe_text": "qwen3_coder",
+    "glm4_moe": "glm",
+}
 
 
 def chat_template(family: str) -> str:

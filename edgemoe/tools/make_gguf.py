@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
+from edgemoe.models.registry import FAMILIES
 from edgemoe.quant import random_blocks
 from edgemoe.tools.presets import TOKENIZER_PRE
 from edgemoe.tools.random_weights import DTYPES, checkpoint_shapes, random_tensors
@@ -32,6 +33,7 @@ ARCHS = {
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "mixtral": gguf.MODEL_ARCH.LLAMA,
     "olmoe": gguf.MODEL_ARCH.OLMOE,
+    "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
 }
 FLOAT_TYPES = {"float32": Q.F32, "float16": Q.F16, "bfloat16": Q.BF16}
 # --expert-dtype -> general.file_type; q4_k_m: gate/up Q4_K, down Q6_K; mixed: layers alternate Q4_K and Q8_0
@@ -140,7 +142,8 @@ def _plan(family: str, config: dict, dense: Q, expert_dtype: str) -> dict[str, l
                 parts = [(_expert_name("down", layer), shape, down)]
             plan[hf_name] = parts
             continue
-        base, suffix = hf_name.rsplit(".", 1)
+        # the converter's spelling of a routing bias (a parameter named `..._bias`, no `.bias` suffix)
+        base, suffix = hf_name.replace("e_score_correction_bias", "e_score_correction.bias").rsplit(".", 1)
         gname = f"{names.get_name(base)}.{suffix}"
         # [1, H] gates become [H]: the converter now keeps [1, H], which transformers' GGUF loader (the oracle of
         # tests/models/test_gguf.py) cannot read; tests/models/test_llama_converter.py loads that form
@@ -193,7 +196,7 @@ def _add_hparams(w: gguf.GGUFWriter, family: str, config: dict, name: str, ftype
     w.add_head_count_kv(config["num_key_value_heads"])
     w.add_rope_freq_base(config["rope_theta"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])  # OlmoeModel writes 1e-5 whatever the config says: not copied
-    w.add_expert_count(config.get("num_local_experts") or config["num_experts"])
+    w.add_expert_count(config.get("num_local_experts") or config.get("n_routed_experts") or config["num_experts"])
     w.add_expert_used_count(config["num_experts_per_tok"])
     if "head_dim" in config:
         w.add_key_length(config["head_dim"])
@@ -205,6 +208,9 @@ def _add_hparams(w: gguf.GGUFWriter, family: str, config: dict, name: str, ftype
     if ARCHS[family] == gguf.MODEL_ARCH.LLAMA:
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    own = getattr(FAMILIES[family], "gguf_hparams", None)  # a family that writes keys of its own
+    if own is not None:
+        own(w, config)
     if ftype is not None:
         w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)

@@ -129,9 +129,36 @@ PRESETS: dict[str, dict] = {
         rope_theta=1e7,
         max_position_embeddings=262144,
     ),
+    # zai-org/GLM-4.5-Air's config.json (its MTP layer aside: edgemoe does not read it)
+    "glm-4.5-air": dict(
+        family="glm4_moe",
+        hidden_size=4096,
+        num_hidden_layers=46,
+        first_k_dense_replace=1,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1408,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        intermediate_size=10944,
+        vocab_size=151552,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        max_position_embeddings=131072,
+    ),
 }
 # the families `hf_config` writes
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text")
-# family -> how its tokenizer splits text before byte-level BPE, by llama.cpp's name (tokenizer.ggml.pre)
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text", "glm4_moe")
+# family -> how its tokenizer splits text before byte-level BPE, by llama.cpp's name (tokenizer.ggml.pre); GLM's
+# random checkpoints keep the demo tokenizer's split
 TOKENIZER_PRE = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "mixtral": "gpt-2", "olmoe": "gpt-2",
-                 "qwen3_next": "qwen2", "qwen3_5_moe_text": "qwen2"}  # fmt: skip
+                 "qwen3_next": "qwen2", "qwen3_5_moe_text": "qwen2", "glm4_moe": "gpt-2"}  # fmt: skip

@@ -45,6 +45,9 @@ def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) 
     }
     if "head_dim" in g:
         base["head_dim"] = g["head_dim"]
+    own = getattr(FAMILIES.get(family), "random_config", None)  # a family that writes its own
+    if own is not None:
+        return own(base, g)
     if family == "qwen2_moe":
         return {
             **base,
@@ -88,32 +91,6 @@ def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) 
             "norm_topk_prob": False,
             "clip_qkv": None,
         }
-    if family in ("qwen3_next", "qwen3_5_moe_text"):
-        head_dim = g.get("head_dim", g["hidden_size"] // g["num_attention_heads"])
-        # the linear attention's shapes where a preset names none (the small ones): half as many q/k heads as value
-        # heads, as the released models have, each as wide as an attention head
-        hybrid = dict(linear_num_key_heads=max(1, g["num_attention_heads"] // 2),
-                      linear_num_value_heads=g["num_attention_heads"], linear_key_head_dim=head_dim,
-                      linear_value_head_dim=head_dim)  # fmt: skip
-        hybrid = {k: g.get(k, v) for k, v in hybrid.items()}
-        architecture = "Qwen3NextForCausalLM" if family == "qwen3_next" else "Qwen3_5MoeForCausalLM"
-        return {
-            **base,
-            **hybrid,
-            "architectures": [architecture],
-            "num_experts": g["num_experts"],
-            "moe_intermediate_size": g["moe_intermediate_size"],
-            "shared_expert_intermediate_size": g["shared_expert_intermediate_size"],
-            "intermediate_size": g.get("intermediate_size", g["moe_intermediate_size"]),
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "full_attention_interval": min(4, g["num_hidden_layers"]),  # a small preset keeps one full layer
-            "linear_conv_kernel_dim": 4,
-            "partial_rotary_factor": 0.25,
-            "attention_bias": False,
-            "head_dim": head_dim,
-        }
     raise EdgeMoEError(f"unknown family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
 
 
@@ -127,7 +104,8 @@ def _draw(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
 
 
 def checkpoint_shapes(family: str, config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(Hugging Face name, shape) of every tensor, experts fused, in the order `random_tensors` draws them."""
+    """(Hugging Face name, shape) of every tensor, experts fused, in the order `random_tensors` draws them (a family
+    whose checkpoints name or shape its tensors otherwise lists them with its `checkpoint_shapes`)."""
     module = FAMILIES[family]
     with torch.device("meta"):
         model = MoEForCausalLM(module.normalise(config), module.LAYER)

@@ -4,23 +4,27 @@ checkpoint of every family edgemoe reads from GGUF, made by transformers' own cl
 each file, its greedy tokens (float32, CPU) equal transformers' on the checkpoint the file came from, token for token,
 and its tokenizer, built from the file's metadata, encodes text as the checkpoint's does. The Qwen2-MoE checkpoint has
 a shared expert, whose gate the converter stores 2-D ([n_embd, 1]; make-model writes it 1-D): the file is checked to
-hold it so, the case edgemoe refused before GGUF tensors were fitted to their size-1 dimensions.
+hold it so, the case edgemoe refused before GGUF tensors were fitted to their size-1 dimensions. The GLM-4.5
+checkpoint routes in groups and carries an MTP layer, which the converter writes as a next-n block that edgemoe skips;
+its sigmoid router's weight and correction bias stay float32, as the file stores them, in a bfloat16 model.
 
 The converter runs unchanged but for one method: the checkpoints carry edgemoe's demo tokenizer, and the converter
 accepts a byte-level BPE tokenizer only when a hash of its output is on its list of known models, which the demo
 tokenizer's is not; `get_vocab_base_pre` is replaced to name its pre-tokenizer, GPT-2's split ("gpt-2"), which is
-the split it uses.
+the split it uses. The converter's GLM vocabulary step looks up GLM's special tokens ([gMASK], <|user|>,
+<|observation|>): the GLM checkpoint's tokenizer gets them as added tokens after the demo tokenizer's vocabulary.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
-from tests.conftest import TINY, hf_model, save_checkpoint
+from tests.conftest import TINY, VOCAB, hf_model, save_checkpoint
 from tests.models.llama_converter import convert
 
 gguf = pytest.importorskip("gguf")
@@ -36,11 +40,13 @@ CASES = {
     "qwen3_moe": ("qwen3moe", dict(TINY["qwen3-head-dim"][1], mlp_only_layers=[])),
     "mixtral": ("llama", TINY["mixtral-gqa"][1]),
     "olmoe": ("olmoe", dict(TINY["olmoe-mha-clip"][1], clip_qkv=None, rms_norm_eps=1e-5)),
+    "glm4_moe": ("glm4moe", dict(TINY["glm-groups-qknorm-mtp"][1], vocab_size=VOCAB + 16)),
     # the hybrids: two q/k heads for four value heads, so that Qwen3.5's file holds them in tiled order
     "qwen3_next": ("qwen3next", dict(attention_bias=True)),
     "qwen3_5_moe_text": ("qwen35moe", dict(linear_num_key_heads=2, linear_num_value_heads=4)),
 }
 HYBRIDS = ("qwen3_next", "qwen3_5_moe_text")
+GLM_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 
 
 def add_mtp_head(folder: Path, model: torch.nn.Module) -> None:
@@ -71,10 +77,24 @@ def converted(tmp_path_factory):
             folder = save_checkpoint(model, tmp_path_factory.mktemp(f"{family}-hf"), "per-expert")
             if family in HYBRIDS:
                 add_mtp_head(folder, model)
+            if family == "glm4_moe":
+                add_special_tokens(folder, GLM_TOKENS)
             cache[family] = convert(folder, folder.parent / f"{family}.gguf"), folder, model
         return cache[family]
 
     return get
+
+
+def add_special_tokens(folder: Path, tokens: tuple[str, ...]) -> None:
+    path = folder / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    first = len(spec["model"]["vocab"])
+    for i, token in enumerate(tokens):
+        spec["added_tokens"].append(
+            dict(id=first + i, content=token, single_word=False, lstrip=False, rstrip=False, normalized=False,
+                 special=True)
+        )  # fmt: skip
+    path.write_text(json.dumps(spec))
 
 
 def prompts() -> list[list[int]]:
@@ -101,7 +121,7 @@ def test_greedy_matches_transformers_on_the_source_checkpoint(converted, family:
     from transformers import AutoTokenizer
 
     source = AutoTokenizer.from_pretrained(folder)
-    for text in ("ROMEO.\nWhat news?", "café 日本 🙂", "  spaced\tout  "):
+    for text in ("ROMEO.\nWhat news?", "café 日本 🙂", "  spaced\tout  ", "[gMASK]<sop><|user|>\nhi"):
         assert llm.tokenizer.encode(text) == source.encode(text)
 
 
@@ -124,3 +144,20 @@ def test_hybrid_files_hold_what_edgemoe_reads_as_stored(converted) -> None:
         assert torch.equal(stored, tiled if arch == "qwen35moe" else grouped), family
         llm = LLM(str(path), progress=False, dtype="float32")
         assert llm.engine.model.config.num_layers == config.num_hidden_layers
+
+
+def test_glm_groups_mtp_and_float32_router(converted) -> None:
+    path, folder, hf = converted("glm4_moe")
+    reader = gguf.GGUFReader(path)
+    keys = ("expert_group_count", "expert_group_used_count", "nextn_predict_layers")
+    assert [reader.fields[f"glm4moe.{k}"].contents() for k in keys] == [4, 2, 1]
+    layers = hf.config.num_hidden_layers
+    assert f"blk.{layers}.nextn.eh_proj.weight" in {t.name for t in reader.tensors}
+    del reader
+    model = LLM(str(path), progress=False, dtype="bfloat16").engine.model
+    assert len(model.model.layers) == layers
+    for i in range(hf.config.first_k_dense_replace, layers):
+        ours, theirs = model.model.layers[i].mlp.gate, hf.model.layers[i].mlp.gate
+        assert ours.weight.dtype == ours.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(ours.weight, theirs.weight)
+        assert torch.equal(ours.e_score_correction_bias, theirs.e_score_correction_bias)

@@ -118,6 +118,10 @@ MISTRAL_TEMPLATE = """
 {%- endif %}
 {%- endfor %}
 """
+# GLM-4.5's markup as whole tokens (its template: `edgemoe.tools.chat_templates.GLM`)
+GLM_TOKENS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<tool_call>",
+              "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>", "</think>",
+              "<tool_response>", "</tool_response>"]  # fmt: skip
 MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
                   "[/TOOL_RESULTS]"]  # fmt: skip
 

@@ -11,8 +11,17 @@ from edgemoe import SamplingParams
 from edgemoe.server.chat_format import ChatFormats, detect_formats, render_chat
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
 from edgemoe.tokenizer import Tokenizer
+from edgemoe.tools.chat_templates import GLM
 
-from .scripted import CODER_TEMPLATE, MISTRAL_TEMPLATE, MISTRAL_TOKENS, QWEN3_TEMPLATE, QWEN_TOKENS, make_model
+from .scripted import (
+    CODER_TEMPLATE,
+    GLM_TOKENS,
+    MISTRAL_TEMPLATE,
+    MISTRAL_TOKENS,
+    QWEN3_TEMPLATE,
+    QWEN_TOKENS,
+    make_model,
+)
 
 # ChatML without a tools branch (the demo model's template before it had one)
 PLAIN_TEMPLATE = (
@@ -42,6 +51,7 @@ def folders(tmp_path_factory):
         "coder": make_model(root / "coder", CODER_TEMPLATE, ["<tool_call>", "</tool_call>"]),
         "mistral": make_model(root / "mistral", MISTRAL_TEMPLATE, MISTRAL_TOKENS, special=True),
         "plain": make_model(root / "plain", PLAIN_TEMPLATE, []),
+        "glm": make_model(root / "glm", GLM.strip(), GLM_TOKENS),
     }
 
 
@@ -60,6 +70,24 @@ def test_detection(folders):
     assert detect_formats(mistral) == ChatFormats("mistral", False, True)
     assert detect_formats(Tokenizer(folders["plain"])) == ChatFormats(None, False, False)
     assert detect_formats(qwen, "mistral", "none") == ChatFormats("mistral", False, True)  # the flags win
+    assert detect_formats(Tokenizer(folders["glm"])) == ChatFormats("glm", True, True)
+
+
+def test_glm_template(folders):
+    """GLM-4.5's shape: the calls of a turn as name and argument pairs, the results in one observation turn, the
+    reasoning kept in its <think> block; thinking switched off by an empty block after the generation prompt."""
+    glm = Tokenizer(folders["glm"])
+    formats = detect_formats(glm)
+    text = text_of(glm, render(glm, formats, {"messages": TURNS, "tools": TOOLS}))
+    call = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+    assert text.startswith("[gMASK]<sop><|system|>\n# Tools") and '"name": "get_weather"' in text
+    assert f"<|assistant|>\n<think>Two calls.</think>\n{call}\n<tool_call>get_weather" in text
+    assert "<|observation|>\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\n21 C\n</tool_response>" in text
+    assert text.endswith("</tool_response><|assistant|>")
+    body = {"messages": TURNS[1:2], "chat_template_kwargs": {"enable_thinking": False}}
+    plan = render(glm, formats, body)
+    assert text_of(glm, plan).endswith("<|user|>\nWeather in Paris and Rome?<|assistant|>\n<think></think>")
+    assert not plan.in_reasoning
 
 
 def test_qwen_conversation_with_tool_turns(folders):

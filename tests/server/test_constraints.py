@@ -18,8 +18,17 @@ from edgemoe.server.constraints import grammar, response_schema
 from edgemoe.server.protocol import RequestError
 from edgemoe.server.tool_calls import TOOL_PARSERS
 from edgemoe.tokenizer import Tokenizer
+from edgemoe.tools.chat_templates import GLM
 
-from .scripted import CODER_TEMPLATE, MISTRAL_TEMPLATE, MISTRAL_TOKENS, QWEN3_TEMPLATE, QWEN_TOKENS, make_model
+from .scripted import (
+    CODER_TEMPLATE,
+    GLM_TOKENS,
+    MISTRAL_TEMPLATE,
+    MISTRAL_TOKENS,
+    QWEN3_TEMPLATE,
+    QWEN_TOKENS,
+    make_model,
+)
 
 MODEL = "qwen-tools"
 CITY = {
@@ -37,6 +46,7 @@ CALLS = {  # a valid call of get_weather in each format
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n"
                    "</tool_call>",
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]',
+    "glm": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>",
 }  # fmt: skip
 
 
@@ -47,6 +57,7 @@ def tokenizers(tmp_path_factory):
         "qwen": Tokenizer(make_model(root / "qwen", QWEN3_TEMPLATE, QWEN_TOKENS)),
         "qwen3_coder": Tokenizer(make_model(root / "coder", CODER_TEMPLATE, ["<tool_call>", "</tool_call>"])),
         "mistral": Tokenizer(make_model(root / "mistral", MISTRAL_TEMPLATE, MISTRAL_TOKENS, special=True)),
+        "glm": Tokenizer(make_model(root / "glm", GLM.strip(), GLM_TOKENS)),
     }
 
 

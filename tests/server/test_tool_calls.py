@@ -32,6 +32,7 @@ def qcall(name: str, args: str) -> str:
 W = qcall("get_weather", '{"city": "Paris"}')
 ROME, TOKYO = qcall("get_weather", '{"city": "Rome"}'), qcall("get_weather", '{"city": "東京"}')
 BAD_JSON = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+GLM = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"  # noqa: E501
 CODER = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"  # noqa: E501
 
 # (id, format, reasoning: None | "closed" | "open", max_calls, text, expected (reasoning, content, calls))
@@ -107,6 +108,26 @@ CASES = [
     ("mistral-bad-name", "mistral", None, None, '[TOOL_CALLS]get weather[ARGS]{}',
      ("", "[TOOL_CALLS]get weather[ARGS]{}", [])),
     ("mistral-bare", "mistral", None, None, "x [TOOL_CALLS]", ("", "x [TOOL_CALLS]", [])),
+    ("glm-typed", "glm", None, None,
+     "I will.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n<arg_key>days"
+     "</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>\n<arg_value>{\"a\": [1]}</arg_value>\n"
+     "</tool_call>",
+     ("", "I will.", [call("get_weather", city="New York", days=3, opts={"a": [1]})])),
+    ("glm-two-calls", "glm", None, None, f"{GLM}\n{GLM}", ("", "", [call("get_weather", city="Paris", days=3)] * 2)),
+    ("glm-no-args", "glm", None, None, "<tool_call>f\n</tool_call>", ("", "", [call("f")])),
+    ("glm-markup-in-value", "glm", None, None,
+     "<tool_call>write_file\n<arg_key>city</arg_key>\n<arg_value>a</arg_value> not the end\n<b></arg_value>\n"
+     "</tool_call>", ("", "", [call("write_file", city="a</arg_value> not the end\n<b>")])),
+    ("glm-junk", "glm", None, None, "<tool_call>get weather now</tool_call> ok",
+     ("", "<tool_call>get weather now</tool_call> ok", [])),
+    ("glm-no-name", "glm", None, None, "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+     ("", "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", [])),
+    ("glm-truncated", "glm", None, None, "<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>5",
+     ("", "<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>5", [])),
+    ("glm-no-end-tag", "glm", None, None, GLM.removesuffix("</tool_call>"),
+     ("", "", [call("get_weather", city="Paris", days=3)])),
+    ("glm-think-then-call", "glm", "closed", None, f"\n<think>Paris: one call.</think>\nChecking.\n{GLM}",
+     ("Paris: one call.", "Checking.", [call("get_weather", city="Paris", days=3)])),
     ("think-then-call", "qwen", "closed", None, f"<think>\nWeather: call.\n</think>\n\nChecking.\n{W}",
      ("Weather: call.", "Checking.", [call("get_weather", city="Paris")])),
     ("think-opened-by-prompt", "qwen", "open", None, "\nr1\n\nr2 \n</think>\n\n  answer ",

@@ -30,6 +30,7 @@ WRITTEN = {
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
     "</tool_call>",
+    "glm": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
 }
 
 
@@ -66,7 +67,7 @@ def test_make_model_templates_are_their_family_format(tmp_path, family: str) -> 
     tok = family_tokenizer(tmp_path, family)
     formats = detect_formats(tok)
     tool_format = FAMILY_TOOL_FORMAT[family]
-    reasoning = family == "qwen3_5_moe_text"  # Qwen3.5's template writes the empty think block: a reasoning model
+    reasoning = family in ("qwen3_5_moe_text", "glm4_moe")  # their templates write <think> blocks: reasoning models
     assert formats == ChatFormats(tool_format, reasoning, True)
     body = {"messages": [TURNS[1], {**TURNS[2], "content": None}, TURNS[3]], "tools": TOOLS}
     plan = render_chat(tok, formats, parse_request(ChatCompletionRequest, body))

@@ -12,7 +12,8 @@ Each sequence's two states (the convolution's inputs, the fp32 matrix per head) 
 the forward context (`state_slots`). A slot starts at zero with its sequence. Prefill runs each sequence's new tokens
 through `chunked_delta_rule` from its slot's state; decode runs one `recurrent_step` for the whole batch, gathered from
 and scattered back to the slots: fixed shapes and no host reads, so CUDA graphs capture it. Both are plain torch here,
-the references of any kernel that replaces them.
+the references of the kernels that replace them: on CUDA decode runs `edgemoe.kernels.gated_delta` (two launches on
+the slots in place, `use_kernels`); prefill stays plain torch.
 
 Grouped heads: a q/k head serves `v_heads // k_heads` value heads: consecutive ones in the Hugging Face checkpoints'
 order, every `k_heads`-th one in the order llama.cpp's converter writes Qwen3.5 GGUF files in (`tiled`: value head h
@@ -78,6 +79,7 @@ class GatedDeltaNet(nn.Module):
         # the state cache binds these (`bind_state`): [slots, channels, kernel - 1] and [slots, v_heads, k_dim, v_dim]
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
+        self._decode_kernel = None  # `edgemoe.kernels.gated_delta.gated_delta_decode`, once `use_kernels` chose it
 
     def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """One sequence's states: the convolution's last inputs (the model's dtype) and the delta rule's matrices
@@ -89,6 +91,12 @@ class GatedDeltaNet(nn.Module):
 
     def bind_state(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         self.conv_state, self.recurrent_state = conv, recurrent
+
+    def use_kernels(self, device: torch.device) -> None:
+        if max(self.k_dim, self.v_dim) <= 256:  # the kernel holds a [k_dim, block of v_dim] tile in registers
+            from edgemoe.kernels.gated_delta import gated_delta_decode
+
+            self._decode_kernel = gated_delta_decode  # 2 launches, the states updated in place, instead of ~40
 
     def fuses_norm(self, *args) -> bool:
         """`DecoderLayer` asks every token mixer; this one runs its input norm apart."""
@@ -104,6 +112,11 @@ class GatedDeltaNet(nn.Module):
         g = self.A * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
         if ctx.is_prefill:
             out = self._prefill(mixed, beta, g, ctx)
+        elif self._decode_kernel is not None:
+            out = self._decode_kernel(
+                mixed, beta, g, ctx.state_slots, self.conv1d.weight, self.conv_state, self.recurrent_state,
+                self.k_heads, self.tiled,
+            )  # fmt: skip
         else:
             out = self._decode(mixed, beta, g, ctx.state_slots)
         out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
@@ -145,6 +158,7 @@ class GatedDeltaNet(nn.Module):
         return torch.cat(outs)
 
     def _decode(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The decode step in plain torch: the reference of `gated_delta_decode`."""
         conv = self.conv_state.index_select(0, slots)
         channels, conv = conv_step(mixed, conv, self.conv1d.weight)
         self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))

@@ -1,0 +1,211 @@
+"""The Gated DeltaNet decode kernels (`edgemoe.kernels.gated_delta`, Triton's interpreter on CPU) against the layer's
+plain-torch step (`GatedDeltaNet._decode`: `conv_step`, `recurrent_step`, index_copy_ back) on fresh random inputs
+and states: fp32 and bf16, grouped and tiled value heads, one or two value heads per q/k head, head dims off powers
+of two, states in a StateCache pool (strided slot views beside another layer's), non-contiguous slots, int32 slots.
+
+Tolerances. The convolution state is a shifted copy: bitwise. The convolution sums its taps in order in fp32 and
+rounds where torch rounds; torch's CPU conv1d may sum in another order and SiLU's exp differs by an ulp, so a bf16
+channel may round to its neighbour, rarely. The delta rule sums over k_dim in another order than torch's, and rsqrt
+and exp may differ by an ulp or two: fp32 results within 1e-5 relative (a few ulps through the decay, the
+correction and the read). A bf16 output rounds those fp32 values once, so it may land one bf16 ulp off, rarely.
+Through the whole step in bf16, a channel rounded to its neighbour (2^-8 relative) moves its head's normalised q
+or k, so the whole step is held only to bf16's resolution there; each stage is held tightly on the other's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from edgemoe.context import ForwardContext, set_context
+from edgemoe.engine.state_cache import StateCache
+from edgemoe.kernels.gated_delta import conv_decode, delta_rule_decode, gated_delta_decode
+from edgemoe.layers.linear_attention import GatedDeltaNet, conv_step, recurrent_step
+from tests.kernels import interpreter_only
+
+pytestmark = interpreter_only
+
+SLOTS = 8  # the pool's slots, plus its pad slot
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+# (k_heads, v_heads, k_dim, v_dim)
+GEOMETRIES = [(2, 2, 16, 16), (2, 4, 32, 48), (1, 2, 48, 32), (2, 4, 128, 128)]
+
+
+def make_layers(geometry: tuple[int, ...], dtype: torch.dtype, tiled: bool, seed: int) -> tuple[nn.ModuleList, ...]:
+    """Two layers whose states share one StateCache pool (each slot's row holds both), random weights and states."""
+    torch.manual_seed(seed)
+    k_heads, v_heads, k_dim, v_dim = geometry
+    layers = nn.ModuleList(GatedDeltaNet(32, k_heads, v_heads, k_dim, v_dim, 4, 1e-6, tiled=tiled) for _ in range(2))
+    layers.to(dtype)
+    cache = StateCache(layers, SLOTS, dtype, torch.device("cpu"))
+    with torch.no_grad():
+        for layer in layers:
+            layer.conv1d.weight.copy_(0.5 * torch.randn_like(layer.conv1d.weight))
+            layer.conv_state.copy_(torch.randn(layer.conv_state.shape))
+            layer.recurrent_state.copy_(0.5 * torch.randn(layer.recurrent_state.shape))
+    return layers, cache
+
+
+def step_inputs(layer: GatedDeltaNet, seqs: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """in_proj_qkv's output, beta (sigmoid: the model's dtype) and the log decay g (fp32, <= 0) of one decode step."""
+    mixed = torch.randn(seqs, layer.channels).to(dtype)
+    beta = torch.sigmoid(torch.randn(seqs, layer.v_heads)).to(dtype)
+    g = -2 * torch.rand(seqs, layer.v_heads)
+    return mixed, beta, g
+
+
+def kernel_step(layer: GatedDeltaNet, mixed, beta, g, slots) -> torch.Tensor:
+    return gated_delta_decode(
+        mixed, beta, g, slots, layer.conv1d.weight.detach(), layer.conv_state, layer.recurrent_state, layer.k_heads,
+        layer.tiled,
+    )  # fmt: skip
+
+
+def run_both(layers: nn.ModuleList, cache: StateCache, slots: torch.Tensor, dtype: torch.dtype):
+    """One decode step of layers[0] from the same pool by the reference and by the kernel -> (pool before, ref out,
+    ref pool, kernel out, kernel pool)."""
+    layer = layers[0]
+    mixed, beta, g = step_inputs(layer, slots.shape[0], dtype)
+    before = cache.pool.clone()
+    with torch.no_grad():
+        ref = layer._decode(mixed, beta, g, slots.long())
+    ref_pool = cache.pool.clone()
+    cache.pool.copy_(before)
+    out = kernel_step(layer, mixed, beta, g, slots)
+    return before, ref, ref_pool, out, cache.pool.clone()
+
+
+def states(layer: GatedDeltaNet, cache: StateCache, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's two state views, read from a snapshot of the pool."""
+    saved = cache.pool.clone()
+    cache.pool.copy_(pool)
+    views = layer.conv_state.clone(), layer.recurrent_state.clone()
+    cache.pool.copy_(saved)
+    return views
+
+
+def assert_half_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16 values computed in fp32 within ~1e-5 and rounded once: one bf16 ulp at most, and rarely."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=torch.finfo(out.dtype).eps, atol=1e-5)
+    assert (out == ref).float().mean() >= 0.97
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda s: "k{}-v{}-dk{}-dv{}".format(*s))
+def test_decode_step_float32_matches_reference(geometry, tiled: bool) -> None:
+    layers, cache = make_layers(geometry, torch.float32, tiled, seed=sum(geometry))
+    slots = torch.tensor([5, 0, 3], dtype=torch.int32)  # not contiguous, not sorted, int32
+    before, ref, ref_pool, out, pool = run_both(layers, cache, slots, torch.float32)
+    conv, rec = states(layers[0], cache, pool)
+    ref_conv, ref_rec = states(layers[0], cache, ref_pool)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, **FP32)
+    torch.testing.assert_close(rec, ref_rec, **FP32)
+    assert torch.equal(conv, ref_conv)
+    # only the batch's slots of this layer changed: the other slots and the other layer's states are as they were
+    other = torch.ones(SLOTS + 1, dtype=torch.bool)
+    other[slots.long()] = False
+    assert torch.equal(pool[other], before[other])
+    assert torch.equal(states(layers[1], cache, pool)[1], states(layers[1], cache, before)[1])
+    assert torch.equal(states(layers[1], cache, pool)[0], states(layers[1], cache, before)[0])
+    assert not torch.equal(rec[slots.long()], states(layers[0], cache, before)[1][slots.long()])
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("geometry", GEOMETRIES[1:], ids=lambda s: "k{}-v{}-dk{}-dv{}".format(*s))
+def test_decode_step_bfloat16_matches_reference(geometry, tiled: bool) -> None:
+    layers, cache = make_layers(geometry, torch.bfloat16, tiled, seed=7 + sum(geometry))
+    layer, before = layers[0], cache.pool.clone()
+    slots = torch.tensor([6, 1, 2, 4])
+    mixed, beta, g = step_inputs(layer, 4, torch.bfloat16)
+    conv, rec = layer.conv_state[slots].clone(), layer.recurrent_state[slots].clone()
+    weight = layer.conv1d.weight.detach()
+    # the convolution: its state bitwise, its channels rounded as torch's (an ulp off, rarely)
+    channels = conv_decode(mixed, weight, layer.conv_state, slots)
+    ref_channels, ref_conv = conv_step(mixed, conv, weight)
+    assert torch.equal(layer.conv_state[slots], ref_conv)
+    assert_half_close(channels, ref_channels)
+    # the delta rule on those channels: fp32 states within 1e-5, outputs rounded once
+    out = delta_rule_decode(channels, beta, g, layer.recurrent_state, slots, layer.k_heads, tiled)
+    ref_out, ref_rec = recurrent_step(*layer._heads(channels), g, beta, rec)
+    torch.testing.assert_close(layer.recurrent_state[slots], ref_rec, **FP32)
+    assert_half_close(out, ref_out)
+    # the whole step against `_decode` from the same pool: bf16's resolution where a channel rounded apart
+    cache.pool.copy_(before)
+    _, ref, ref_pool, whole, pool = run_both(layers, cache, slots, torch.bfloat16)
+    torch.testing.assert_close(whole, ref, rtol=2e-2, atol=2e-2)
+    for a, b in zip(states(layer, cache, pool), states(layer, cache, ref_pool)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_batch_invariance(dtype: torch.dtype) -> None:
+    """A sequence's output and states are bitwise the same alone and at any row of a batch of 4."""
+    layers, cache = make_layers((2, 4, 32, 48), dtype, tiled=False, seed=11)
+    layer = layers[0]
+    mixed, beta, g = step_inputs(layer, 4, dtype)
+    slots = torch.tensor([7, 2, 4, 0])
+    before = cache.pool.clone()
+    batch = kernel_step(layer, mixed, beta, g, slots)
+    batch_pool = cache.pool.clone()
+    for i in range(4):
+        cache.pool.copy_(before)
+        one = kernel_step(layer, mixed[i : i + 1], beta[i : i + 1], g[i : i + 1], slots[i : i + 1])
+        assert torch.equal(one[0], batch[i])
+        assert torch.equal(cache.pool[slots[i]], batch_pool[slots[i]])
+
+
+def test_layer_picks_the_kernel_for_decode() -> None:
+    """`use_kernels` swaps decode for the kernel; forward under a decode context then matches the reference layer."""
+    layers, cache = make_layers((2, 4, 16, 16), torch.float32, tiled=True, seed=3)
+    layer = layers[0]
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p is not layer.conv1d.weight:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        layer.A.copy_(-torch.rand_like(layer.A))  # a decay rate, as -exp(A_log)
+    x = torch.randn(3, 32)
+    slots = torch.tensor([3, 6, 1])
+    set_context(ForwardContext(False, torch.empty(0), torch.ones(3), torch.zeros(3, 1), state_slots=slots))
+    try:
+        before = cache.pool.clone()
+        with torch.no_grad():
+            ref = layer(x, torch.zeros(3))
+        ref_pool = cache.pool.clone()
+        cache.pool.copy_(before)
+        layer.use_kernels(torch.device("cuda"))  # what select_kernels calls on a CUDA device
+        assert layer._decode_kernel is gated_delta_decode
+        with torch.no_grad():
+            out = layer(x, torch.zeros(3))
+    finally:
+        set_context(None)
+    torch.testing.assert_close(out, ref, **FP32)
+    torch.testing.assert_close(cache.pool.view(torch.float32), ref_pool.view(torch.float32), **FP32)
+
+
+def test_no_sequences_and_bad_arguments() -> None:
+    layers, _ = make_layers((2, 4, 16, 16), torch.float32, tiled=False, seed=5)
+    layer = layers[0]
+    mixed, beta, g = step_inputs(layer, 2, torch.float32)
+    slots = torch.tensor([0, 1])
+    before = layer.recurrent_state.clone()
+    out = kernel_step(layer, mixed[:0], beta[:0], g[:0], slots[:0])
+    assert out.shape == (0, 4, 16) and torch.equal(layer.recurrent_state, before)
+    weight = layer.conv1d.weight.detach()
+    with pytest.raises(ValueError, match="weight"):
+        conv_decode(mixed, weight[:-1], layer.conv_state, slots)
+    with pytest.raises(ValueError, match="conv_state"):
+        conv_decode(mixed, weight, layer.conv_state[:, :-1], slots)
+    with pytest.raises(ValueError, match="q/k heads"):
+        delta_rule_decode(mixed, beta, g, layer.recurrent_state, slots, 3, False)
+    with pytest.raises(ValueError, match="float32"):
+        delta_rule_decode(mixed, beta, g, layer.recurrent_state.bfloat16(), slots, 2, False)
+    wide = torch.zeros(3, 4, 512, 16)  # k_dim 512: a tile too large for registers
+    channels = torch.zeros(2, 2 * 2 * 512 + 4 * 16)
+    with pytest.raises(ValueError, match="up to 256"):
+        delta_rule_decode(channels, beta, g, wide, slots, 2, False)
+    big = GatedDeltaNet(32, 2, 4, 512, 16, 4, 1e-6)
+    big.use_kernels(torch.device("cuda"))
+    assert big._decode_kernel is None  # the layer keeps its reference

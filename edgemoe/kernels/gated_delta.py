@@ -63,9 +63,9 @@ def _conv_decode(
 
 def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`conv_step` of one token per sequence on the slots' states in place. x: [seqs, channels] (float32, bfloat16 or
-    float16; unit stride over channels); weight: [channels, 1, kernel]; conv_state: [slots, channels, kernel - 1], any
-    slot stride (a view of a state pool), unit stride over the taps; slots: [seqs] integer -> the convolved channels
-    [seqs, channels] in x's dtype. conv_state[slots[i]] becomes conv_step's new state of sequence i (in
+    float16); weight: [channels, 1, kernel]; conv_state: [slots, channels, kernel - 1], any slot stride (a view of a
+    state pool), unit stride over the taps; slots: [seqs] integer -> the convolved channels [seqs, channels] in x's
+    dtype. conv_state[slots[i]] becomes conv_step's new state of sequence i (in
     conv_state's dtype); the other slots stay as they were. Slots are not checked (that would sync)."""
     seqs, channels = x.shape
     kernel = weight.shape[-1]
@@ -75,8 +75,9 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
         raise ValueError(f"weight must be [{channels}, 1, kernel >= 2], got {list(weight.shape)}")
     if conv_state.dim() != 3 or conv_state.shape[1:] != (channels, kernel - 1) or conv_state.stride(2) != 1:
         raise ValueError(f"conv_state must be [slots, {channels}, {kernel - 1}] with unit tap stride")
-    if slots.shape != (seqs,) or x.stride(1) != 1 or weight.stride(2) != 1:
-        raise ValueError(f"slots {list(slots.shape)} must be [{seqs}]; x and weight need unit stride in their rows")
+    if slots.shape != (seqs,):
+        raise ValueError(f"slots {list(slots.shape)} must be [{seqs}]")
+    x, weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, weight))
     out = torch.empty(seqs, channels, dtype=x.dtype, device=x.device)
     if seqs == 0:
         return out

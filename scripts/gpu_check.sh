@@ -30,6 +30,7 @@ python3 benchmarks/dense_gemv.py --json "$out/dense_gemv.json" | tail -14 || rc=
 python3 benchmarks/router.py --json "$out/router.json" | tail -12 || rc=1
 python3 benchmarks/ensure.py --json "$out/ensure.json" | tail -12 || rc=1
 python3 benchmarks/paged_attention.py --json "$out/paged_attention.json" | tail -12 || rc=1
+python3 benchmarks/gated_delta.py --json "$out/gated_delta.json" | tail -4 || rc=1
 python3 benchmarks/ple.py --json "$out/ple.json" 2>&1 | tail -16 || rc=1
 python3 benchmarks/prefill_stream.py --json "$out/prefill_stream.json" 2>&1 | tail -8 || rc=1
 python3 benchmarks/fair_prefill.py --json "$out/fair_prefill.json" 2>&1 | tail -2 || rc=1

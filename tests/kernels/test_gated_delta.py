@@ -28,8 +28,8 @@ pytestmark = interpreter_only
 SLOTS = 8  # the pool's slots, plus its pad slot
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
-# (k_heads, v_heads, k_dim, v_dim)
-GEOMETRIES = [(2, 2, 16, 16), (2, 4, 32, 48), (1, 2, 48, 32), (2, 4, 128, 128)]
+# (k_heads, v_heads, k_dim, v_dim); (2, 4, 16, 8) is the tiny hybrid checkpoints' (tests/conftest.py)
+GEOMETRIES = [(2, 2, 16, 16), (2, 4, 16, 8), (2, 4, 32, 48), (1, 2, 48, 32), (2, 4, 128, 128)]
 
 
 def make_layers(
@@ -220,3 +220,23 @@ def test_no_sequences_and_bad_arguments() -> None:
     big = GatedDeltaNet(32, 2, 4, 512, 16, 4, 1e-6)
     big.use_kernels(torch.device("cuda"))
     assert big._decode_kernel is None  # the layer keeps its reference
+
+
+def test_engine_decodes_on_the_kernel_as_transformers(tiny_checkpoint) -> None:
+    """The tiny Qwen3-Next through the engine with its Gated DeltaNet layers' decode on the kernel (under the
+    interpreter; only these layers swapped): greedy tokens identical to transformers', batched, each sequence from
+    its prefilled state."""
+    from edgemoe import LLM, SamplingParams
+
+    folder, hf = tiny_checkpoint("qwen3next-dense", "per-expert")
+    llm = LLM(str(folder), progress=False, dtype="float32")
+    swapped = [m for m in llm.engine.runner.model.modules() if isinstance(m, GatedDeltaNet)]
+    for m in swapped:
+        m.use_kernels(torch.device("cuda"))
+    assert len(swapped) == 3 and all(m._decode_kernel is gated_delta_decode for m in swapped)
+    g = torch.Generator().manual_seed(2)
+    batch = [torch.randint(3, 6000, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    outs = llm.generate(batch, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for prompt, out in zip(batch, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
+        assert out.token_ids == ref

@@ -30,6 +30,7 @@ from edgemoe.kernels.norm_rope import _DTYPES, _round
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
 
 L2_EPS = 1e-6  # as `edgemoe.layers.linear_attention.L2_EPS` (a kernel imports no layer)
+_L2_EPS = tl.constexpr(L2_EPS)  # a jitted function reads only constexpr globals
 CONV_BLOCK = 256  # channels a convolution program
 BLOCK_V = 32  # value dims a delta-rule program: 128 programs for one sequence at Qwen3-Next's 32 heads of 128
 WARPS = 4
@@ -93,7 +94,7 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 def _l2_normalized(ptr, offs, mask):
     """A q or k head [BLOCK_K] as fp32, times rsqrt(its sum of squares + L2_EPS) (padding lanes 0)."""
     t = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return t * tl.math.rsqrt(tl.sum(t * t, axis=0) + L2_EPS)
+    return t * tl.math.rsqrt(tl.sum(t * t, axis=0) + _L2_EPS)
 
 
 @triton.jit
@@ -116,7 +117,7 @@ def _delta_rule_decode(
     wait_for_inputs(PDL)
     row = ch + s * stride_cs  # q heads, then k heads, then value heads
     q = _l2_normalized(row + kh * k_dim, offs_k, mask_k)
-    q = tl.math.div_rn(q, k_scale)  # torch divides by sqrt(k_dim)
+    q = tl.math.div_rn(q, tl.zeros_like(q) + k_scale)  # torch divides by sqrt(k_dim), rounding to nearest
     k = _l2_normalized(row + (k_heads + kh) * k_dim, offs_k, mask_k)
     v = tl.load(row + 2 * k_heads * k_dim + h * v_dim + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     b = tl.load(beta + s * stride_bs + h * stride_bh).to(tl.float32)

@@ -19,7 +19,9 @@ from torch import nn
 
 from edgemoe.context import ForwardContext, set_context
 from edgemoe.engine.state_cache import StateCache
+from edgemoe.kernels import gated_delta
 from edgemoe.kernels.gated_delta import conv_decode, delta_rule_decode, gated_delta_decode
+from edgemoe.layers import linear_attention
 from edgemoe.layers.linear_attention import GatedDeltaNet, conv_step, recurrent_step
 from tests.kernels import interpreter_only
 
@@ -197,6 +199,7 @@ def test_layer_picks_the_kernel_for_decode() -> None:
 
 
 def test_no_sequences_and_bad_arguments() -> None:
+    assert gated_delta.L2_EPS == linear_attention.L2_EPS  # written twice: a kernel imports no layer
     layers, _ = make_layers((2, 4, 16, 16), torch.float32, tiled=False, seed=5)
     layer = layers[0]
     mixed, beta, g = step_inputs(layer, 2, torch.float32)

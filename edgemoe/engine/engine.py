@@ -182,15 +182,8 @@ class LLMEngine:
         if offload and kv_room is not None:
             kv_room //= 4  # KV "auto" under a budget takes at most a quarter: the rest caches experts
         blocks, why = kv_blocks(self.config, per_block, self.max_model_len, self.device, kv_room)
-        prefix_cache = self.config.prefix_cache and self.states is None
-        if self.config.prefix_cache and not prefix_cache:
-            print(
-                "edgemoe: prefix cache: off (this model's linear-attention layers keep a state per sequence, which "
-                "KV blocks alone cannot restore)",
-                file=sys.stderr,
-            )
         try:
-            self.kv = KVCache(cfg, blocks, self.config.block_size, self.dtype, self.device, prefix_cache)
+            self.kv = KVCache(cfg, blocks, self.config.block_size, self.dtype, self.device, self.config.prefix_cache)
         except RuntimeError:  # torch's out-of-memory errors (CUDA's is a subclass)
             raise EdgeMoEError(
                 f"cannot allocate a KV cache of {blocks * per_block / MiB:.1f} MiB on {self.device} ({why}): "
@@ -225,21 +218,26 @@ class LLMEngine:
 
     def _state_cache(self) -> StateCache | None:
         """The per-sequence states of the layers that keep one (`edgemoe.engine.state_cache`), one slot per running
-        sequence; None for a model without such layers."""
+        sequence, and with the prefix cache as many snapshot rows (each running sequence's latest block boundary,
+        kept after it ends for a later request that starts with the same prefix); None for a model without such
+        layers."""
         per_slot = bytes_per_slot(self.model, self.dtype)
         if not per_slot:
             return None
         seqs = self.config.max_num_seqs
+        snapshots = seqs if self.config.prefix_cache else 0
         try:
-            states = StateCache(self.model, seqs, self.dtype, self.device)
+            states = StateCache(self.model, seqs, self.dtype, self.device, snapshots)
         except RuntimeError:  # torch's out-of-memory errors (CUDA's is a subclass)
             raise EdgeMoEError(
-                f"cannot allocate the per-sequence state of {seqs} sequences ({seqs} x {per_slot / MiB:.1f} MiB) on "
-                f"{self.device}: lower max_num_seqs"
+                f"cannot allocate the per-sequence state of {seqs} sequences and {snapshots} snapshots "
+                f"({seqs + snapshots} x {per_slot / MiB:.1f} MiB) on {self.device}: lower max_num_seqs"
+                + (" or turn the prefix cache off" if snapshots else "")
             ) from None
+        kept = f" + {snapshots} snapshots for the prefix cache" if snapshots else ""
         print(
-            f"edgemoe: state cache: {seqs} sequences x {per_slot / MiB:.1f} MiB (the linear-attention layers' state), "
-            f"{states.num_bytes / MiB:.1f} MiB",
+            f"edgemoe: state cache: {seqs} sequences{kept} x {per_slot / MiB:.1f} MiB (the linear-attention layers' "
+            f"state), {states.num_bytes / MiB:.1f} MiB",
             file=sys.stderr,
         )
         return states

@@ -14,6 +14,7 @@ blocks go first, then the least recently released known ones.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -135,9 +136,11 @@ class KVCache:
                     self.released[block] = None
         blocks.clear()
 
-    def match(self, tokens: list[int]) -> list[int]:
+    def match(self, tokens: list[int], resumable: Callable[[int], bool] | None = None) -> list[int]:
         """The known blocks that hold the longest whole-block prefix of `tokens` but its last token (a step must
-        compute at least one), now held once more by the caller. Empty without the prefix cache."""
+        compute at least one), now held once more by the caller. Empty without the prefix cache. `resumable`: only
+        a prefix whose last block's hash it accepts will do (a model whose layers keep a state resumes from a
+        snapshot of it, `edgemoe.engine.state_cache`)."""
         if not self.prefix_cache:
             return []
         bs, parent, blocks = self.block_size, None, []
@@ -148,6 +151,8 @@ class KVCache:
                 break
             parent = self.key[block][0]
             blocks.append(block)
+        while resumable is not None and blocks and not resumable(self.key[blocks[-1]][0]):
+            blocks.pop()
         for block in blocks:
             self.refs[block] += 1
             self.released.pop(block, None)

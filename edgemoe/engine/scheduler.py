@@ -87,6 +87,8 @@ class Scheduler:
                 self.running.append(seq)
                 if self.states is not None:
                     seq.state_slot = self.states.allocate()
+                    if seq.num_cached:  # resumed after a prefix: from its snapshot
+                        self.states.restore(seq.prefix_hash, seq.state_slot)
             seqs.append(seq)
             num_new.append(n)
             budget -= n
@@ -108,8 +110,9 @@ class Scheduler:
         return Batch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
 
     def _reuse_prefix(self, seq: Sequence) -> None:
-        """Start `seq` after the longest prefix of its tokens the prefix cache holds (whole blocks)."""
-        blocks = self.kv.match(seq.token_ids)
+        """Start `seq` after the longest prefix of its tokens the prefix cache holds (whole blocks; with a state
+        cache, one it keeps a snapshot of the state after)."""
+        blocks = self.kv.match(seq.token_ids, None if self.states is None else self.states.has)
         if blocks:
             seq.block_table = blocks
             seq.num_computed = seq.num_cached = len(blocks) * self.kv.block_size
@@ -122,10 +125,19 @@ class Scheduler:
         seq.prefix_hash = None
 
     def commit(self, seq: Sequence) -> None:
-        """After a step: the sequence's newly full, computed blocks become findable by later requests."""
+        """After a step: the sequence's newly full, computed blocks become findable by later requests; with a state
+        cache, a step that ended on a block boundary leaves a snapshot of the state there."""
         seq.num_hashed, seq.prefix_hash = self.kv.commit(
             seq.token_ids, seq.block_table, seq.num_computed, seq.num_hashed, seq.prefix_hash
         )
+        states, n = self.states, seq.num_computed
+        if states is None or not states.num_snapshots or not n or seq.num_hashed * self.kv.block_size != n:
+            return
+        row = seq.snapshot_row
+        if row is not None and seq.snapshot_tokens <= seq.num_prompt_tokens < n:
+            states.disown(row)  # the prompt's last snapshot stays for requests that share the prompt
+            row = None
+        seq.snapshot_row, seq.snapshot_tokens = states.save(seq.state_slot, seq.prefix_hash, row), n
 
     def _grow(self, seq: Sequence, tokens: int) -> None:
         need = self.blocks_for(tokens) - len(seq.block_table)
@@ -155,3 +167,6 @@ class Scheduler:
         if seq.state_slot is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None
+        if seq.snapshot_row is not None:
+            self.states.disown(seq.snapshot_row)
+            seq.snapshot_row, seq.snapshot_tokens = None, 0

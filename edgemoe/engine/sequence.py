@@ -58,6 +58,9 @@ class Sequence:
         self.num_cached = 0  # prompt tokens whose K/V came from the prefix cache
         self.num_hashed, self.prefix_hash = 0, None  # blocks the prefix cache knows, the last one's hash
         self.state_slot: int | None = None  # its slot in the state cache while running (models whose layers keep one)
+        # the state cache's snapshot row it owns (its state at a block boundary), and that boundary
+        self.snapshot_row: int | None = None
+        self.snapshot_tokens = 0
         self.text = ""
         self.emitted = 0  # characters of text already handed out
         self.finish_reason: str | None = None

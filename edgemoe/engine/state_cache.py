@@ -4,13 +4,21 @@ K/V (the Gated DeltaNet layers of the hybrid families: a convolution's last inpu
 A module keeps state when it has `state_shapes(dtype) -> [(shape, dtype), ...]` (one sequence's tensors) and
 `bind_state(*tensors)`. The cache gives every such module, in order, views [slots + 1, *shape] of one pool: a slot is
 one row of bytes holding every layer's state of one sequence, so that clearing or copying a sequence's whole state
-is one operation. A running sequence holds one slot (`allocate` clears it); the last row is the pad slot, which
-padding rows of a captured decode batch and the warm-up prefills write and read, as the KV cache's pad block.
+is one operation. A running sequence holds one slot (`allocate` clears it); the row after the slots is the pad slot,
+which padding rows of a captured decode batch and the warm-up prefills write and read, as the KV cache's pad block.
+
+Snapshots (with the prefix cache): a state cannot be rebuilt from KV blocks, so the rows after the pad slot keep copies
+of states taken at block boundaries, each known by the prefix hash of the block that ends there (the KV cache's
+key). A running sequence owns at most one, its latest boundary's, overwritten as it crosses the next one (the
+scheduler copies after the step that reached it); when the sequence ends it stays, findable, until a row is needed
+(least recently used first). A later request whose prompt starts with that prefix resumes from the snapshot and the
+prefix's KV blocks instead of its first token.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -40,14 +48,21 @@ def bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 class StateCache:
-    def __init__(self, model: nn.Module, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, slots: int, dtype: torch.dtype, device: torch.device, snapshots: int = 0
+    ) -> None:
         modules = stateful_modules(model)
         layout, self.row_bytes = _layout(modules, dtype)
-        self.pool = torch.zeros(slots + 1, self.row_bytes, dtype=torch.uint8, device=device)
+        self.pool = torch.zeros(slots + 1 + snapshots, self.row_bytes, dtype=torch.uint8, device=device)
         for module, own in zip(modules, layout):
             module.bind_state(*(self._view(offset, shape, dt) for offset, shape, dt in own))
-        self.num_slots, self.pad_slot = slots, slots
+        self.num_slots, self.pad_slot, self.num_snapshots = slots, slots, snapshots
         self.free: list[int] = list(range(slots - 1, -1, -1))  # a stack: pop() gives low slots first
+        self.free_rows: list[int] = list(range(slots + snapshots, slots, -1))  # snapshot rows holding nothing
+        self.row_at: dict[int, int] = {}  # prefix hash -> the snapshot row of the state after that prefix
+        self.key: dict[int, int] = {}  # snapshot row -> its prefix hash
+        self.unowned: OrderedDict[int, None] = OrderedDict()  # snapshot rows no sequence owns, least recent first
+        self.saved = self.restored = 0  # snapshots taken, and resumed from
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Every slot's copy of one state: [slots + 1, *shape], rows `row_bytes` apart."""
@@ -69,3 +84,56 @@ class StateCache:
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
+
+    def has(self, key: int) -> bool:
+        """Whether a snapshot of the state after the prefix whose hash is `key` is kept."""
+        return key in self.row_at
+
+    def save(self, slot: int, key: int, row: int | None) -> int | None:
+        """Copy `slot`'s state into a snapshot known by `key`: into `row` (the sequence's own, re-keyed), else a free
+        row or the least recently used one no sequence owns. -> the row, now the sequence's, or None if no row can
+        be had (no snapshot rows)."""
+        if row is None:
+            row = self._take()
+            if row is None:
+                return None
+        else:
+            self._unkey(row)
+        if key in self.row_at:  # another row holds the same prefix's state (the same tokens): ours replaces it
+            other = self.row_at.pop(key)
+            del self.key[other]
+            if self.unowned.pop(other, 0) is None:
+                self.free_rows.append(other)
+        self.pool[row].copy_(self.pool[slot])
+        self.row_at[key], self.key[row] = row, key
+        self.saved += 1
+        return row
+
+    def restore(self, key: int, slot: int) -> None:
+        """Start `slot` from the snapshot known by `key` (which `has`)."""
+        row = self.row_at[key]
+        self.pool[slot].copy_(self.pool[row])
+        if row in self.unowned:
+            self.unowned.move_to_end(row)
+        self.restored += 1
+
+    def disown(self, row: int) -> None:
+        """A sequence's snapshot row outlives it, findable until its row is needed."""
+        if row in self.key:
+            self.unowned[row] = None
+        else:
+            self.free_rows.append(row)
+
+    def _take(self) -> int | None:
+        if self.free_rows:
+            return self.free_rows.pop()
+        if not self.unowned:
+            return None
+        row, _ = self.unowned.popitem(last=False)
+        self._unkey(row)
+        return row
+
+    def _unkey(self, row: int) -> None:
+        key = self.key.pop(row, None)
+        if key is not None:
+            del self.row_at[key]

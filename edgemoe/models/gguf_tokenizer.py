@@ -23,9 +23,28 @@ if TYPE_CHECKING:
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's (llama.cpp's `qwen35`): Qwen2's, with combining marks (\p{M}) kept in words
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# GLM-4's (llama.cpp's `chatglm-bpe`, `glm4`, `glm5`): Qwen2's, with digits in runs of up to three
+GLM4_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
+    r"|\s+"
+)
 # tokenizer.ggml.pre of a byte-level vocabulary -> the regex splitting text before BPE (None: GPT-2's own, inside
 # the ByteLevel pre-tokenizer)
-BYTE_LEVEL_SPLITS: dict[str, str | None] = {"qwen2": QWEN2_SPLIT, "gpt-2": None}
+BYTE_LEVEL_SPLITS: dict[str, str | None] = {
+    "qwen2": QWEN2_SPLIT,
+    "qwen35": QWEN35_SPLIT,
+    "gpt-2": None,
+    "chatglm-bpe": GLM4_SPLIT,
+    "glm4": GLM4_SPLIT,
+    "glm5": GLM4_SPLIT,
+}
+# pre-tokenizers whose words found whole in the vocabulary are one token, merges or not (llama.cpp's ignore_merges)
+WHOLE_WORDS = ("glm4", "glm5")
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
 _SPECIAL = ("bos", "eos", "unk", "pad")  # tokenizer_config's <name>_token from tokenizer.ggml.<key>_token_id
 _ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
@@ -37,7 +56,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> tuple[str, dict]:
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
     if kind == "gpt2" and pre in BYTE_LEVEL_SPLITS:
-        tok, add_bos_default = _byte_level(meta, BYTE_LEVEL_SPLITS[pre]), False
+        tok, add_bos_default = _byte_level(meta, BYTE_LEVEL_SPLITS[pre], pre in WHOLE_WORDS), False
     elif kind == "llama":
         tok, add_bos_default = _sentencepiece(meta), True  # llama.cpp adds BOS to SentencePiece vocabularies
     else:
@@ -73,14 +92,17 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _byte_level(meta: dict, split: str | None) -> Tokenizer:
+def _byte_level(meta: dict, split: str | None, whole_words: bool = False) -> Tokenizer:
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {}
     for i, token in enumerate(meta["tokenizer.ggml.tokens"]):  # tokens outside the byte alphabet: spelled in it
         vocab[token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode())] = i
     merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix=""))
+    bpe = models.BPE(
+        vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", ignore_merges=whole_words
+    )
+    tok = Tokenizer(bpe)
     tok.pre_tokenizer = byte_level_pre_tokenizer(split)
     tok.decoder = decoders.ByteLevel()
     return tok

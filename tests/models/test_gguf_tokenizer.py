@@ -1,6 +1,7 @@
 """tokenizer_from_gguf against transformers' GGUF tokenizer (the oracle) and the Hugging Face checkpoint's
-tokenizer.json: byte-level BPE as make-model writes it (pre-tokenizers qwen2 and gpt-2), and a SentencePiece-style
-`llama` vocabulary (scores, byte fallback, no merges) written here."""
+tokenizer.json: byte-level BPE as make-model writes it (pre-tokenizers qwen2 and gpt-2; qwen35 against transformers'
+GGUF loader; GLM-4's, which transformers does not read, against llama.cpp's rules), and a SentencePiece-style `llama`
+vocabulary (scores, byte fallback, no merges) written here."""
 
 from __future__ import annotations
 
@@ -134,3 +135,50 @@ def test_unsupported_tokenizers_are_one_error(tmp_path) -> None:
         write_tokenizer_gguf(tmp_path / "t.gguf", model, pre, ["a", "b"])
         with pytest.raises(EdgeMoEError, match=f"GGUF tokenizer model '{model}' with pre-tokenizer '{pre}'"):
             tokenizer_from_gguf(gguf.GGUFReader(tmp_path / "t.gguf"))
+
+
+def byte_level_gguf(path, pre: str) -> None:
+    """The demo vocabulary as make-model's GGUF writer stores it, its pre-tokenizer named `pre`."""
+    from edgemoe.tools.make_gguf import _add_tokenizer
+
+    tokenizer, tokenizer_config = tokenizer_files("qwen3_moe")
+    size = Tokenizer.from_str(tokenizer).get_vocab_size()
+    w = gguf.GGUFWriter(path, "llama")
+    _add_tokenizer(w, dict(vocab_size=size, bos_token_id=0, eos_token_id=0), tokenizer, tokenizer_config, pre)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_qwen35_split_as_transformers(tmp_path) -> None:
+    """Qwen3.5's files (`qwen35`: words keep their combining marks) read as transformers' GGUF loader reads them;
+    the decomposed accent splits otherwise than under Qwen2's regex, so the name is not read as `qwen2`."""
+    from transformers import AutoTokenizer
+
+    byte_level_gguf(tmp_path / "q.gguf", "qwen35")
+    ours = Tokenizer.from_str(tokenizer_from_gguf(gguf.GGUFReader(tmp_path / "q.gguf"))[0])
+    assert_same(ours, AutoTokenizer.from_pretrained(tmp_path, gguf_file="q.gguf"))
+    byte_level_gguf(tmp_path / "q2.gguf", "qwen2")
+    qwen2 = Tokenizer.from_str(tokenizer_from_gguf(gguf.GGUFReader(tmp_path / "q2.gguf"))[0])
+    marked = "nai\u0308ve"  # the diaeresis a combining mark: one word under qwen35, two under qwen2
+    assert len(ours.pre_tokenizer.pre_tokenize_str(marked)) == 1
+    assert len(qwen2.pre_tokenizer.pre_tokenize_str(marked)) == 2
+    assert ours.decode(ours.encode(marked).ids) == marked
+
+
+def test_glm4_split_and_whole_words(tmp_path) -> None:
+    """GLM-4's files (`glm4`, as llama.cpp reads them): digits in runs of at most three, and a word found whole in
+    the vocabulary is one token even where no merge leads to it (llama.cpp's ignore_merges)."""
+    byte_level_gguf(tmp_path / "g.gguf", "glm4")
+    reader = gguf.GGUFReader(tmp_path / "g.gguf")
+    ours = Tokenizer.from_str(tokenizer_from_gguf(reader)[0])
+    words = ours.pre_tokenizer.pre_tokenize_str("in 1234567 steps")
+    assert [w for w, _ in words] == ["in", "Ġ", "123", "456", "7", "Ġsteps"]
+    alphabet = list(bytes_to_unicode().values())  # a vocabulary of the 256 bytes, "ab" and "abc", one merge: a b
+    for pre in ("glm4", "qwen2"):
+        write_tokenizer_gguf(tmp_path / "w.gguf", "gpt2", pre, [*alphabet, "ab", "abc"], token_merges=["a b"])
+        words = Tokenizer.from_str(tokenizer_from_gguf(gguf.GGUFReader(tmp_path / "w.gguf"))[0])
+        assert words.encode("abc").tokens == (["abc"] if pre == "glm4" else ["ab", "c"]), pre
+    for text in TEXTS:
+        assert ours.decode(ours.encode(text).ids, skip_special_tokens=False) == text

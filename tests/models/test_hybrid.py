@@ -100,15 +100,59 @@ def test_scheduling_keeps_each_sequence_state(next_checkpoint, reference, option
     assert ("kv_cache_memory" in options) == bool(preempted)
 
 
-def test_prefix_cache_is_off_until_states_are_kept(next_checkpoint, reference, capfd) -> None:
-    """Reusing a prompt's KV blocks without the linear layers' state would be wrong: the engine says it is off."""
+def test_prefix_reuse_resumes_from_state_snapshots(next_checkpoint) -> None:
+    """An agent's next turn (prompt + answer + a new message) resumes from the snapshot of the linear layers' state
+    at the answer's last block boundary, and a request that shares only the first prompt's start from the prompt's
+    last snapshot (a chunk end): greedy tokens identical to transformers and to the engine without the prefix cache,
+    `cached_tokens` exactly those boundaries, every slot and block back."""
+    folder, hf = next_checkpoint
+    # 3 sequences: 3 snapshot rows, so that the follow-up's own snapshot leaves the first prompt's in place
+    options = dict(progress=False, dtype="float32", block_size=16, max_num_batched_tokens=64, max_num_seqs=3)
+    on, off = LLM(str(folder), prefix_cache=True, **options), LLM(str(folder), prefix_cache=False, **options)
+    first = prompts(11, (100,))[0]
+    answer = on.generate(first, GREEDY)[0]
+    assert answer.token_ids == hf_greedy(hf, first)  # 100 prompt tokens: chunks end at 64 (a snapshot) and 100
+    follow_up = first + answer.token_ids + prompts(12, (9,))[0]
+    branch = first[:90] + prompts(13, (12,))[0]  # shares 90 tokens with the first prompt: 5 whole blocks
+    for prompt, cached in ((follow_up, (len(first) + NEW - 1) // 16 * 16), (branch, 64)):
+        out = on.generate(prompt, GREEDY)[0]
+        assert out.cached_tokens == cached
+        assert out.token_ids == off.generate(prompt, GREEDY)[0].token_ids == hf_greedy(hf, prompt)
+    states = on.engine.states
+    assert states.restored == 2 and states.num_snapshots == 3
+    assert sorted(states.free) == list(range(states.num_slots))
+    assert on.engine.kv.num_free == on.engine.kv.num_blocks
+
+
+def test_state_snapshots_keep_what_is_owned_and_evict_the_least_recent(next_checkpoint) -> None:
+    """The snapshot rows against a plain-Python model of them: a row a running sequence owns is never given up; rows
+    nobody owns go least recently used first; a prefix saved twice keeps the newer copy; restore copies the bytes."""
     folder, _ = next_checkpoint
-    llm = LLM(str(folder), progress=False, dtype="float32", prefix_cache=True)
-    assert "prefix cache: off" in capfd.readouterr().err
-    first = llm.generate(reference["prompts"][2], GREEDY)[0]
-    again = llm.generate(reference["prompts"][2], GREEDY)[0]
-    assert again.token_ids == first.token_ids == reference["tokens"][2]
-    assert again.cached_tokens == 0
+    model = LLM(str(folder), progress=False, dtype="float32").engine.model
+    from edgemoe.engine.state_cache import StateCache
+
+    states = StateCache(model, 2, torch.float32, torch.device("cpu"), snapshots=3)
+    a, b = states.allocate(), states.allocate()  # (cleared: then random states in every row)
+    g = torch.Generator().manual_seed(1)
+    states.pool.copy_(torch.randint(0, 256, states.pool.shape, generator=g, dtype=torch.uint8))
+    seq_a, seq_b = states.pool[a].clone(), states.pool[b].clone()
+    ra = states.save(a, key=101, row=None)
+    rb = states.save(b, key=102, row=None)
+    assert states.has(101) and states.has(102) and ra != rb
+    states.disown(ra)  # a ended: 101 stays findable
+    rc = states.save(b, key=103, row=None)  # the last free row
+    assert {ra, rb, rc} == set(range(3, 6))
+    states.disown(rb)
+    states.disown(rc)
+    states.restore(101, a)  # 101 is now the most recently used: 102 goes first
+    assert torch.equal(states.pool[a], seq_a)
+    rd = states.save(b, key=104, row=None)
+    assert rd == rb and not states.has(102) and states.has(101) and states.has(103)
+    re_ = states.save(a, key=103, row=rd)  # the owned row re-keyed; 103's older copy freed
+    assert re_ == rd and states.row_at[103] == rd and not states.has(104)
+    states.restore(103, b)
+    assert torch.equal(states.pool[b], seq_a)  # a's state, saved under 103 last
+    assert not torch.equal(seq_a, seq_b)
 
 
 def _config(folder) -> dict:

@@ -161,3 +161,17 @@ def test_glm_groups_mtp_and_float32_router(converted) -> None:
         assert ours.weight.dtype == ours.e_score_correction_bias.dtype == torch.float32
         assert torch.equal(ours.weight, theirs.weight)
         assert torch.equal(ours.e_score_correction_bias, theirs.e_score_correction_bias)
+
+
+def test_qwen35_file_as_transformers_gguf_loader_reads_it(converted) -> None:
+    """transformers' own GGUF loader reads `qwen35moe` files (tiled value heads, A as stored, the next-n block
+    skipped): on the converter's file, its greedy tokens are ours."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = converted("qwen3_5_moe_text")
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    llm = LLM(str(path), progress=False, dtype="float32")
+    for prompt in prompts():
+        ours = llm.generate([prompt], GREEDY)[0].token_ids
+        out = theirs.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
+        assert ours == out[0, len(prompt) :].tolist()

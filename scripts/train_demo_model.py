@@ -195,7 +195,7 @@ def tokenizer_config() -> dict:
         "add_bos_token": False,
         "model_max_length": 2048,
         "clean_up_tokenization_spaces": False,
-        "chat_template": chat_template("qwen2_moe"),  # ChatML turns, as trained; a tools branch in Qwen's format
+        "chat_template": chat_template("qwen"),  # ChatML turns, as trained; a tools branch in Qwen's format
     }
 
 

@@ -113,6 +113,8 @@ def random_config(base: dict, g: dict) -> dict:
 
 
 GGUF_ARCH = "glm4moe"  # llama.cpp's name for the architecture; its converter writes q and k unpermuted
+TOKENIZER_PRE = "gpt-2"  # random checkpoints keep the demo tokenizer's split (llama.cpp's tokenizer.ggml.pre)
+TOOL_FORMAT = "glm"  # its chat template's tool calls (`edgemoe.tools.chat_templates`), for random checkpoints
 # llama.cpp's per-layer tensors whose names this architecture alone uses -> Hugging Face's
 GGUF_TENSORS = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",

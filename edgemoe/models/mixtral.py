@@ -45,6 +45,28 @@ def rename(name: str) -> str:
 
 GGUF_ARCH = "llama"  # llama.cpp writes Mixtral as the llama architecture with experts
 GGUF_PERMUTED_QK = True  # and q/k rows permuted for its RoPE (`models.gguf.unpermute`)
+TOKENIZER_PRE = "gpt-2"  # how its tokenizer splits text (llama.cpp's tokenizer.ggml.pre), for random checkpoints
+TOOL_FORMAT = "mistral"  # its chat template's tool calls (`edgemoe.tools.chat_templates`), for random checkpoints
+# its checkpoints' per-expert names: block_sparse_moe.experts.N.{w1 (gate), w3 (up), w2 (down)}
+CHECKPOINT_EXPERTS = ("block_sparse_moe", "w1", "w3", "w2")
+
+
+def random_config(base: dict, g: dict) -> dict:
+    """A random checkpoint's config.json (`edgemoe.tools.random_weights`): `base` plus this family's fields from the
+    geometry `g` (a preset of `edgemoe.tools.presets`)."""
+    return base | {
+        "architectures": ["MixtralForCausalLM"],
+        "num_local_experts": g["num_experts"],
+        "intermediate_size": g["moe_intermediate_size"],
+        "sliding_window": None,
+    }
+
+
+def gguf_hparams(writer, config: dict) -> None:  # noqa: ANN001 - a gguf.GGUFWriter
+    """The keys llama.cpp's converter writes for the llama architecture beyond every family's
+    (`edgemoe.tools.make_gguf`)."""
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
 def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint

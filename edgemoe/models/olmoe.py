@@ -40,6 +40,20 @@ class OlmoeSettings:
 
 
 GGUF_ARCH = "olmoe"  # llama.cpp's name for the architecture
+TOKENIZER_PRE = "gpt-2"  # how its tokenizer splits text (llama.cpp's tokenizer.ggml.pre), for random checkpoints
+TOOL_FORMAT = "qwen"  # OLMoE's chat models have no tool format of their own: Qwen's (Hermes') is the common one
+
+
+def random_config(base: dict, g: dict) -> dict:
+    """A random checkpoint's config.json (`edgemoe.tools.random_weights`): `base` plus this family's fields from the
+    geometry `g` (a preset of `edgemoe.tools.presets`)."""
+    return base | {
+        "architectures": ["OlmoeForCausalLM"],
+        "num_experts": g["num_experts"],
+        "intermediate_size": g["moe_intermediate_size"],
+        "norm_topk_prob": False,
+        "clip_qkv": None,
+    }
 
 
 def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint

@@ -32,6 +32,29 @@ def rename(name: str) -> str:
 
 
 GGUF_ARCH = "qwen3moe"  # llama.cpp's name for the architecture
+TOKENIZER_PRE = "qwen2"  # how its tokenizer splits text (llama.cpp's tokenizer.ggml.pre), for random checkpoints
+TOOL_FORMAT = "qwen"  # its chat template's tool calls (`edgemoe.tools.chat_templates`), for random checkpoints
+
+
+def random_config(base: dict, g: dict) -> dict:
+    """A random checkpoint's config.json (`edgemoe.tools.random_weights`): `base` plus this family's fields from the
+    geometry `g` (a preset of `edgemoe.tools.presets`)."""
+    return base | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_experts": g["num_experts"],
+        "moe_intermediate_size": g["moe_intermediate_size"],
+        "intermediate_size": g["intermediate_size"],
+        "norm_topk_prob": g.get("norm_topk_prob", True),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+        "head_dim": g.get("head_dim", g["hidden_size"] // g["num_attention_heads"]),
+    }
+
+
+def gguf_hparams(writer, config: dict) -> None:  # noqa: ANN001 - a gguf.GGUFWriter
+    """The keys llama.cpp's converter writes for this architecture beyond every family's (`edgemoe.tools.make_gguf`)."""
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
 def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint

@@ -112,6 +112,9 @@ def normalise(hf: dict) -> ModelConfig:
 
 
 GGUF_ARCHS = ("qwen3next", "qwen35moe")  # llama.cpp's names for Qwen3-Next and Qwen3.5 / 3.6 MoE
+# random checkpoints (by model type): the demo tokenizer's Qwen2 split; Qwen3-Next's JSON tool calls, Qwen3.5's XML
+TOKENIZER_PRE = "qwen2"
+TOOL_FORMAT = {"qwen3_next": "qwen", "qwen3_5_moe": "qwen3_coder", "qwen3_5_moe_text": "qwen3_coder"}
 _GGUF_MODEL_TYPES = {"qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
 # llama.cpp's per-layer tensors whose names only the hybrid architectures use -> ours
 GGUF_TENSORS = {

@@ -66,6 +66,13 @@ def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
         raise EdgeMoEError(f"malformed {path}: {exc}") from None
 
 
+def family_value(model_type: str, name: str, default: object = None) -> object:
+    """A family module's attribute `name` for `model_type` (a module reading several model types may key it by
+    type), or `default`."""
+    value = getattr(FAMILIES[model_type], name, default)
+    return value[model_type] if isinstance(value, dict) else value
+
+
 def read_checkpoint(path: Path) -> tuple[ModelConfig, ModuleType, GGUFCheckpoint | None]:
     """A model folder (`config.json`, safetensors) or a GGUF file (one, or any part of a split set) ->
     (config, family, the opened GGUF checkpoint or None)."""

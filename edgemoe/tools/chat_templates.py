@@ -169,20 +169,10 @@ GLM = """
 {%- endif %}
 """
 
-TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER, "glm": GLM}
-# family -> the tool-call format of its template; OLMoE's chat models have no tool format of their own: Qwen's
-# (Hermes') is the common one
-FAMILY_TOOL_FORMAT = {
-    "qwen2_moe": "qwen",
-    "qwen3_moe": "qwen",
-    "mixtral": "mistral",
-    "olmoe": "qwen",
-    "qwen3_next": "qwen",
-    "qwen3_5_moe_text": "qwen3_coder",
-    "glm4_moe": "glm",
-}
+TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER, "glm": GLM}  # by tool-call format
 
 
-def chat_template(family: str) -> str:
-    """The chat template (jinja source) of `family`'s random checkpoints."""
-    return TEMPLATES[FAMILY_TOOL_FORMAT[family]].strip()
+def chat_template(tool_format: str) -> str:
+    """The chat template (jinja source) of random checkpoints whose family writes tool calls in `tool_format` (its
+    `TOOL_FORMAT`)."""
+    return TEMPLATES[tool_format].strip()

@@ -22,19 +22,26 @@ import torch
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.registry import FAMILIES
+from edgemoe.models.registry import FAMILIES, family_value
 from edgemoe.quant import random_blocks
-from edgemoe.tools.presets import TOKENIZER_PRE
 from edgemoe.tools.random_weights import DTYPES, checkpoint_shapes, random_tensors
 
 Q = gguf.GGMLQuantizationType
-ARCHS = {
-    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
-    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
-    "mixtral": gguf.MODEL_ARCH.LLAMA,
-    "olmoe": gguf.MODEL_ARCH.OLMOE,
-    "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
-}
+
+
+def gguf_arch(family: str) -> gguf.MODEL_ARCH:
+    """The gguf package's architecture of the family's one GGUF architecture (`GGUF_ARCH`); EdgeMoEError for a family
+    make-model does not write as GGUF (one whose files llama.cpp's converter writes with conversions of its own)."""
+    name = family_value(family, "GGUF_ARCH")
+    by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    if name not in by_name:
+        raise EdgeMoEError(
+            f"--format gguf does not write {family} yet: write --format hf and convert it with llama.cpp's "
+            "convert_hf_to_gguf.py, whose files edgemoe reads"
+        )
+    return by_name[name]
+
+
 FLOAT_TYPES = {"float32": Q.F32, "float16": Q.F16, "bfloat16": Q.BF16}
 # --expert-dtype -> general.file_type; q4_k_m: gate/up Q4_K, down Q6_K; mixed: layers alternate Q4_K and Q8_0
 EXPERT_DTYPES = {
@@ -86,9 +93,9 @@ def write_gguf(
     expert_dtype = expert_dtype or dense.name.lower()
     if expert_dtype not in EXPERT_DTYPES:
         raise EdgeMoEError(f"unknown expert dtype {expert_dtype!r}; choose from {', '.join(EXPERT_DTYPES)}")
-    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[ARCHS[family]])
+    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf_arch(family)])
     _add_hparams(writer, family, config, name, EXPERT_DTYPES[expert_dtype])
-    _add_tokenizer(writer, config, tokenizer, tokenizer_config, TOKENIZER_PRE[family])
+    _add_tokenizer(writer, config, tokenizer, tokenizer_config, family_value(family, "TOKENIZER_PRE"))
     plan = _plan(family, config, dense, expert_dtype)
     for gname, shape, qtype in (entry for entries in plan.values() for entry in entries):
         block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -129,7 +136,7 @@ def _write(writer: gguf.GGUFWriter, partial: Path, plan: dict, family: str, conf
 
 def _plan(family: str, config: dict, dense: Q, expert_dtype: str) -> dict[str, list[tuple[str, tuple, Q]]]:
     """Hugging Face name -> the GGUF tensors it becomes: (name, numpy shape, GGML type), in writing order."""
-    names = gguf.get_tensor_name_map(ARCHS[family], config["num_hidden_layers"])  # Hugging Face's -> GGUF's
+    names = gguf.get_tensor_name_map(gguf_arch(family), config["num_hidden_layers"])  # Hugging Face's -> GGUF's
     plan = {}
     for hf_name, shape in checkpoint_shapes(family, config):
         if ".experts." in hf_name:
@@ -171,7 +178,7 @@ def _convert(hf_name: str, t: torch.Tensor, config: dict, family: str) -> list[t
     """A Hugging Face tensor -> the values of its GGUF tensors (plan order)."""
     if hf_name.endswith("gate_up_proj"):
         return list(t.chunk(2, dim=1))
-    if ARCHS[family] == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+    if family_value(family, "GGUF_PERMUTED_QK") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
         return [llama_permute(t, heads)]
     return [t]
@@ -184,8 +191,8 @@ def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _add_hparams(w: gguf.GGUFWriter, family: str, config: dict, name: str, ftype: int | None) -> None:
-    """The hyperparameter keys convert_hf_to_gguf.py writes for this family (TextModel, Qwen2MoeModel,
-    LlamaModel, OlmoeModel's set_gguf_parameters)."""
+    """The hyperparameter keys convert_hf_to_gguf.py writes for this family: every family's (TextModel's
+    set_gguf_parameters), then the family's own (its `gguf_hparams`)."""
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(name)
     w.add_block_count(config["num_hidden_layers"])
@@ -201,14 +208,7 @@ def _add_hparams(w: gguf.GGUFWriter, family: str, config: dict, name: str, ftype
     if "head_dim" in config:
         w.add_key_length(config["head_dim"])
         w.add_value_length(config["head_dim"])
-    if family in ("qwen2_moe", "qwen3_moe"):
-        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    if family == "qwen2_moe":
-        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    if ARCHS[family] == gguf.MODEL_ARCH.LLAMA:
-        w.add_vocab_size(config["vocab_size"])
-        w.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    own = getattr(FAMILIES[family], "gguf_hparams", None)  # a family that writes keys of its own
+    own = getattr(FAMILIES[family], "gguf_hparams", None)  # the keys a family writes of its own
     if own is not None:
         own(w, config)
     if ftype is not None:

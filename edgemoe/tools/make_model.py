@@ -49,18 +49,17 @@ def make_model(
         raise EdgeMoEError("layout must be per-expert or fused")
     geometry = dict(PRESETS[size])
     family = geometry.pop("family", family)
-    if format == "gguf" and family in ("qwen3_next", "qwen3_5_moe_text"):
-        raise EdgeMoEError(
-            f"--format gguf does not write {family} yet: write --format hf and convert it with llama.cpp's "
-            "convert_hf_to_gguf.py, whose files edgemoe reads"
-        )
     torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
         raise EdgeMoEError("dtype must be bfloat16, float16 or float32")
     demo = demo_model_path()
     vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
-    config = hf_config(family, geometry, vocab, layers)
+    config = hf_config(family, geometry, vocab, layers)  # (an unknown family fails here)
     config["dtype"] = dtype
+    if format == "gguf":
+        from edgemoe.tools.make_gguf import gguf_arch
+
+        gguf_arch(family)  # before anything is drawn: a family make-model does not write as GGUF says so
     tokenizer, tokenizer_config = tokenizer_files(family)
     shapes = checkpoint_shapes(family, config)
     params = sum(math.prod(shape) for _, shape in shapes)

@@ -156,9 +156,5 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=131072,
     ),
 }
-# the families `hf_config` writes
+# the families make-model writes (each has `random_config`; listed here, without importing them, for the CLI's help)
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text", "glm4_moe")
-# family -> how its tokenizer splits text before byte-level BPE, by llama.cpp's name (tokenizer.ggml.pre); GLM's
-# random checkpoints keep the demo tokenizer's split
-TOKENIZER_PRE = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "mixtral": "gpt-2", "olmoe": "gpt-2",
-                 "qwen3_next": "qwen2", "qwen3_5_moe_text": "qwen2", "glm4_moe": "gpt-2"}  # fmt: skip

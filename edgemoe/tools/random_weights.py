@@ -13,11 +13,9 @@ from tokenizers import Tokenizer
 from edgemoe.errors import EdgeMoEError
 from edgemoe.models.decoder import MoEForCausalLM
 from edgemoe.models.gguf_tokenizer import QWEN2_SPLIT, byte_level_pre_tokenizer
-from edgemoe.models.registry import FAMILIES
+from edgemoe.models.registry import FAMILIES, family_value
 from edgemoe.tools.chat_templates import chat_template
-from edgemoe.tools.presets import TOKENIZER_PRE
 
-_PER_EXPERT = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # default: mlp, gate/up/down_proj
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -45,53 +43,11 @@ def hf_config(family: str, geometry: dict, vocab_size: int, layers: int | None) 
     }
     if "head_dim" in g:
         base["head_dim"] = g["head_dim"]
-    own = getattr(FAMILIES.get(family), "random_config", None)  # a family that writes its own
-    if own is not None:
-        return own(base, g)
-    if family == "qwen2_moe":
-        return {
-            **base,
-            "architectures": ["Qwen2MoeForCausalLM"],
-            "num_experts": g["num_experts"],
-            "moe_intermediate_size": g["moe_intermediate_size"],
-            "intermediate_size": g["intermediate_size"],
-            "shared_expert_intermediate_size": g.get("shared_expert_intermediate_size", 0),
-            "norm_topk_prob": g.get("norm_topk_prob", False),
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "qkv_bias": True,
-        }
-    if family == "qwen3_moe":
-        return {
-            **base,
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "num_experts": g["num_experts"],
-            "moe_intermediate_size": g["moe_intermediate_size"],
-            "intermediate_size": g["intermediate_size"],
-            "norm_topk_prob": g.get("norm_topk_prob", True),
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "attention_bias": False,
-            "head_dim": g.get("head_dim", g["hidden_size"] // g["num_attention_heads"]),
-        }
-    if family == "mixtral":
-        return {
-            **base,
-            "architectures": ["MixtralForCausalLM"],
-            "num_local_experts": g["num_experts"],
-            "intermediate_size": g["moe_intermediate_size"],
-            "sliding_window": None,
-        }
-    if family == "olmoe":
-        return {
-            **base,
-            "architectures": ["OlmoeForCausalLM"],
-            "num_experts": g["num_experts"],
-            "intermediate_size": g["moe_intermediate_size"],
-            "norm_topk_prob": False,
-            "clip_qkv": None,
-        }
-    raise EdgeMoEError(f"unknown family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
+    own = getattr(FAMILIES.get(family), "random_config", None)  # each family writes its own fields
+    if own is None:
+        writes = sorted(t for t, m in FAMILIES.items() if hasattr(m, "random_config"))
+        raise EdgeMoEError(f"unknown family {family!r}; supported: {', '.join(writes)}")
+    return own(base, g)
 
 
 def _draw(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
@@ -130,7 +86,8 @@ def checkpoint_shapes(family: str, config: dict) -> list[tuple[str, tuple[int, .
 def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: torch.dtype):
     """Yield (checkpoint name, tensor) in Hugging Face naming, experts per-expert or fused."""
     gen = torch.Generator().manual_seed(seed)
-    prefix, gate, up, down = _PER_EXPERT.get(family, ("mlp", "gate_proj", "up_proj", "down_proj"))
+    # per-expert names: mlp.experts.N.{gate,up,down}_proj, or the family's own (`CHECKPOINT_EXPERTS`)
+    prefix, gate, up, down = family_value(family, "CHECKPOINT_EXPERTS", ("mlp", "gate_proj", "up_proj", "down_proj"))
     for name, shape in checkpoint_shapes(family, config):
         t = _draw(name, shape, gen).to(dtype)
         if ".experts." not in name or layout == "fused":
@@ -154,8 +111,9 @@ def tokenizer_files(family: str) -> tuple[str, str]:
 
     demo = demo_model_path()
     tokenizer, config = (demo / "tokenizer.json").read_text(), json.loads((demo / "tokenizer_config.json").read_text())
-    if TOKENIZER_PRE[family] == "qwen2":
+    if family_value(family, "TOKENIZER_PRE") == "qwen2":
         tok = Tokenizer.from_str(tokenizer)
         tok.pre_tokenizer = byte_level_pre_tokenizer(QWEN2_SPLIT)
         tokenizer = tok.to_str(pretty=True)
-    return tokenizer, json.dumps({**config, "chat_template": chat_template(family)}, indent=1)
+    template = chat_template(family_value(family, "TOOL_FORMAT"))
+    return tokenizer, json.dumps({**config, "chat_template": template}, indent=1)

@@ -9,10 +9,11 @@ import json
 import pytest
 
 from edgemoe import demo_model_path
+from edgemoe.models.registry import family_value
 from edgemoe.server.chat_format import ChatFormats, detect_formats, parse_all, render_chat
 from edgemoe.server.protocol import ChatCompletionRequest, parse_request
 from edgemoe.tokenizer import Tokenizer
-from edgemoe.tools.chat_templates import FAMILY_TOOL_FORMAT
+from edgemoe.tools.presets import FAMILIES
 from edgemoe.tools.random_weights import tokenizer_files
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -60,13 +61,13 @@ def test_without_tools_the_demo_template_is_the_chatml_it_was_trained_on() -> No
     )
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_TOOL_FORMAT))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_make_model_templates_are_their_family_format(tmp_path, family: str) -> None:
     """Detected as the family's format; a conversation with tools renders through the server's path; the call the
     model would write in that format parses back to the call."""
     tok = family_tokenizer(tmp_path, family)
     formats = detect_formats(tok)
-    tool_format = FAMILY_TOOL_FORMAT[family]
+    tool_format = family_value(family, "TOOL_FORMAT")
     reasoning = family in ("qwen3_5_moe_text", "glm4_moe")  # their templates write <think> blocks: reasoning models
     assert formats == ChatFormats(tool_format, reasoning, True)
     body = {"messages": [TURNS[1], {**TURNS[2], "content": None}, TURNS[3]], "tools": TOOLS}

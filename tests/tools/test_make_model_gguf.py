@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from edgemoe.cli import main
-from edgemoe.tools.make_gguf import ARCHS, llama_permute
+from edgemoe.tools.make_gguf import gguf_arch, llama_permute
 from edgemoe.tools.make_model import make_model
 
 Q = gguf.GGMLQuantizationType
@@ -97,7 +97,7 @@ def test_qwen_loads_in_transformers_as_the_hf_checkpoint(tmp_path, family, dtype
     ref, ours = ref_model.state_dict(), model.state_dict()
     assert ref.keys() == ours.keys()
     stored = blocks(reader)
-    names = gguf.get_tensor_name_map(ARCHS[family], c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf_arch(family), c.num_hidden_layers)
     for name, w in ref.items():
         if ".experts." in name:
             continue

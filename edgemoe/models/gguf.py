@@ -129,9 +129,11 @@ class GGUFCheckpoint:
 
     def dense_tensors(self) -> list[tuple[str, Any]]:
         """(Hugging Face name, reader tensor) of every tensor of the decoder's layers but the routed experts."""
-        out, layers = [], self.layers
+        out, layers, blocks = [], self.layers, int(self.field(f"{self.arch}.block_count"))
         for name, tensor in self.tensors.items():
             block = re.match(r"^blk\.(\d+)\.", name)
+            if block and int(block[1]) >= blocks:
+                raise EdgeMoEError(f"{self.path.name}: tensor {name} is past the file's block_count {blocks}")
             if "_exps." in name or block and int(block[1]) >= layers:
                 continue
             hf = _GLOBAL.get(name)

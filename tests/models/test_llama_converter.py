@@ -175,3 +175,22 @@ def test_qwen35_file_as_transformers_gguf_loader_reads_it(converted) -> None:
         ours = llm.generate([prompt], GREEDY)[0].token_ids
         out = theirs.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
         assert ours == out[0, len(prompt) :].tolist()
+
+
+def test_a_layer_count_that_disagrees_with_the_tensors_is_one_line(converted, tmp_path) -> None:
+    """A qwen3next file whose block_count says one block more or fewer than its tensors hold (edited in place): one
+    line naming what disagrees, never a model of the wrong depth."""
+    from edgemoe.errors import EdgeMoEError
+
+    path, _, hf = converted("qwen3_next")
+    data = path.read_bytes()
+    key = b"qwen3next.block_count"
+    at = data.index(key) + len(key) + 4  # the key, its uint32 type, then the value
+    blocks = int.from_bytes(data[at : at + 4], "little")
+    assert blocks == hf.config.num_hidden_layers + 1  # the decoder's and the next-n block
+    for count, message in ((blocks - 1, "is past the file.s block_count"), (blocks + 1, "unexpected tensor blk")):
+        bad = tmp_path / f"{count}.gguf"
+        bad.write_bytes(data[:at] + count.to_bytes(4, "little") + data[at + 4 :])
+        with pytest.raises(EdgeMoEError, match=message) as info:
+            LLM(str(bad), progress=False, dtype="float32")
+        assert "\n" not in str(info.value)

@@ -200,6 +200,16 @@ def dequantize(raw: torch.Tensor, qtype: QuantLike, n: int) -> torch.Tensor:
     return _DEQUANTIZE[q.name](_blocks(raw, q, n)).flatten(-2)
 
 
+def mxfp4_from_packed(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as the OCP layout packs it (the gpt-oss checkpoints' `*_blocks` and `*_scales`) -> rows of MXFP4 blocks
+    (above), bytes moved and nothing rounded: packed uint8 [..., blocks, 16], byte j holding weights 2j (low nibble)
+    and 2j + 1 (high), the same E2M1 codes; scales uint8 [..., blocks], the same E8M0 exponents -> uint8
+    [..., blocks * 17]."""
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # [..., blocks, 32] in weight order
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # byte j: weight j (low), weight j + 16 (high)
+    return torch.cat((scales[..., None], nibbles), dim=-1).flatten(-2)
+
+
 def quantize(w: torch.Tensor, qtype: QuantLike) -> torch.Tensor:
     """w: [..., n] (any float dtype) -> uint8 [..., row_bytes(qtype, n)] on w's device, by gguf's own quantizer (in
     numpy on the CPU: for loading, not for the decode path). Not the K types: gguf has no quantizer for them

@@ -228,5 +228,45 @@ class GptOssForCausalLM(MoEForCausalLM):
         return [(base, _deinterleave(rows) if base.endswith("gate_up_proj") else rows)]
 
 
+GGUF_ARCH = "gpt-oss"  # llama.cpp's name for the architecture
+# llama.cpp's per-layer tensors whose names this architecture alone uses -> ours (the gate and up biases land in
+# gate_up_proj_bias: `edgemoe.models.loader`)
+GGUF_TENSORS = {
+    "attn_sinks.weight": "self_attn.attn.sinks",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias",
+    "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
+
+
+def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
+    """The file's metadata as this family's `config.json`. It records neither the layer types nor YaRN's truncation:
+    llama.cpp alternates sliding and full layers from the first, as transformers' default does, and the released
+    models' YaRN is untruncated (their config's `truncate` false)."""
+    a, common = GGUF_ARCH, ckpt.common_config()
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": common["rope_theta"]}
+    kind = str(ckpt.field(f"{a}.rope.scaling.type", "none"))
+    if kind == "yarn":
+        rope |= dict(
+            rope_type="yarn", factor=float(ckpt.field(f"{a}.rope.scaling.factor")), truncate=False,
+            original_max_position_embeddings=int(ckpt.field(f"{a}.rope.scaling.original_context_length")),
+            beta_fast=float(ckpt.field(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(ckpt.field(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+        )  # fmt: skip
+        if ckpt.field(f"{a}.rope.scaling.yarn_attn_factor", None) is not None:
+            rope["attention_factor"] = float(ckpt.field(f"{a}.rope.scaling.yarn_attn_factor"))
+    elif kind != "none":
+        raise _refuse("rope.scaling.type", kind, "yarn or none")
+    fields = dict(
+        num_local_experts=int(ckpt.field(f"{a}.expert_count")),
+        intermediate_size=int(ckpt.field(f"{a}.expert_feed_forward_length")),
+        sliding_window=int(ckpt.field(f"{a}.attention.sliding_window")),
+        attention_bias=ckpt.has("blk.0.attn_q.bias"),
+        rope_parameters=rope,
+    )
+    return common | fields | {"model_type": MODEL_TYPE}
+
+
 LAYER = GptOssDecoderLayer
 MODEL = GptOssForCausalLM

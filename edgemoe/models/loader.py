@@ -41,6 +41,7 @@ from edgemoe.offload.layout import QuantExpertLayout
 from edgemoe.quant import QUANT_TYPES, QuantType, quant_type, quantize, random_blocks
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")  # after the family's `rename`
+_EXPERT_BIAS = re.compile(r"^(.*\.experts)\.(gate|up)_proj_bias$")  # stacked gate or up biases (GGUF's), apart
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 GPU_PLE = PLEOptions()  # per-layer embeddings resident, as the family builds them
 
@@ -330,6 +331,12 @@ def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausa
         w = _param(params, pname, name)[expert]
         half = w.shape[0] // 2
         return pname, w[:half] if part == "gate" else w[half:]
+    m = _EXPERT_BIAS.match(name)
+    if m:
+        pname = f"{m.group(1)}.gate_up_proj_bias"
+        b = _param(params, pname, name)
+        half = b.shape[1] // 2
+        return pname, b[:, :half] if m.group(2) == "gate" else b[:, half:]
     m = QKV.match(name)
     if m:
         pname = f"{m.group(1)}.qkv_proj.{m.group(3)}"

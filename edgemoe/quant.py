@@ -156,8 +156,16 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 17] -> [..., block
     e = b[..., 0].to(torch.int32)
     # 2^(e - 128) (half the E8M0 scale, the table being doubled); e < 2 is a subnormal float32
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    table = torch.tensor(_E2M1_DOUBLED, dtype=torch.float32, device=b.device)
-    return bits.view(torch.float32)[..., None] * table[_nibbles(b[..., 1:]).flatten(-2).long()]
+    return bits.view(torch.float32)[..., None] * _e2m1_doubled(_nibbles(b[..., 1:]).flatten(-2))
+
+
+def _e2m1_doubled(q: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes -> `_E2M1_DOUBLED`'s values (float32), computed rather than looked up: a table made on the device at
+    each call would be a host-to-device copy, which a CUDA graph capture refuses (the plain-torch decode of MXFP4
+    experts runs inside one for gpt-oss)."""
+    i = (q & 7).to(torch.int32)  # magnitudes 0 1 2 3 4 6 8 12: (2 | odd) << (i / 2 - 1) from i = 2
+    mag = torch.where(i < 2, i, (2 + (i & 1)) << ((i >> 1) - 1).clamp(min=0))
+    return torch.where(q >= 8, -mag, mag).float()  # an integer -0 is 0: gguf's -0 entry is +0 too
 
 
 def _q4_k_like(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

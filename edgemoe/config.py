@@ -51,6 +51,9 @@ class ModelConfig:
     # Layers that hold no KV cache (a linear-attention layer keeps per-sequence state instead): the KV cache neither
     # counts nor binds them
     no_kv_layers: tuple[int, ...] = ()
+    # The block format (an `EXPERT_DTYPES` name) a safetensors checkpoint stores its routed experts in, which the
+    # loader keeps as they are (gpt-oss's MXFP4, converted by the family); None: floats
+    expert_format: str | None = None
     # A family's own settings that only its file reads (a frozen dataclass there, e.g. `gemma4.Gemma4Settings`)
     family_config: Any = None
 

@@ -156,8 +156,16 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:  # [..., blocks, 17] -> [..., block
     e = b[..., 0].to(torch.int32)
     # 2^(e - 128) (half the E8M0 scale, the table being doubled); e < 2 is a subnormal float32
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    table = torch.tensor(_E2M1_DOUBLED, dtype=torch.float32, device=b.device)
-    return bits.view(torch.float32)[..., None] * table[_nibbles(b[..., 1:]).flatten(-2).long()]
+    return bits.view(torch.float32)[..., None] * _e2m1_doubled(_nibbles(b[..., 1:]).flatten(-2))
+
+
+def _e2m1_doubled(q: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes -> `_E2M1_DOUBLED`'s values (float32), computed rather than looked up: a table made on the device at
+    each call would be a host-to-device copy, which a CUDA graph capture refuses (the plain-torch decode of MXFP4
+    experts runs inside one for gpt-oss)."""
+    i = (q & 7).to(torch.int32)  # magnitudes 0 1 2 3 4 6 8 12: (2 | odd) << (i / 2 - 1) from i = 2
+    mag = torch.where(i < 2, i, (2 + (i & 1)) << ((i >> 1) - 1).clamp(min=0))
+    return torch.where(q >= 8, -mag, mag).float()  # an integer -0 is 0: gguf's -0 entry is +0 too
 
 
 def _q4_k_like(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -198,6 +206,16 @@ def dequantize(raw: torch.Tensor, qtype: QuantLike, n: int) -> torch.Tensor:
     """raw: uint8 [..., row_bytes(qtype, n)] -> float32 [..., n], on raw's device, bitwise `gguf.quants.dequantize`."""
     q = quant_type(qtype)
     return _DEQUANTIZE[q.name](_blocks(raw, q, n)).flatten(-2)
+
+
+def mxfp4_from_packed(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as the OCP layout packs it (the gpt-oss checkpoints' `*_blocks` and `*_scales`) -> rows of MXFP4 blocks
+    (above), bytes moved and nothing rounded: packed uint8 [..., blocks, 16], byte j holding weights 2j (low nibble)
+    and 2j + 1 (high), the same E2M1 codes; scales uint8 [..., blocks], the same E8M0 exponents -> uint8
+    [..., blocks * 17]."""
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # [..., blocks, 32] in weight order
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # byte j: weight j (low), weight j + 16 (high)
+    return torch.cat((scales[..., None], nibbles), dim=-1).flatten(-2)
 
 
 def quantize(w: torch.Tensor, qtype: QuantLike) -> torch.Tensor:

@@ -105,6 +105,9 @@ TINY = {
             num_nextn_predict_layers=0,
         ),
     ),
+    # gpt-oss: sliding (a window of 8, shorter than the prompts) and full layers, sinks, YaRN, biased router and
+    # experts; experts as float weights here (MXFP4 ones: tests/models/test_gpt_oss.py)
+    "gpt-oss-yarn-window": ("gpt_oss", dict(sliding_window=8)),
 }
 # transformers' (config, model) classes where they are not f"{Prefix}Config" / f"{Prefix}ForCausalLM"
 _HF_CLASSES = {
@@ -115,7 +118,11 @@ _HF_CLASSES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
+# gpt-oss's YaRN, scaled down: a factor of 8 over 64 original positions, so that the tests' positions reach past them
+TINY_YARN = dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                 original_max_position_embeddings=64, rope_theta=10000.0)  # fmt: skip
 
 
 def hf_model(family: str, **overrides):
@@ -147,6 +154,8 @@ def hf_model(family: str, **overrides):
                     linear_value_head_dim=8)  # fmt: skip
     elif family == "glm4_moe":
         base.update(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, head_dim=32)
+    elif family == "gpt_oss":  # expert rows in whole MXFP4 blocks (32)
+        base.update(num_local_experts=8, intermediate_size=64, head_dim=16, rope_parameters=TINY_YARN)
     elif family == "mixtral":
         base.update(num_local_experts=8, intermediate_size=32)
     else:

@@ -7,9 +7,12 @@ context length; elsewhere (and for head_dims it does not take) `_decode_torch`, 
 table and masks. Prefill (plain torch) loops over sequences, which may have any length. Under the causal `visible` a
 sequence's new tokens are the last rows of its causal square (a whole prompt, a later chunk, a prompt after a cached
 prefix), which `causal_lower_right` tells SDPA without a mask: on CUDA flash attention takes it with grouped K/V as
-they are (no mask, no K/V repeated per query head); on the CPU torch builds the mask itself. A subclass that narrows
-`visible` (a sliding window) passes a [new, keys] mask, with K/V repeated per query head so that CUDA can run the
-memory-efficient kernel. On CUDA prefill leaves SDPA's cuDNN backend out (`PREFILL_BACKENDS`): it builds a plan for
+they are (no mask, no K/V repeated per query head); on the CPU torch builds the mask itself. A sliding `window`
+narrows `visible` to the last keys: a [new, keys] mask, with K/V repeated per query head so that CUDA can run the
+memory-efficient kernel. Attention `sinks` (gpt-oss: a learnt logit per head in the softmax's denominator, no value)
+have no SDPA form: those layers compute the scores themselves (`sink_attention`, transformers' eager attention), in
+blocks of queries that bound the scores' memory, and keep that torch decode on every device (the Triton decode kernel
+neither windows nor sinks). On CUDA prefill leaves SDPA's cuDNN backend out (`PREFILL_BACKENDS`): it builds a plan for
 every new query length on the CPU, which every agent-loop turn, whose prompt is a length never seen, paid (docs/
 findings.md, "Streamed prefill").
 
@@ -34,13 +37,20 @@ from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # CUDA: no cuDNN
+SINK_SCORES = 2**26  # scores a prefill block of a layer with sinks holds at most (256 MiB in float32)
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None, sinks: bool = False
+    ) -> None:
+        """`window`: a query sees only the last `window` keys (itself included), None for all; `sinks`: a learnt
+        logit per head joins the softmax's denominator (`self.sinks` [heads], transformers' name)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        self.window = window
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         # the cache binds these (`KVCache.bind`): its block size and this layer's views of its pool
         self.block_size = 0
         self.k_cache = torch.empty(0)
@@ -52,6 +62,8 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache, self.block_size = k_cache, v_cache, block_size
 
     def use_kernels(self, device: torch.device) -> None:
+        if self.window is not None or self.sinks is not None:  # the kernel neither windows nor sinks: torch decode
+            return
         if self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0:  # its tiles need a power of 2
             from edgemoe.kernels.paged_attention import paged_decode_attention
 
@@ -93,15 +105,18 @@ class PagedAttention(nn.Module):
         return self._decode_torch(q, ctx)
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Which keys a query sees, by position (broadcast): causal here; a subclass narrows it (a sliding window).
-        The Triton decode kernel and prefill's maskless causal path assume this one."""
-        return k_pos <= q_pos
+        """Which keys a query sees, by position (broadcast): causal, within the last `window` where there is one.
+        The Triton decode kernel and prefill's maskless causal path take the window-less ones only."""
+        seen = k_pos <= q_pos
+        return seen if self.window is None else seen & (k_pos > q_pos - self.window)
 
     def _decode_torch(self, q: torch.Tensor, ctx) -> torch.Tensor:
         # reads and copies the whole padded width: the reference of the kernel
         k, v = self._gather(ctx.block_tables)
         keys = torch.arange(k.shape[2], device=q.device)
         mask = self.visible((ctx.context_lens - 1)[:, None], keys[None, :])[:, None, None, :]  # [seqs, 1, 1, keys]
+        if self.sinks is not None:
+            return sink_attention(q[:, :, None, :], k, v, mask, self.scale, self.sinks)[:, :, 0, :]
         out = F.scaled_dot_product_attention(
             q[:, :, None, :], k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
         )
@@ -109,7 +124,7 @@ class PagedAttention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, ctx) -> torch.Tensor:
         outs, start, groups = [], 0, self.num_heads // self.num_kv_heads
-        causal = type(self).visible is PagedAttention.visible  # no subclass narrowed it
+        causal = self.window is None and self.sinks is None
         for i, (n_new, n_ctx) in enumerate(zip(ctx.query_lens, ctx.context_lens_host)):
             n_blocks = -(-n_ctx // self.block_size)
             k, v = self._gather(ctx.block_tables[i : i + 1, :n_blocks])
@@ -125,10 +140,34 @@ class PagedAttention(nn.Module):
                 q_pos = torch.arange(n_ctx - n_new, n_ctx, device=q.device)
                 mask = self.visible(q_pos[:, None], torch.arange(n_ctx, device=q.device)[None, :])  # [new, keys]
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale)
+                if self.sinks is None:
+                    o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale)
+                else:  # blocks of queries: their scores [heads, rows, keys] stay within SINK_SCORES
+                    rows = max(1, SINK_SCORES // (self.num_heads * n_ctx))
+                    o = torch.cat([
+                        sink_attention(qi[:, :, r : r + rows], k, v, mask[r : r + rows], self.scale, self.sinks)
+                        for r in range(0, n_new, rows)
+                    ], dim=2)  # fmt: skip
             outs.append(o[0].transpose(0, 1))
             start += n_new
         return torch.cat(outs)
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention whose softmax also counts a learnt logit per head (`sinks` [heads]) that attends to nothing, so a
+    head may attend to little. q: [seqs, heads, new, d]; k, v: [seqs, heads or kv_heads, keys, d]; mask: True where
+    a query sees a key (broadcast to [seqs, heads, new, keys]) -> [seqs, heads, new, d]. Scores in q's dtype, the
+    maximum subtracted before the softmax, as transformers' eager attention computes them."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))  # [seqs, heads, new, keys]
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    scores = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 class Attention(nn.Module):

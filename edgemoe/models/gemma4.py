@@ -76,20 +76,12 @@ class Gemma4Rotaries(nn.Module):
 
 
 class Gemma4PagedAttention(PagedAttention):
-    """Scaling 1 (q and k are normed); a sliding layer sees only the last `window` keys. Sliding layers keep the
-    torch decode on every device: the Triton decode kernel cannot window."""
+    """Scaling 1 (q and k are normed); a sliding layer sees only the last `window` keys (and keeps the torch decode on
+    every device: the Triton decode kernel cannot window)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim)
-        self.scale, self.window = 1.0, window
-
-    def use_kernels(self, device: torch.device) -> None:
-        if self.window is None:
-            super().use_kernels(device)
-
-    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        seen = k_pos <= q_pos
-        return seen if self.window is None else seen & (k_pos > q_pos - self.window)
+        super().__init__(num_heads, num_kv_heads, head_dim, window)
+        self.scale = 1.0
 
 
 class Gemma4Attention(Attention):

@@ -128,13 +128,13 @@ class GGUFCheckpoint:
         return self.tensors[name]
 
     def dense_tensors(self) -> list[tuple[str, Any]]:
-        """(Hugging Face name, reader tensor) of every tensor of the decoder's layers but the routed experts."""
+        """(Hugging Face name, reader tensor) of every tensor of the decoder's layers but the experts' weights."""
         out, layers, blocks = [], self.layers, int(self.field(f"{self.arch}.block_count"))
         for name, tensor in self.tensors.items():
             block = re.match(r"^blk\.(\d+)\.", name)
             if block and int(block[1]) >= blocks:
                 raise EdgeMoEError(f"{self.path.name}: tensor {name} is past the file's block_count {blocks}")
-            if "_exps." in name or block and int(block[1]) >= layers:
+            if name.endswith("_exps.weight") or block and int(block[1]) >= layers:  # (experts' biases are dense)
                 continue
             hf = _GLOBAL.get(name)
             m = re.match(r"^blk\.(\d+)\.(\w+)(?:\.(weight|bias))?$", name)  # (suffixless: qwen3next's ssm_a)

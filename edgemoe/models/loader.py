@@ -35,11 +35,13 @@ from edgemoe.models.dense_store import (
 )
 from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint, fit
 from edgemoe.models.ple_store import Reader, place_ple
+from edgemoe.moe.experts import carry_biases
 from edgemoe.offload.experts import ResidentExperts
 from edgemoe.offload.layout import QuantExpertLayout
 from edgemoe.quant import QUANT_TYPES, QuantType, quant_type, quantize, random_blocks
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")  # after the family's `rename`
+_EXPERT_BIAS = re.compile(r"^(.*\.experts)\.(gate|up)_proj_bias$")  # stacked gate or up biases (GGUF's), apart
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 GPU_PLE = PLEOptions()  # per-layer embeddings resident, as the family builds them
 
@@ -99,10 +101,17 @@ def checkpoint_files(folder: Path) -> list[Path]:
 def load_model(folder: Path | None, cfg: ModelConfig, family: ModuleType, opts: LoadOptions) -> MoEForCausalLM:
     """The model of `folder`'s checkpoint (None: random weights, `fill_random`) built as `opts` says: on the meta
     device first, weights streamed into place, kernels chosen for the device."""
-    layouts, dtype = {}, opts.dtype
-    if opts.expert_dtype != "auto":
-        _check_rows(opts.expert_dtype, cfg)
-        q, (H, inter), act = quant_type(opts.expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size), cfg.hidden_act
+    layouts, dtype, expert_dtype = {}, opts.dtype, opts.expert_dtype
+    stored = cfg.expert_format if folder is not None else None
+    if stored and expert_dtype not in ("auto", stored):
+        raise EdgeMoEError(
+            f"this checkpoint's experts are stored as {stored}, which edgemoe keeps: expert_dtype {expert_dtype} "
+            f"would quantize them twice (use auto or {stored})"
+        )
+    expert_dtype = stored or expert_dtype
+    if expert_dtype != "auto":
+        _check_rows(expert_dtype, cfg)
+        q, (H, inter), act = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size), cfg.hidden_act
         layouts = {i: QuantExpertLayout(H, inter, q, q, dtype, act=act) for i, moe in enumerate(cfg.moe_layers) if moe}
     model, host, readers, _ = _empty_model(cfg, family, opts, layouts)
     if folder is None:
@@ -201,7 +210,10 @@ def _place_experts(
 
         return offload_experts(model, dtype, device.type == "cuda", progress, layouts)
     for i, layout in layouts.items():
-        model.model.layers[i].mlp.experts = ResidentExperts(model.config.num_experts, layout)
+        mlp = model.model.layers[i].mlp
+        resident = ResidentExperts(model.config.num_experts, layout)
+        carry_biases(mlp.experts, resident)
+        mlp.experts = resident
     return {}
 
 
@@ -281,8 +293,12 @@ def load_weights(
                 pname, target = _target(converted, params, model)
                 if target is None:
                     continue
-                if target.dtype == torch.uint8:
+                if target.dtype == torch.uint8 and tensor.dtype != torch.uint8:  # quantize-on-load
                     tensor = quantize_rows(model, pname, tensor)
+                elif tensor.dtype == torch.uint8 and target.dtype != torch.uint8:
+                    raise EdgeMoEError(
+                        f"tensor {key} holds quantized blocks, the config implies {target.dtype} weights"
+                    )
                 if list(tensor.shape) != list(target.shape):
                     raise EdgeMoEError(
                         f"tensor {key} has shape {list(tensor.shape)}, the config implies {list(target.shape)}"
@@ -315,6 +331,12 @@ def _target(name: str, params: dict[str, torch.nn.Parameter], model: MoEForCausa
         w = _param(params, pname, name)[expert]
         half = w.shape[0] // 2
         return pname, w[:half] if part == "gate" else w[half:]
+    m = _EXPERT_BIAS.match(name)
+    if m:
+        pname = f"{m.group(1)}.gate_up_proj_bias"
+        b = _param(params, pname, name)
+        half = b.shape[1] // 2
+        return pname, b[:, :half] if m.group(2) == "gate" else b[:, half:]
     m = QKV.match(name)
     if m:
         pname = f"{m.group(1)}.qkv_proj.{m.group(3)}"

@@ -15,12 +15,12 @@ from types import ModuleType
 
 from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models import gemma4, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
+from edgemoe.models import gemma4, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
 from edgemoe.models.gguf import GGUFCheckpoint
 
 FAMILIES: dict[str, ModuleType] = {
     t: m
-    for m in (qwen2_moe, qwen3_moe, mixtral, olmoe, gemma4, qwen3_next, glm4_moe)
+    for m in (qwen2_moe, qwen3_moe, mixtral, olmoe, gemma4, qwen3_next, glm4_moe, gpt_oss)
     for t in getattr(m, "MODEL_TYPES", (m.MODEL_TYPE,))
 }
 # llama.cpp's architecture name -> the family that reads such GGUF files (its `GGUF_ARCH`, `gguf_config`)

@@ -1,15 +1,18 @@
 """Routed-expert compute: only the experts a token chose run (never all experts densely).
 
 Weights are two banks in Hugging Face's fused layout: `gate_up_proj [experts, 2 * inter, hidden]`
-(gate rows first) and `down_proj [experts, hidden, inter]`. The gate's activation is SiLU unless a family names
-another (`act`, one of `edgemoe.layers.mlp.ACTIVATIONS`: Gemma-4's GELU-tanh); the Triton kernels compute SiLU only.
-On CUDA decode runs the fused GEMVs (`edgemoe.kernels.moe_gemv`) and prefill one grouped GEMM over all pairs
+(gate rows first) and `down_proj [experts, hidden, inter]`. The gated activation is SiLU(gate) * up unless a family
+names another (`act`, one of `edgemoe.layers.mlp.GLUS`: Gemma-4's GELU-tanh, gpt-oss's clamped SwiGLU); a family may
+give its experts biases (gpt-oss: `gate_up_proj_bias [experts, 2 * inter]`, `down_proj_bias [experts, hidden]`), which
+the references add per pair (`PairBiases`). The Triton kernels compute SiLU without biases only. On CUDA decode runs
+the fused GEMVs (`edgemoe.kernels.moe_gemv`) and prefill one grouped GEMM over all pairs
 (`edgemoe.kernels.grouped_gemm`); the functions here are their plain-torch references.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -17,23 +20,53 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgemoe.context import get_context
-from edgemoe.layers.mlp import ACTIVATIONS
+from edgemoe.layers.mlp import GLUS
 
-Act = Callable[[torch.Tensor], torch.Tensor]
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> the down projection's input
+silu_glu = GLUS["silu"]
+
+
+@dataclass(frozen=True)
+class PairBiases:
+    """A layer's expert biases, gate_up [E, 2I] and down [E, H], and each pair's expert id [pairs], by which they are
+    read: the bank rows a pair's weights come from may be cache slots, not experts."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    experts: torch.Tensor
+
+
+def pair_biases(module: nn.Module, ids: torch.Tensor) -> dict[str, PairBiases]:
+    """The `bias` keyword of a reference for `module`'s pairs of experts `ids` [tokens, top_k] where it has biases
+    (`gate_up_proj_bias`, `down_proj_bias`), else none: the kernels take no such keyword."""
+    if getattr(module, "gate_up_proj_bias", None) is None:
+        return {}
+    return {"bias": PairBiases(module.gate_up_proj_bias, module.down_proj_bias, ids.flatten())}
+
+
+def carry_biases(old: nn.Module, new: nn.Module) -> None:
+    """Give `new`, which replaces the `Experts` `old` (offloaded or laid out otherwise), parameters like `old`'s
+    biases (same shape, dtype and device), or None where it has none."""
+    for name in ("gate_up_proj_bias", "down_proj_bias"):
+        bias = getattr(old, name, None)
+        setattr(new, name, None if bias is None else nn.Parameter(torch.empty_like(bias), requires_grad=False))
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int, act: str = "silu") -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, act: str = "silu", bias: bool = False) -> None:
+        """`act`: the gated activation (a key of `GLUS`); `bias`: per-expert biases on gate_up and down."""
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.act_name, self.act = act, ACTIVATIONS[act]
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.act_name, self.glu = act, GLUS[act]
         silu = act == "silu"
-        self.decode = decode_reference if silu else partial(decode_reference, act=self.act)
-        self.prefill: Callable = prefill_reference if silu else partial(prefill_reference, act=self.act)
+        self.decode = decode_reference if silu else partial(decode_reference, glu=self.glu)
+        self.prefill: Callable = prefill_reference if silu else partial(prefill_reference, glu=self.glu)
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.act_name != "silu":  # the kernels compute SiLU: other activations keep the references
+        if self.act_name != "silu" or self.gate_up_proj_bias is not None:  # the kernels: SiLU without biases only
             return
         from edgemoe.kernels.grouped_gemm import grouped_gemm
         from edgemoe.kernels.moe_gemv import fused_experts
@@ -43,9 +76,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]
+        bias = pair_biases(self, ids)
         if not get_context().is_prefill:  # sync-free, graph-capturable
-            return self.decode(x, ids, weights, self.gate_up_proj, self.down_proj)
-        return self.prefill(x, ids, weights, self.gate_up_proj, self.down_proj)
+            return self.decode(x, ids, weights, self.gate_up_proj, self.down_proj, **bias)
+        return self.prefill(x, ids, weights, self.gate_up_proj, self.down_proj, **bias)
 
 
 def decode_reference(
@@ -55,20 +89,23 @@ def decode_reference(
     w13: torch.Tensor,
     w2: torch.Tensor,
     arrivals=None,  # noqa: ANN001 - the kernel's signature; the copy is done when this runs
-    act: Act = F.silu,
+    glu: Glu = silu_glu,
+    bias: PairBiases | None = None,
 ) -> torch.Tensor:
     """Decode's routed experts in plain torch (`gathered_experts`; the copy is done when `arrivals` is given), with
     the signature of their kernel `edgemoe.kernels.moe_gemv.fused_experts`. Fixed shapes, no host synchronisation."""
-    return gathered_experts(x, ids, weights, w13, w2, act)
+    return gathered_experts(x, ids, weights, w13, w2, glu, bias)
 
 
 def prefill_reference(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act = F.silu
-) -> torch.Tensor:
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    glu: Glu = silu_glu, bias: PairBiases | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Prefill's routed experts in plain torch, with the signature of their kernel
     `edgemoe.kernels.grouped_gemm.grouped_gemm`: `pair_outputs_reference`, each token's pairs summed as the kernel
     sums them (`sum_pairs`)."""
-    return sum_pairs(pair_outputs_reference(x, ids.flatten(), weights.flatten(), w13, w2, act=act), ids.shape[1])
+    y = pair_outputs_reference(x, ids.flatten(), weights.flatten(), w13, w2, glu=glu, bias=bias)
+    return sum_pairs(y, ids.shape[1])
 
 
 def pair_outputs_reference(
@@ -78,15 +115,16 @@ def pair_outputs_reference(
     w13: torch.Tensor,
     w2: torch.Tensor,
     out: torch.Tensor | None = None,
-    act: Act = F.silu,
+    glu: Glu = silu_glu,
     dense13: Callable[[torch.Tensor], torch.Tensor] = lambda w: w,
     dense2: Callable[[torch.Tensor], torch.Tensor] = lambda w: w,
+    bias: PairBiases | None = None,
 ) -> torch.Tensor:
     """`edgemoe.kernels.grouped_gemm.pair_outputs` in plain torch: x [T, H]; rows [T * K] the bank row of each pair
     (-1: skipped, its row of `out` untouched); weights [T * K] -> out [T * K, H], each pair's expert output times its
     weight. One pair of matmuls per bank row over all of its pairs, so a row's pairs come out bitwise the same
     whichever other rows a call computes: waves of experts (offloaded prefill) equal one call. `dense13`, `dense2`:
-    a layout's dequantization of a bank row (quantized experts)."""
+    a layout's dequantization of a bank row (quantized experts); `bias`: the pairs' expert biases."""
     T, H = x.shape
     K = rows.numel() // max(T, 1)
     out = x.new_empty(rows.numel(), H) if out is None else out
@@ -98,8 +136,13 @@ def pair_outputs_reference(
         if n == 0:
             continue
         pairs = order[start : start + n]
-        gate, up = F.linear(x[pairs // K], dense13(w13[row])).chunk(2, dim=-1)
-        out[pairs] = F.linear(act(gate) * up, dense2(w2[row])) * weights[pairs, None]
+        if bias is None:
+            gate, up = F.linear(x[pairs // K], dense13(w13[row])).chunk(2, dim=-1)
+            out[pairs] = F.linear(glu(gate, up), dense2(w2[row])) * weights[pairs, None]
+        else:  # the pairs of one row share an expert: its biases
+            e = bias.experts[pairs[:1]]
+            gate, up = F.linear(x[pairs // K], dense13(w13[row]), bias.gate_up[e][0]).chunk(2, dim=-1)
+            out[pairs] = F.linear(glu(gate, up), dense2(w2[row]), bias.down[e][0]) * weights[pairs, None]
         start += n
     return out
 
@@ -110,8 +153,9 @@ def sum_pairs(y: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def gathered_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act = F.silu
-) -> torch.Tensor:
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    glu: Glu = silu_glu, bias: PairBiases | None = None,
+) -> torch.Tensor:  # fmt: skip
     """One batched matmul over the (token, expert) pairs, with the pairs' weights gathered.
 
     Fixed shapes and no host synchronisation (decode, CUDA graphs); costs a copy of each chosen expert,
@@ -120,7 +164,11 @@ def gathered_experts(
     tokens, top_k = ids.shape
     flat = ids.flatten()
     xs = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [pairs, hidden, 1]
-    gate, up = torch.bmm(w13[flat], xs)[:, :, 0].chunk(2, dim=-1)  # [pairs, inter] each
-    h = (act(gate) * up)[:, :, None]
-    out = torch.bmm(w2[flat], h)[:, :, 0].view(tokens, top_k, -1)  # [tokens, top_k, hidden]
-    return (out * weights[:, :, None]).sum(dim=1)
+    gate_up = torch.bmm(w13[flat], xs)[:, :, 0]  # [pairs, 2 * inter]
+    if bias is not None:
+        gate_up = gate_up + bias.gate_up[bias.experts]
+    h = glu(*gate_up.chunk(2, dim=-1))[:, :, None]  # [pairs, inter, 1]
+    out = torch.bmm(w2[flat], h)[:, :, 0]  # [pairs, hidden]
+    if bias is not None:
+        out = out + bias.down[bias.experts]
+    return (out.view(tokens, top_k, -1) * weights[:, :, None]).sum(dim=1)

@@ -6,11 +6,17 @@ from __future__ import annotations
 import torch
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts in float32, keep the top k, optionally renormalise them to sum to 1.
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool, softmax_after_top_k: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts in float32, keep the top k, optionally renormalise them to sum to 1; or, with
+    `softmax_after_top_k` (gpt-oss), keep the top k logits and softmax over them alone (`normalize` then moot).
 
     logits: [tokens, experts] -> (ids [tokens, top_k] int64, weights [tokens, top_k] in logits' dtype)
     """
+    if softmax_after_top_k:
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1).to(logits.dtype)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:

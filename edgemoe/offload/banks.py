@@ -14,6 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
+from edgemoe.moe.experts import carry_biases
 from edgemoe.offload.experts import OffloadedExperts
 from edgemoe.offload.layout import ExpertLayout
 
@@ -55,6 +56,7 @@ def offload_experts(
         layout = (layouts or {}).get(i, dense)
         bank = allocate_bank((cfg.num_experts, layout.row), layout.dtype, pin)
         experts = OffloadedExperts(index, bank, layout)
+        carry_biases(layer.mlp.experts, experts)  # on the meta device, then the device: biases stay resident
         layer.mlp.experts = experts
         targets[f"model.layers.{i}.mlp.experts.gate_up_proj"] = experts.gate_up_proj
         targets[f"model.layers.{i}.mlp.experts.down_proj"] = experts.down_proj

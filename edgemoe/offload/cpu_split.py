@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edgemoe.offload.cpu_experts import CpuExperts
+from edgemoe.errors import EdgeMoEError
+from edgemoe.offload.cpu_experts import CpuExperts, layout_formats
 from edgemoe.offload.layout import ExpertLayout
 
 if TYPE_CHECKING:
@@ -162,6 +163,12 @@ def resolve(
     if setting == "off" or not layers:
         return None
     layout, experts = layers[0].layout, layers[0].num_experts
+    why = unsupported(layers[0])
+    if why is not None:  # auto leaves the split off, a number asks for what cannot be
+        if setting == "auto":
+            _say(f"off: {why}")
+            return None
+        raise EdgeMoEError(f"moe_cpu_compute {setting}: {why}")
     if setting == "auto" and device.type != "cuda":  # the CPU device copies nothing over PCIe to weigh against
         return None
     # a CPU device's own work runs on torch's threads, which spin between ops and starve a second pool (measured on
@@ -190,6 +197,18 @@ def resolve(
         pool.close()
         return None
     return CpuSplit(table, pool, device, service, fitted=graphs, costs=costs)
+
+
+def unsupported(layer) -> str | None:  # noqa: ANN001 - an OffloadedExperts
+    """Why the CPU expert executor cannot compute `layer`'s experts (expert biases, an activation or layout it lacks),
+    or None."""
+    if getattr(layer, "gate_up_proj_bias", None) is not None:
+        return "the CPU expert executor adds no expert biases (gpt-oss's experts have them)"
+    try:
+        layout_formats(layer.layout)
+    except EdgeMoEError as exc:
+        return str(exc)
+    return None
 
 
 def _describe(table: list[int]) -> str:

@@ -23,7 +23,7 @@ from edgemoe.config import ExpertCacheConfig, ModelConfig
 from edgemoe.context import get_context
 from edgemoe.errors import EdgeMoEError
 from edgemoe.kernels.protocol import Ensured
-from edgemoe.moe.experts import sum_pairs
+from edgemoe.moe.experts import pair_biases, sum_pairs
 from edgemoe.offload import cpu_split
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.layout import ExpertLayout
@@ -44,39 +44,43 @@ class OffloadedExperts(nn.Module):
         self.num_experts = bank.shape[0]
         self.cache: ExpertCache | None = None  # set by `attach`
         self.w13 = self.w2 = None  # this layer's views of the cache's slot pool
+        _no_biases(self)
 
     def attach(self, cache: ExpertCache | None) -> None:
         self.cache = cache
         self.w13, self.w2 = (None, None) if cache is None else self.layout.views(cache.joined)
 
     def use_kernels(self, device: torch.device) -> None:
-        self.layout.use_kernels(device)
+        if self.gate_up_proj_bias is None:  # the kernels add no biases
+            self.layout.use_kernels(device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]
         if get_context().is_prefill:
             return self._prefill(x, ids, weights)
         got = self.cache.fetch(self.moe_layer, ids, x, self)  # decode: at most min(E, pairs) <= S experts
-        if got.cpu_rows is not None:
+        if got.cpu_rows is not None:  # (never with biases: `cpu_split.resolve` refuses them)
             return self.layout.decode_cpu(
                 x, got.slots, weights, self.w13, self.w2, got.cpu_rows, got.arrivals, cpu_wait=got.cpu_wait
             )
-        return self.layout.decode(x, got.slots, weights, self.w13, self.w2, arrivals=got.arrivals)
+        return self.layout.decode(
+            x, got.slots, weights, self.w13, self.w2, arrivals=got.arrivals, **pair_biases(self, ids)
+        )
 
     def _prefill(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every pair of a prefill step: the whole layer streamed through the pool's areas where the step would miss
         most experts (`PrefillStream.chooses`), else its experts made resident in waves, each wave's pairs computed
         by the layout's `pair_outputs` from their slots (the others skipped): the function resident experts run,
         each expert's pairs computed alike in any wave, so the sum is bitwise resident experts'."""
-        stream = self.cache.prefill_stream
+        stream, bias = self.cache.prefill_stream, pair_biases(self, ids)
         if ids.numel() > self.num_experts and stream is not None and stream.chooses(self.moe_layer, ids):
-            return stream.run(self.moe_layer, self.layout, x, ids, weights)
+            return stream.run(self.moe_layer, self.layout, x, ids, weights, **bias)
         flat = ids.flatten()
         y = x.new_empty(flat.numel(), x.shape[1])  # [pairs, hidden]
         for wave, slots in self._waves(torch.unique(flat).tolist()):
             slot_of = torch.full((self.num_experts,), -1, dtype=torch.long, device=x.device)
             slot_of[wave] = torch.tensor(slots, device=x.device)
-            self.layout.pair_outputs(x, slot_of[flat], weights.flatten(), self.w13, self.w2, out=y)
+            self.layout.pair_outputs(x, slot_of[flat], weights.flatten(), self.w13, self.w2, out=y, **bias)
         return sum_pairs(y, ids.shape[1])
 
     def load(self, ids: torch.Tensor) -> Ensured:
@@ -103,9 +107,11 @@ class ResidentExperts(nn.Module):
         super().__init__()
         self.layout, self.num_experts = layout, num_experts
         self.register_buffer("joined", torch.empty(num_experts, layout.row, dtype=layout.dtype), persistent=False)
+        _no_biases(self)
 
     def use_kernels(self, device: torch.device) -> None:
-        self.layout.use_kernels(device)
+        if self.gate_up_proj_bias is None:  # the kernels add no biases
+            self.layout.use_kernels(device)
 
     @property
     def gate_up_proj(self) -> torch.Tensor:
@@ -118,10 +124,18 @@ class ResidentExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]
         w13, w2 = self.layout.views(self.joined)
+        bias = pair_biases(self, ids)
         if not get_context().is_prefill:
-            return self.layout.decode(x, ids, weights, w13, w2)
+            return self.layout.decode(x, ids, weights, w13, w2, **bias)
         # prefill: the function offloaded waves and streamed layers run (`ExpertLayout.pair_outputs`)
-        return sum_pairs(self.layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2), ids.shape[1])
+        return sum_pairs(self.layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2, **bias), ids.shape[1])
+
+
+def _no_biases(module: nn.Module) -> None:
+    """Expert biases' places (`edgemoe.moe.experts.carry_biases` fills them where the experts have some: kept on the
+    device by expert, not in the rows)."""
+    module.register_parameter("gate_up_proj_bias", None)
+    module.register_parameter("down_proj_bias", None)
 
 
 def expert_bytes(model: nn.Module, dtype: torch.dtype) -> int:

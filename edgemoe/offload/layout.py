@@ -12,8 +12,10 @@ of memory, so a miss is one copy (`copy_service.c`). A layout gives
 `ExpertLayout` keeps experts in the model's dtype; `QuantExpertLayout` keeps GGUF blocks (`edgemoe.quant`) as
 stored, one format for gate_up and one for down. The layers of one model may use different formats (Q4_K_M files
 do): they then share one storage row, the longest of them (`row`), so that one slot pool serves every layer.
-A layout also names the gate's activation (`act`, SiLU unless the family says otherwise): the kernels compute SiLU
-only, so other activations keep the plain-torch decode.
+A layout also names the gated activation (`act`, a key of `edgemoe.layers.mlp.GLUS`: SiLU unless the family says
+otherwise): the kernels compute SiLU only, so other activations keep the plain-torch references. Expert biases
+(gpt-oss) are not in the row: the module holding the layer's experts keeps them on the device by expert and hands
+the references each pair's (`edgemoe.moe.experts.PairBiases`, the `bias` keyword), which the kernels do not take.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from functools import partial
 import torch
 
 from edgemoe.kernels.protocol import CpuWait
-from edgemoe.layers.mlp import ACTIVATIONS
-from edgemoe.moe.experts import decode_reference, gathered_experts, pair_outputs_reference
+from edgemoe.layers.mlp import GLUS
+from edgemoe.moe.experts import PairBiases, decode_reference, gathered_experts, pair_outputs_reference
 from edgemoe.quant import QuantLike, dequantize, quant_type, row_bytes
 
 
@@ -36,10 +38,10 @@ class ExpertLayout:
         self.hidden, self.inter, self.dtype = hidden, inter, dtype
         self.row = 3 * inter * hidden  # elements of one expert's row
         self.split = 2 * inter * hidden  # where down starts
-        self.act_name, self.act = act, ACTIVATIONS[act]
+        self.act_name, self.glu = act, GLUS[act]
         self._prefill_references()
-        # (x, ids, weights, w13, w2, arrivals=) -> [T, H]
-        self.decode: Callable = decode_reference if act == "silu" else partial(decode_reference, act=self.act)
+        # (x, ids, weights, w13, w2, arrivals=, bias=) -> [T, H]
+        self.decode: Callable = decode_reference if act == "silu" else partial(decode_reference, glu=self.glu)
         self.decode_waits = False  # whether `decode` waits for each copied expert itself (the kernels do)
         # (x, slots, weights, w13, w2, cpu_out, arrivals=, cpu_wait=) -> [T, H]: `decode` with CPU pairs' rows
         self.decode_cpu: Callable = self._decode_cpu_reference
@@ -49,7 +51,7 @@ class ExpertLayout:
         # out=) -> out [pairs, H]: `pair_outputs_reference` over these views, the kernel once `use_kernels` chose it
         # (dense SiLU experts: `edgemoe.kernels.grouped_gemm`)
         self.pair_outputs: Callable = partial(
-            pair_outputs_reference, act=self.act, dense13=self.dense_gate_up, dense2=self.dense_down
+            pair_outputs_reference, glu=self.glu, dense13=self.dense_gate_up, dense2=self.dense_down
         )
 
     def use_kernels(self, device: torch.device) -> None:
@@ -119,7 +121,7 @@ class QuantExpertLayout(ExpertLayout):
         row: int | None = None, copy_split: int | None = None, act: str = "silu",
     ) -> None:  # fmt: skip
         self.hidden, self.inter, self.dtype = hidden, inter, torch.uint8
-        self.act_name, self.act = act, ACTIVATIONS[act]
+        self.act_name, self.glu = act, GLUS[act]
         self.q_gate_up, self.q_down, self.compute_dtype = quant_type(q_gate_up), quant_type(q_down), compute_dtype
         self.gu_bytes, self.down_bytes = row_bytes(self.q_gate_up, hidden), row_bytes(self.q_down, inter)
         self.split = 2 * inter * self.gu_bytes
@@ -168,13 +170,14 @@ class QuantExpertLayout(ExpertLayout):
 
     def _decode_reference(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-        arrivals=None,  # noqa: ANN001 - the kernel's signature; the copy is done when this runs
+        arrivals=None, bias: PairBiases | None = None,  # noqa: ANN001 - the kernel's signature; the copy is done
     ) -> torch.Tensor:  # fmt: skip
         """Decode in plain torch (the kernels' reference): fixed shapes, every pair's expert dequantized."""
         tokens, top_k = ids.shape
         flat = ids.flatten()
         pairs = torch.arange(flat.numel(), device=ids.device).view(tokens, top_k)
-        return gathered_experts(x, pairs, weights, self.dense_gate_up(w13[flat]), self.dense_down(w2[flat]), self.act)
+        w13, w2 = self.dense_gate_up(w13[flat]), self.dense_down(w2[flat])
+        return gathered_experts(x, pairs, weights, w13, w2, self.glu, bias)
 
 
 def _fused_cpu(

@@ -88,10 +88,11 @@ class PrefillStream:
         return self.cache.joined[area * self.E : (area + 1) * self.E]
 
     def run(
-        self, layer: int, layout: ExpertLayout, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+        self, layer: int, layout: ExpertLayout, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, **bias
     ) -> torch.Tensor:
         """MoE layer `layer`'s routed experts for a prefill chunk (x [tokens, hidden], ids and weights
-        [tokens, top_k]), as `ResidentExperts` computes them."""
+        [tokens, top_k]), as `ResidentExperts` computes them (`bias`: the pairs' expert biases, where they have
+        some)."""
         if layer <= self.last_layer:  # a new step: what the areas held may have been evicted since
             self.holds = [None, None]
         self.last_layer = layer
@@ -102,7 +103,7 @@ class PrefillStream:
         if self.cuda:
             torch.cuda.current_stream(self.cache.device).wait_event(self.copied[area])
         w13, w2 = layout.views(self.area_rows(area))
-        out = sum_pairs(layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2), ids.shape[1])
+        out = sum_pairs(layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2, **bias), ids.shape[1])
         self._register(layer, area, ids)
         return out
 

@@ -78,3 +78,30 @@ def test_greedy_tokens_match_the_masked_path(monkeypatch) -> None:
     monkeypatch.setattr(PagedAttention, "_prefill", masked_prefill)
     assert chunked == run(max_num_batched_tokens=16) and whole == run()
     assert chunked == whole
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])
+def test_sink_attention_matches_transformers_eager(heads: int, kv_heads: int, window: int | None) -> None:
+    """`sink_attention` against transformers' gpt-oss eager attention (its sinks and its causal or sliding-window mask
+    as an additive bias), on fresh random q, k, v and sinks large enough to take a visible share of the softmax."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from edgemoe.layers.attention import sink_attention
+
+    g = torch.Generator().manual_seed(heads + kv_heads + (window or 0))
+    new, keys, d = 6, 11, 16
+    q = torch.randn(1, heads, new, d, generator=g)
+    k, v = torch.randn(1, kv_heads, keys, d, generator=g), torch.randn(1, kv_heads, keys, d, generator=g)
+    sinks = 2 * torch.randn(heads, generator=g)
+    q_pos, k_pos = torch.arange(keys - new, keys)[:, None], torch.arange(keys)[None, :]
+    seen = (k_pos <= q_pos) & (True if window is None else k_pos > q_pos - window)  # [new, keys]
+    bias = torch.zeros(new, keys).masked_fill(~seen, torch.finfo(torch.float32).min)[None, None]
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=heads // kv_heads, training=False)
+    ref, _ = eager_attention_forward(module, q, k, v, bias, scaling=d**-0.5)  # [1, new, heads, d]
+    ours = sink_attention(q, k, v, seen, d**-0.5, sinks)
+    torch.testing.assert_close(ours, ref.transpose(1, 2), atol=1e-6, rtol=1e-5)
+    plain = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=heads != kv_heads)
+    assert not torch.allclose(ours, plain, atol=1e-3)  # the sinks took a share

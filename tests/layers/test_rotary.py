@@ -41,3 +41,30 @@ def test_rotary_matches_transformers(model_type: str, partial: float) -> None:
     torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
     rot = int(head_dim * partial)
     assert torch.equal(q1[..., rot:], q[..., rot:]) and torch.equal(k1[..., rot:], k[..., rot:])
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_matches_transformers(truncate: bool) -> None:
+    """gpt-oss's YaRN (factor 32 over 4096 original positions, theta 150000): the frequencies bit for bit, and q, k
+    turned as transformers' `GptOssRotaryEmbedding` (cos and sin scaled by its attention factor) turns them."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss import modeling_gpt_oss as oss
+
+    from edgemoe.layers.rotary import YarnRotaryEmbedding
+
+    head_dim, tokens = 64, 9
+    rope = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=truncate,
+                original_max_position_embeddings=4096, rope_theta=150000.0)  # fmt: skip
+    rotary = oss.GptOssRotaryEmbedding(GptOssConfig(head_dim=head_dim, rope_parameters=rope))
+    ours = YarnRotaryEmbedding(head_dim, 8192, 150000.0, 32.0, 4096, 32.0, 1.0, truncate)
+    assert torch.equal(ours.inv_freq(), rotary.inv_freq) and ours.attention_scaling == rotary.attention_scaling
+    ours.build("cpu")
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(tokens, 4, head_dim, generator=g), torch.randn(tokens, 2, head_dim, generator=g)
+    positions = torch.tensor([0, 1, 2, 7, 100, 4095, 4096, 8191, 40])
+    cos, sin = rotary(q, positions[None])
+    q2, k2 = oss.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q1, k1 = ours(positions, q, k)
+    torch.testing.assert_close(q1, q2[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k1, k2[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(q1.norm(dim=-1), q.norm(dim=-1))  # the attention factor scaled them

@@ -6,7 +6,9 @@ and its tokenizer, built from the file's metadata, encodes text as the checkpoin
 a shared expert, whose gate the converter stores 2-D ([n_embd, 1]; make-model writes it 1-D): the file is checked to
 hold it so, the case edgemoe refused before GGUF tensors were fitted to their size-1 dimensions. The GLM-4.5
 checkpoint routes in groups and carries an MTP layer, which the converter writes as a next-n block that edgemoe skips;
-its sigmoid router's weight and correction bias stay float32, as the file stores them, in a bfloat16 model.
+its sigmoid router's weight and correction bias stay float32, as the file stores them, in a bfloat16 model. The
+gpt-oss checkpoints: one of float experts (written f32), and one of MXFP4 blocks as the Hub's are, which the converter
+repacks into GGUF's MXFP4 and edgemoe keeps as stored.
 
 The converter runs unchanged but for one method: the checkpoints carry edgemoe's demo tokenizer, and the converter
 accepts a byte-level BPE tokenizer only when a hash of its output is on its list of known models, which the demo
@@ -44,6 +46,7 @@ CASES = {
     # the hybrids: two q/k heads for four value heads, so that Qwen3.5's file holds them in tiled order
     "qwen3_next": ("qwen3next", dict(attention_bias=True)),
     "qwen3_5_moe_text": ("qwen35moe", dict(linear_num_key_heads=2, linear_num_value_heads=4)),
+    "gpt_oss": ("gpt-oss", TINY["gpt-oss-yarn-window"][1]),  # float experts: the converter writes them f32
 }
 HYBRIDS = ("qwen3_next", "qwen3_5_moe_text")
 GLM_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
@@ -194,3 +197,28 @@ def test_a_layer_count_that_disagrees_with_the_tensors_is_one_line(converted, tm
         with pytest.raises(EdgeMoEError, match=message) as info:
             LLM(str(bad), progress=False, dtype="float32")
         assert "\n" not in str(info.value)
+
+
+def test_gpt_oss_mxfp4_file_keeps_the_blocks(tmp_path: Path) -> None:
+    """The Hub's kind of gpt-oss checkpoint (experts as MXFP4 blocks and scales): the converter repacks the blocks into
+    GGUF's MXFP4 without dequantizing them, edgemoe keeps them as stored, and its greedy tokens equal those of
+    transformers on the source checkpoint (dequantized by transformers itself)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from tests.models.test_gpt_oss import mxfp4_checkpoint
+
+    source = save_checkpoint(hf_model("gpt_oss", **TINY["gpt-oss-yarn-window"][1]), tmp_path / "float", "per-expert")
+    folder = mxfp4_checkpoint(source, tmp_path / "mxfp4")
+    path = convert(folder, tmp_path / "gpt-oss-mxfp4.gguf")
+    reader = gguf.GGUFReader(path)
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors if "_exps.weight" in t.name}
+    assert kinds and set(kinds.values()) == {"MXFP4"}
+    del reader
+    hf = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    llm = LLM(str(path), progress=False, dtype="float32")
+    assert llm.engine.model.model.layers[0].mlp.experts.layout.q_gate_up.name == "MXFP4"
+    for prompt, out in zip(prompts(), llm.generate(prompts(), GREEDY)):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()

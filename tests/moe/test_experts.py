@@ -73,3 +73,38 @@ def test_sparse_moe_takes_given_routing() -> None:
         assert not moe.fuses_norm(x, torch.nn.Module())  # CPU: never fused (the norm is not even looked at)
     finally:
         set_context(None)
+
+
+@pytest.mark.parametrize("tokens, top_k", [(1, 4), (13, 2)])
+def test_clamped_swiglu_with_biases_matches_gpt_oss(tokens: int, top_k: int) -> None:
+    """`Experts` with gpt-oss's activation and biases, decode and prefill references, against transformers'
+    `GptOssExperts` on the same weights (theirs transposed, gate and up interleaved): inputs large enough that the clamp
+    at 7 bites on both sides."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from edgemoe.moe.experts import Experts, pair_biases
+
+    E, H, inter = 8, 32, 16
+    theirs = GptOssExperts(GptOssConfig(hidden_size=H, intermediate_size=inter, num_local_experts=E))
+    g = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    ours = Experts(E, H, inter, "swiglu_oai", bias=True)
+    with torch.no_grad():
+        w13, b13 = theirs.gate_up_proj.transpose(1, 2), theirs.gate_up_proj_bias  # [E, 2I, H], [E, 2I]
+        ours.gate_up_proj.copy_(torch.cat((w13[:, 0::2], w13[:, 1::2]), 1))
+        ours.gate_up_proj_bias.copy_(torch.cat((b13[:, 0::2], b13[:, 1::2]), 1))
+        ours.down_proj.copy_(theirs.down_proj.transpose(1, 2))
+        ours.down_proj_bias.copy_(theirs.down_proj_bias)
+    x = torch.randn(tokens, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    with torch.no_grad():
+        ref = theirs(x, ids, weights)
+        gate_up = torch.einsum("th,ehi->tei", x, theirs.gate_up_proj)
+        assert (gate_up[..., 0::2] > 7).any() and (gate_up[..., 1::2] < -7).any()  # the clamp bites
+        for path in (ours.decode, ours.prefill):
+            out = path(x, ids, weights, ours.gate_up_proj, ours.down_proj, **pair_biases(ours, ids))
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)

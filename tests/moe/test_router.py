@@ -56,3 +56,27 @@ def test_bias_chooses_but_does_not_weigh() -> None:
     ids, weights = route_grouped(logits, bias, 2, 1, 1, False, 1.0)
     assert (ids == 5).any(dim=-1).all()
     torch.testing.assert_close(weights[ids == 5], torch.sigmoid(logits[:, 5]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("experts, top_k", [(32, 4), (8, 2), (128, 4)])
+def test_softmax_after_top_k_matches_gpt_oss(experts: int, top_k: int) -> None:
+    """gpt-oss's router (`GptOssTopKRouter`: a bias, the top k logits, a softmax over them alone): the same experts,
+    the same weights, which differ from a softmax over every expert's renormalised top k only by rounding."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    from edgemoe.moe.router import route
+
+    hidden, tokens = 24, 37
+    config = GptOssConfig(hidden_size=hidden, num_local_experts=experts, num_experts_per_tok=top_k)
+    router = GptOssTopKRouter(config)
+    g = torch.Generator().manual_seed(experts)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, hidden, generator=g))
+        router.bias.copy_(torch.randn(experts, generator=g))
+    x = torch.randn(tokens, hidden, generator=g)
+    _, scores, ref_ids = router(x)
+    ids, weights = route(F.linear(x, router.weight, router.bias), top_k, False, softmax_after_top_k=True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, scores, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(tokens))

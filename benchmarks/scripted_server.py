@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import torch
 import uvicorn
+from safetensors.torch import load_file, save_file
 
 from edgemoe import LLM, demo_model_path
 from edgemoe.engine.engine import LLMEngine
@@ -77,20 +78,32 @@ QWEN_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_resp
 
 
 def make_model(
-    folder: Path, template: str, tokens: list[str], special: bool = False, context: int | None = None
+    folder: Path,
+    template: str,
+    tokens: list[str],
+    special: bool = False,
+    context: int | None = None,
+    layers: int | None = None,
 ) -> Path:
     """The demo model with `template` as its chat template and `tokens` as whole tokens. The model's vocabulary is
     full, so each new token takes the id of one of the last-learned BPE tokens (its merges removed): the embedding
     rows exist, and other text tokenizes almost as before. `context`: its context in tokens instead of the 2,048 it
-    was trained on (RoPE positions have no limit; an agent's session needs tens of thousands)."""
+    was trained on (RoPE positions have no limit; an agent's session needs tens of thousands). `layers`: only its
+    first layers (a faster model where what it would say does not matter: scripted answers)."""
     folder.mkdir(parents=True, exist_ok=True)
     demo = demo_model_path()
-    for name in ("config.json", "generation_config.json"):
-        shutil.copy(demo / name, folder / name)
+    shutil.copy(demo / "generation_config.json", folder / "generation_config.json")
+    config = json.loads((demo / "config.json").read_text())
     if context is not None:
-        config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}, indent=2))
-    (folder / "model.safetensors").symlink_to(demo / "model.safetensors")  # read only
+        config["max_position_embeddings"] = context
+    if layers is None:
+        (folder / "model.safetensors").symlink_to(demo / "model.safetensors")  # read only
+    else:
+        config.update(num_hidden_layers=layers, layer_types=config["layer_types"][:layers])
+        kept = {k: v for k, v in load_file(demo / "model.safetensors").items()
+                if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}  # fmt: skip
+        save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     tj = json.loads((demo / "tokenizer.json").read_text())
     vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
     taken = {t["id"] for t in tj["added_tokens"]}
@@ -170,13 +183,16 @@ class InProcessServer:
     """The serve app (engine thread + uvicorn) in this process, so that tests and benchmarks reach the engine's
     Python API (`script`, `engine_loop.engine.logits_processors`)."""
 
-    def __init__(self, model: Path, api_key: str = "test-key", **options: str) -> None:
-        """`options`: ServerConfig fields (tool_parser, reasoning_parser)."""
+    def __init__(
+        self, model: Path, api_key: str = "test-key", kv_cache_tokens: int | None = None, **options: object
+    ) -> None:
+        """`kv_cache_tokens`: the engine's (default: room for 4 sequences of the model's context); `options`:
+        ServerConfig fields (tool_parser, reasoning_parser, replay_tokens)."""
         self.model_id, self.api_key = model.name, api_key
         self.script = ScriptedOutput(Tokenizer(model))
 
         def make_engine() -> LLMEngine:
-            engine = LLM(model=str(model), max_num_seqs=4, progress=False).engine
+            engine = LLM(model=str(model), max_num_seqs=4, progress=False, kv_cache_tokens=kv_cache_tokens).engine
             engine.logits_processors.append(self.script)
             return engine
 

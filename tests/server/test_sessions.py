@@ -1,9 +1,13 @@
 """The recorded agent sessions (`benchmarks/sessions/`: a Claude-Code-shaped one through the anthropic SDK, a
 Codex-shaped one through the openai SDK's Responses) replayed on the scripted server, as `benchmarks/agent_loop.py
---session` does: every request is accepted, the usage adds up to the prompt the engine ran, and from the second turn
-on each prompt starts with the previous prompt and the answer's tokens as generated (exact replay), all of which the
-prefix cache serves but for the last partial block. System texts and tool descriptions are cut short (the turns
-are whole): decode on the CPU slows with the context, and it is the turns that replay is about."""
+--session --scripted` does: every request is accepted, the usage adds up to the prompt the engine ran, and from the
+second turn on each prompt starts with the previous prompt and the answer's tokens as generated (exact replay), all
+of which the prefix cache serves but for the last partial block.
+
+For speed (decode on the CPU slows with the context, and the answers are forced, ~3,400 tokens a session): every
+string of the sessions is cut to SHORTEN characters and only the tools they call are offered (the same turns and
+calls, `agent_sessions.load`), on the demo model's first layer (what a model would say does not matter here). The
+full sessions on the whole model: benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ SHORTEN = 200  # characters of each string of the session (agent_sessions.load)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def scripted(tmp_path_factory):
+    """The scripted server, and the log of the prompts its engine ran."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (as conftest's tool_server: 2 CI cores)
     folder = tmp_path_factory.mktemp("sessions") / "qwen-tools"
@@ -26,23 +31,23 @@ def server(tmp_path_factory):
     server = InProcessServer(model, kv_cache_tokens=2 * CONTEXT)
     log = PromptLog()
     server.engine_loop.engine.logits_processors.append(log)
-    server.log = log
     try:
-        yield server
+        yield server, log
     finally:
         server.stop()
         torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", ["claude_code", "codex"])
-def test_session(server, name):
+def test_session(scripted, name):
+    server, log = scripted
     session = load(SESSIONS / f"{name}.json", shorten=SHORTEN)
     turns = replay(session, server.url, server.api_key, server.model_id, script=server.script)
     assert server.script.pending() == 0
     assert [t.calls for t in turns] == [t.scripted for t in turns]  # the answers were the recorded ones
     tok, end = server.script.tokenizer, server.script.end
     block = server.engine_loop.engine.kv.block_size
-    prompts = server.log.last(len(turns))
+    prompts = log.last(len(turns))
     answers = [tok.encode(scripted_output(turn["model"]), add_special_tokens=False) + [end]
                for turn in session["turns"]]  # fmt: skip
     for k, (t, prompt, answer) in enumerate(zip(turns, prompts, answers)):

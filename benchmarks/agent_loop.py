@@ -9,6 +9,15 @@ Each prompt therefore extends the previous prompt and answer, as an agent's do: 
     python benchmarks/agent_loop.py --url http://127.0.0.1:8000 [--apis openai,anthropic,responses] [--turns 6]
                                     [--max-tokens 128] [--api-key KEY] [--model NAME] [--json OUT]
 
+Recorded sessions instead (`benchmarks/agent_sessions.py`, files in `benchmarks/sessions/`): a Claude-Code-shaped
+one (Anthropic Messages) and a Codex-shaped one (Responses), replayed turn by turn; per turn the prompt tokens, the
+share of them the prefix cache served (the API's own count) and the server's TTFT. `--scripted` runs them on an
+in-process server instead (the demo model dressed as a Qwen3-style tool-calling model, its answers forced to the
+recorded ones; no --url):
+
+    python benchmarks/agent_loop.py --session benchmarks/sessions/claude_code.json [--session ...] [--scripted]
+                                    [--shorten CHARS] [--json OUT]
+
 TTFT and decode tok/s are the server's own (from /metrics, read around each turn: requests run one at a time):
 arrival to first generated token, and (output tokens - 1) / (last token - first token). `first out ms` is what
 the client saw: sending to the first streamed output (a tool call is sent once whole, so a turn that only calls
@@ -21,8 +30,10 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -201,7 +212,13 @@ def main(argv: list[str] | None = None) -> list[Turn]:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=128, help="per turn")
     p.add_argument("--json", help="write the per-turn figures here")
+    p.add_argument("--session", action="append", help="replay this recorded session instead (repeatable)")
+    p.add_argument("--scripted", action="store_true", help="sessions: on an in-process scripted server (no --url)")
+    p.add_argument("--shorten", type=int, help="sessions: cut system texts and tool descriptions to CHARS")
+    p.add_argument("--context", type=int, default=65536, help="--scripted: the model's context in tokens")
     a = p.parse_args(argv)
+    if a.session:
+        return sessions(a)
     import openai
 
     model = a.model or openai.OpenAI(base_url=f"{a.url}/v1", api_key=a.api_key).models.list().data[0].id
@@ -221,6 +238,55 @@ def main(argv: list[str] | None = None) -> list[Turn]:
         with open(a.json, "w") as f:
             json.dump({"model": model, "url": a.url, "turns": [asdict(t) for t in turns]}, f, indent=1)
     return turns
+
+
+def sessions(a: argparse.Namespace) -> list:
+    """Replay each recorded session against --url, or the scripted in-process server; print a row per turn."""
+    from benchmarks.agent_sessions import load, replay
+
+    tmp = tempfile.TemporaryDirectory(prefix="agent_sessions_")
+    server = scripted_server(Path(tmp.name) / "qwen-tools", a.context) if a.scripted else None
+    url, key = (server.url, server.api_key) if server else (a.url, a.api_key)
+    try:
+        import openai
+
+        model = a.model or openai.OpenAI(base_url=f"{url}/v1", api_key=key).models.list().data[0].id
+        print(
+            f"{'session':<12} {'turn':>4} {'prompt':>7} {'cached':>7} {'share':>6} {'output':>6} {'TTFT ms':>8}  calls"
+        )
+        turns = []
+        for path in a.session:
+            for t in replay(load(path, a.shorten), url, key, model, ServerClock(url, key),
+                            server.script if server else None):  # fmt: skip
+                calls = ", ".join(t.calls) or "-"
+                if t.calls != t.scripted:
+                    calls += f"  (session: {', '.join(t.scripted) or '-'})"
+                print(f"{t.session:<12} {t.turn:>4} {t.prompt_tokens:>7} {t.cached_tokens:>7} {t.cached_share:>6.1%} "
+                      f"{t.output_tokens:>6} {t.ttft_ms:>8.1f}  {calls}", flush=True)  # fmt: skip
+                turns.append(t)
+    finally:
+        if server:
+            server.stop()
+        tmp.cleanup()
+    if a.json:
+        with open(a.json, "w") as f:
+            rows = [{**asdict(t), "cached_share": t.cached_share} for t in turns]
+            json.dump({"model": model, "url": url, "scripted": a.scripted, "turns": rows}, f, indent=1)
+    return turns
+
+
+def scripted_server(folder: Path, context: int):
+    """The in-process scripted server on the demo model (written to `folder`) with `context` tokens, and a KV cache
+    for two such sequences."""
+    import torch
+
+    from benchmarks.scripted_server import QWEN3_TEMPLATE, QWEN_TOKENS, InProcessServer, make_model
+
+    # one torch thread: the engine shares this process (and its GIL) with uvicorn and the client; an OpenMP team
+    # beside them spins at its barriers (tests/server/conftest.py saw 5 ms decode steps turn into 1 s)
+    torch.set_num_threads(1)
+    model = make_model(folder, QWEN3_TEMPLATE, QWEN_TOKENS, context=context)
+    return InProcessServer(model, kv_cache_tokens=2 * context)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ if [ ! -f "$MODEL/config.json" ]; then
   $PY - "$MODEL" <<'EOF' || exit 1
 import shutil, sys, tempfile
 from pathlib import Path
-from tests.server.scripted import QWEN3_TEMPLATE, QWEN_TOKENS, make_model
+from benchmarks.scripted_server import QWEN3_TEMPLATE, QWEN_TOKENS, make_model
 with tempfile.TemporaryDirectory() as tmp:
     dressed = make_model(Path(tmp) / "m", QWEN3_TEMPLATE, QWEN_TOKENS)
     for name in ("tokenizer.json", "tokenizer_config.json"):

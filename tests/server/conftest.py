@@ -94,10 +94,10 @@ def client(server):
 @pytest.fixture(scope="session")
 def tool_server(tmp_path_factory):
     """The serve app in this process on the demo model dressed as a Qwen3-style tool-calling model (its template and
-    think/tool tokens); tests script its output with `tool_server.script.push(text)` (tests/server/scripted.py)."""
+    think/tool tokens); tests script its output with `tool_server.script.push(text)` (benchmarks/scripted_server.py)."""
     import torch
 
-    from .scripted import QWEN3_TEMPLATE, QWEN_TOKENS, InProcessServer, make_model
+    from benchmarks.scripted_server import QWEN3_TEMPLATE, QWEN_TOKENS, InProcessServer, make_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the engine thread shares 2 CI cores with the clients and the other server

@@ -7,21 +7,14 @@ import json
 
 import pytest
 
+from benchmarks.scripted_server import QWEN3_TEMPLATE, QWEN_TOKENS, make_model
 from edgemoe import SamplingParams
 from edgemoe.server.chat_format import ChatFormats, detect_formats, render_chat
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
 from edgemoe.tokenizer import Tokenizer
 from edgemoe.tools.chat_templates import GLM
 
-from .scripted import (
-    CODER_TEMPLATE,
-    GLM_TOKENS,
-    MISTRAL_TEMPLATE,
-    MISTRAL_TOKENS,
-    QWEN3_TEMPLATE,
-    QWEN_TOKENS,
-    make_model,
-)
+from .templates import CODER_TEMPLATE, GLM_TOKENS, MISTRAL_TEMPLATE, MISTRAL_TOKENS
 
 # ChatML without a tools branch (the demo model's template before it had one)
 PLAIN_TEMPLATE = (

@@ -12,6 +12,7 @@ import llguidance
 import openai
 import pytest
 
+from benchmarks.scripted_server import QWEN3_TEMPLATE, QWEN_TOKENS, make_model
 from edgemoe import SamplingParams
 from edgemoe.server.chat_format import ChatPlan, OutputParser, detect_formats, parse_all
 from edgemoe.server.constraints import grammar, response_schema
@@ -20,15 +21,7 @@ from edgemoe.server.tool_calls import TOOL_PARSERS
 from edgemoe.tokenizer import Tokenizer
 from edgemoe.tools.chat_templates import GLM
 
-from .scripted import (
-    CODER_TEMPLATE,
-    GLM_TOKENS,
-    MISTRAL_TEMPLATE,
-    MISTRAL_TOKENS,
-    QWEN3_TEMPLATE,
-    QWEN_TOKENS,
-    make_model,
-)
+from .templates import CODER_TEMPLATE, GLM_TOKENS, MISTRAL_TEMPLATE, MISTRAL_TOKENS
 
 MODEL = "qwen-tools"
 CITY = {

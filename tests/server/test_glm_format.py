@@ -10,9 +10,10 @@ import anthropic
 import openai
 import pytest
 
+from benchmarks.scripted_server import InProcessServer, make_model
 from edgemoe.tools.chat_templates import GLM
 
-from .scripted import GLM_TOKENS, InProcessServer, make_model
+from .templates import GLM_TOKENS
 from .test_agents_chat import reassemble, whole, without_ids
 
 MODEL = "glm-tools"

@@ -12,10 +12,9 @@ import anthropic
 import openai
 import pytest
 
+from benchmarks.scripted_server import PromptLog
 from edgemoe.engine.sequence import RequestOutput
 from edgemoe.server.replay import TurnStore
-
-from .scripted import PromptLog
 
 MODEL = "qwen-tools"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}

@@ -12,12 +12,13 @@ import openai
 import pytest
 import torch
 
+from benchmarks.scripted_server import QWEN_TOKENS, InProcessServer, PromptLog, make_model
 from edgemoe.server.chat_format import detect_formats, render_chat
 from edgemoe.server.prompt import render_text
 from edgemoe.server.protocol import ChatCompletionRequest
 from edgemoe.tokenizer import Tokenizer
 
-from .scripted import QWEN_TOKENS, REFUSING_TEMPLATE, InProcessServer, PromptLog, make_model
+from .templates import REFUSING_TEMPLATE
 
 MODEL = "qwen-refusing"
 ANSWER = "Noted, my lord."

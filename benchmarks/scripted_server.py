@@ -1,9 +1,10 @@
-"""Test helpers for the agent APIs: a demo-model folder whose chat template and tokens are a tool-capable family's,
-a logits processor that makes the model say a scripted text, and an in-process `edgemoe serve` app around both.
+"""An in-process `edgemoe serve` on the demo model dressed as a tool-calling model, whose output can be scripted:
+what the server tests and the replayed agent sessions (`agent_sessions.py`) run on.
 
-The demo model cannot choose to call a tool, so the tests script its output: `ScriptedOutput` is installed through
-the engine's public `logits_processors` and leaves one token possible at each step, so the scripted text still
-goes through the real sampler, the engine's stop checks and the incremental detokenizer.
+The demo model cannot choose to call a tool, so its output is scripted: `ScriptedOutput` is installed through the
+engine's public `logits_processors` and leaves one token possible at each step, so the scripted text still goes
+through the real sampler, the engine's stop checks and the incremental detokenizer. The rest of the server (chat
+templates, parsers, replay, the prefix cache, the API writers) is the real one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import torch
 import uvicorn
+from safetensors.torch import load_file, save_file
 
 from edgemoe import LLM, demo_model_path
 from edgemoe.engine.engine import LLMEngine
@@ -28,7 +30,7 @@ from edgemoe.server.engine_loop import EngineLoop
 from edgemoe.server.metrics import Metrics
 from edgemoe.tokenizer import Tokenizer
 
-# A Qwen3-style template written for these tests: tools in the system turn, calls as <tool_call>{json}</tool_call>,
+# A Qwen3-style template (edgemoe's own, not Qwen's): tools in the system turn, calls as <tool_call>{json}</tool_call>,
 # results as <tool_response> in a user turn, past reasoning shown after the last user turn, enable_thinking.
 QWEN3_TEMPLATE = """
 {%- if tools %}
@@ -74,67 +76,34 @@ QWEN3_TEMPLATE = """
 """
 QWEN_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
 
-# Qwen3.5's refusal of a system message after the first (its templates raise; the server renders it in place)
-REFUSING_TEMPLATE = QWEN3_TEMPLATE.replace(
-    "{%- elif m.role in ('user', 'system') %}",
-    "{%- elif m.role == 'system' %}{{- raise_exception('System message must be at the beginning.') }}\n"
-    "{%- elif m.role == 'user' %}",
-)
-assert REFUSING_TEMPLATE != QWEN3_TEMPLATE
 
-# Qwen3-Coder's shape: XML calls (only what detection and rendering read)
-CODER_TEMPLATE = """
-{%- for m in messages %}
-{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') }}
-{%- for call in m.tool_calls or [] %}
-{{- '<tool_call>\\n<function=' + call.function.name + '>\\n' }}
-{%- for k, v in call.function.arguments | items %}
-{{- '<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>\\n' }}
-{%- endfor %}
-{{- '</function>\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if tools %}{{- '<|im_start|>system\\n' + (tools | length | string) + ' tools<|im_end|>\\n' }}{%- endif %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
-
-# Mistral's shape: [AVAILABLE_TOOLS], [TOOL_CALLS] with 9-character ids, [TOOL_RESULTS]
-MISTRAL_TEMPLATE = """
-{%- if tools %}{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}
-{%- for m in messages %}
-{%- if m.role == 'user' %}{{- '[INST]' + m.content + '[/INST]' }}
-{%- elif m.role == 'assistant' and m.tool_calls %}
-{{- '[TOOL_CALLS][' }}
-{%- for c in m.tool_calls %}
-{%- if c.id | length != 9 %}{{- raise_exception('Tool call ids must be 9 alphanumeric characters') }}{%- endif %}
-{{- '{"name": "' + c.function.name + '", "arguments": ' + (c.function.arguments | tojson) + ', "id": "' + c.id + '"}' }}
-{%- if not loop.last %}{{- ', ' }}{%- endif %}
-{%- endfor %}
-{{- ']' + eos_token }}
-{%- elif m.role == 'assistant' %}{{- m.content + eos_token }}
-{%- elif m.role == 'tool' %}
-{{- '[TOOL_RESULTS]{"content": ' + (m.content | tojson) + ', "call_id": "' + m.tool_call_id + '"}[/TOOL_RESULTS]' }}
-{%- endif %}
-{%- endfor %}
-"""
-# GLM-4.5's markup as whole tokens (its template: `edgemoe.tools.chat_templates.GLM`)
-GLM_TOKENS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<tool_call>",
-              "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>", "</think>",
-              "<tool_response>", "</tool_response>"]  # fmt: skip
-MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
-                  "[/TOOL_RESULTS]"]  # fmt: skip
-
-
-def make_model(folder: Path, template: str, tokens: list[str], special: bool = False) -> Path:
+def make_model(
+    folder: Path,
+    template: str,
+    tokens: list[str],
+    special: bool = False,
+    context: int | None = None,
+    layers: int | None = None,
+) -> Path:
     """The demo model with `template` as its chat template and `tokens` as whole tokens. The model's vocabulary is
     full, so each new token takes the id of one of the last-learned BPE tokens (its merges removed): the embedding
-    rows exist, and other text tokenizes almost as before."""
+    rows exist, and other text tokenizes almost as before. `context`: its context in tokens instead of the 2,048 it
+    was trained on (RoPE positions have no limit; an agent's session needs tens of thousands). `layers`: only its
+    first layers (a faster model where what it would say does not matter: scripted answers)."""
     folder.mkdir(parents=True, exist_ok=True)
     demo = demo_model_path()
-    for name in ("config.json", "generation_config.json"):
-        shutil.copy(demo / name, folder / name)
-    (folder / "model.safetensors").symlink_to(demo / "model.safetensors")  # read only
+    shutil.copy(demo / "generation_config.json", folder / "generation_config.json")
+    config = json.loads((demo / "config.json").read_text())
+    if context is not None:
+        config["max_position_embeddings"] = context
+    if layers is None:
+        (folder / "model.safetensors").symlink_to(demo / "model.safetensors")  # read only
+    else:
+        config.update(num_hidden_layers=layers, layer_types=config["layer_types"][:layers])
+        kept = {k: v for k, v in load_file(demo / "model.safetensors").items()
+                if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}  # fmt: skip
+        save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     tj = json.loads((demo / "tokenizer.json").read_text())
     vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
     taken = {t["id"] for t in tj["added_tokens"]}
@@ -211,15 +180,19 @@ def free_socket() -> socket.socket:
 
 
 class InProcessServer:
-    """The serve app (engine thread + uvicorn) in this process, so that tests reach the engine's Python API."""
+    """The serve app (engine thread + uvicorn) in this process, so that tests and benchmarks reach the engine's
+    Python API (`script`, `engine_loop.engine.logits_processors`)."""
 
-    def __init__(self, model: Path, api_key: str = "test-key", **options: str) -> None:
-        """`options`: ServerConfig fields (tool_parser, reasoning_parser)."""
+    def __init__(
+        self, model: Path, api_key: str = "test-key", kv_cache_tokens: int | None = None, **options: object
+    ) -> None:
+        """`kv_cache_tokens`: the engine's (default: room for 4 sequences of the model's context); `options`:
+        ServerConfig fields (tool_parser, reasoning_parser, replay_tokens)."""
         self.model_id, self.api_key = model.name, api_key
         self.script = ScriptedOutput(Tokenizer(model))
 
         def make_engine() -> LLMEngine:
-            engine = LLM(model=str(model), max_num_seqs=4, progress=False).engine
+            engine = LLM(model=str(model), max_num_seqs=4, progress=False, kv_cache_tokens=kv_cache_tokens).engine
             engine.logits_processors.append(self.script)
             return engine
 

@@ -145,7 +145,7 @@ EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
 GRAPH_UPLOADS = ("auto", "capture", "none")
 PLE_BACKENDS = ("gpu", "host", "disk")  # edgemoe/layers/ple.py, ple_disk.py
 PLE_SYNCS = ("host", "wait")  # edgemoe/layers/ple_wait.py
-TOOL_PARSERS = ("auto", "none", "qwen", "qwen3_coder", "mistral", "glm")  # edgemoe/server/tool_calls.py
+TOOL_PARSERS = ("auto", "none", "qwen", "qwen3_coder", "mistral", "glm", "harmony")  # server/tool_calls.py, harmony.py
 REASONING_PARSERS = ("auto", "none", "qwen3")  # edgemoe/server/reasoning.py
 
 

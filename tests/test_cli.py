@@ -173,7 +173,7 @@ def broken_models(tmp_path_factory) -> dict[str, Path]:
     [
         ("missing", "does not exist"),
         ("malformed", "malformed"),
-        ("unsupported", "supported: gemma4, gemma4_text, glm4_moe, mixtral, olmoe"),
+        ("unsupported", "supported: gemma4, gemma4_text, glm4_moe, gpt_oss, mixtral, olmoe"),
         ("missing-tensor", "lacks 1 tensors, e.g. model.layers.3.mlp.experts.gate_up_proj"),
         ("no-weights", "no *.safetensors"),
         ("truncated", "model.safetensors: Error while deserializing header"),

@@ -133,6 +133,45 @@ def rename(name: str) -> str:
     return name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks", ".self_attn.attn.sinks")
 
 
+def checkpoint_shapes(shapes: list[tuple[str, tuple[int, ...]]], cfg: ModelConfig) -> list[tuple[str, tuple]]:
+    """Our tensors (name, shape) as transformers' checkpoints hold them (`rename` undone, float experts transposed to
+    [E, in, out]): for random checkpoints (`edgemoe.tools.random_weights`)."""
+    out = []
+    for name, shape in shapes:
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            shape = (shape[0], shape[2], shape[1])
+        out.append(
+            (name.replace(".mlp.gate.", ".mlp.router.").replace(".self_attn.attn.sinks", ".self_attn.sinks"), shape)
+        )
+    return out
+
+
+def random_config(base: dict, g: dict) -> dict:
+    """A random checkpoint's config.json (`edgemoe.tools.random_weights`): `base` plus this family's fields from the
+    geometry `g` (a preset of `edgemoe.tools.presets`). gpt-oss has no dense MLP: its `intermediate_size` is the
+    experts' width, the preset's `moe_intermediate_size`. YaRN as released (a factor of 32), over the preset's
+    `original_max_position_embeddings` or, where it names none, its context / 32, as the released models' 4096 are
+    131072 / 32."""
+    theta = g.get("rope_theta", _DEFAULTS["rope_theta"])
+    original = g.get("original_max_position_embeddings", base["max_position_embeddings"] // int(_YARN["factor"]))
+    rope = _YARN | {"original_max_position_embeddings": original, "rope_theta": theta}
+    n = base["num_hidden_layers"]
+    return base | {
+        "architectures": ["GptOssForCausalLM"],
+        "num_local_experts": g["num_experts"],
+        "intermediate_size": g["moe_intermediate_size"],
+        "head_dim": g.get("head_dim", g["hidden_size"] // g["num_attention_heads"]),
+        "sliding_window": g.get("sliding_window", _DEFAULTS["sliding_window"]),
+        "layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(n)],
+        "rope_theta": theta,
+        "rope_parameters": rope,
+        "rms_norm_eps": g.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"]),
+        "attention_bias": True,
+        "swiglu_alpha": SWIGLU_ALPHA,
+        "swiglu_limit": SWIGLU_LIMIT,
+    }
+
+
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     """[E, 2I, ...] with gate and up rows interleaved (transformers' order) -> gate rows, then up rows."""
     return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
@@ -229,6 +268,9 @@ class GptOssForCausalLM(MoEForCausalLM):
 
 
 GGUF_ARCH = "gpt-oss"  # llama.cpp's name for the architecture
+TOKENIZER_PRE = "gpt-2"  # random checkpoints keep the demo tokenizer's split (llama.cpp's tokenizer.ggml.pre)
+TOOL_FORMAT = "harmony"  # its chat template's format (`edgemoe.tools.chat_templates`), for random checkpoints
+STACKED_EXPERTS = True  # transformers' checkpoints have no per-expert layout: make-model writes them stacked
 # llama.cpp's per-layer tensors whose names this architecture alone uses -> ours (the gate and up biases land in
 # gate_up_proj_bias: `edgemoe.models.loader`)
 GGUF_TENSORS = {
@@ -238,6 +280,41 @@ GGUF_TENSORS = {
     "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
     "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
 }
+
+
+def gguf_hparams(writer, config: dict) -> None:  # noqa: ANN001 - a gguf.GGUFWriter
+    """The keys llama.cpp's converter writes for this architecture beyond every family's (`edgemoe.tools.make_gguf`):
+    the window, the experts' width, and YaRN's as its TextModel writes them from `rope_parameters`."""
+    a, rope = GGUF_ARCH, config["rope_parameters"]
+    if rope.get("rope_type") == "yarn":
+        writer.add_string(f"{a}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{a}.rope.scaling.factor", rope["factor"])
+        writer.add_uint32(f"{a}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        for key in ("attention_factor", "beta_fast", "beta_slow"):
+            if rope.get(key) is not None:
+                name = "yarn_attn_factor" if key == "attention_factor" else f"yarn_{key}"
+                writer.add_float32(f"{a}.rope.scaling.{name}", rope[key])
+    writer.add_uint32(f"{a}.attention.sliding_window", config["sliding_window"])
+    writer.add_uint32(f"{a}.expert_feed_forward_length", config["intermediate_size"])
+
+
+def gguf_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as the parts llama.cpp's converter writes of it (float experts), each named as the gguf
+    package's name map knows it (`edgemoe.tools.make_gguf`): the experts transposed to [E, out, in], gate_up and its
+    bias split into their even (gate) and odd (up) rows, the sinks as a weight."""
+    stem = name.rsplit(".", 1)[0] + "."
+    if name.endswith(".experts.gate_up_proj"):  # [E, H, 2I] -> gate, up [E, I, H]
+        w = t.transpose(1, 2)
+        return [(stem + "gate_proj.weight", w[:, 0::2]), (stem + "up_proj.weight", w[:, 1::2])]
+    if name.endswith(".experts.gate_up_proj_bias"):  # [E, 2I]
+        return [(stem + "gate_proj.bias", t[:, 0::2]), (stem + "up_proj.bias", t[:, 1::2])]
+    if name.endswith(".experts.down_proj"):  # [E, I, H] -> [E, H, I]
+        return [(stem + "down_proj.weight", t.transpose(1, 2))]
+    if name.endswith(".experts.down_proj_bias"):
+        return [(stem + "down_proj.bias", t)]
+    if name.endswith(".self_attn.sinks"):
+        return [(name + ".weight", t)]
+    return [(name, t)]
 
 
 def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint

@@ -226,6 +226,7 @@ async def _chat(
         conv.prefill,
         limit=engine.max_model_len,
         turns=state.turns,
+        fields=conv.fields,
     )
     room = engine.max_model_len - len(plan.prompt_ids)
     if conv.fit_max_tokens and req.max_tokens is not None and room > 0:

@@ -25,6 +25,7 @@ from edgemoe.errors import EdgeMoEError
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.server import constraints
 from edgemoe.server.constraints import response_schema
+from edgemoe.server.harmony import HarmonyParser
 from edgemoe.server.prompt import Segments, encode, render, replay_marks
 from edgemoe.server.protocol import ChatCompletionRequest, ChatMessage, RequestError
 from edgemoe.server.reasoning import Reasoning, ReasoningParser, opens_reasoning
@@ -45,7 +46,13 @@ class ChatFormats:
     mistral_v11: bool = False  # Mistral calls as NAME[ARGS]{...} (the [ARGS] token exists), else a JSON list
 
     def describe(self) -> str:
-        return f"tool calls: {self.tool_parser or 'none'}, reasoning: {'qwen3' if self.reasoning else 'none'}"
+        reasoning = "harmony" if self.harmony else "qwen3" if self.reasoning else "none"
+        return f"tool calls: {self.tool_parser or 'none'}, reasoning: {reasoning}"
+
+    @property
+    def harmony(self) -> bool:
+        """gpt-oss's channels: reasoning, content and calls in one format (`harmony.py`)."""
+        return self.tool_parser == "harmony"
 
 
 def _template_source(tokenizer: Tokenizer) -> str:
@@ -56,7 +63,8 @@ def _template_source(tokenizer: Tokenizer) -> str:
 
 
 def detect_formats(tokenizer: Tokenizer, tool_parser: str = "auto", reasoning_parser: str = "auto") -> ChatFormats:
-    """The model's formats from its chat template and vocabulary: Qwen3-Coder's template writes `<function=` and
+    """The model's formats from its chat template and vocabulary: harmony's template writes `<|channel|>` and
+    `<|message|>`, Qwen3-Coder's `<function=` and
     `<parameter=`, GLM-4.5's `<arg_key>` and `<arg_value>`; Mistral's tokenizers have a `[TOOL_CALLS]` token; Qwen's
     and Hermes' a `<tool_call>` token (or their template mentions it); `<think>` in the template or both think tags
     as tokens: reasoning."""
@@ -66,7 +74,9 @@ def detect_formats(tokenizer: Tokenizer, tool_parser: str = "auto", reasoning_pa
         return text in source or len(tokenizer.encode(text, add_special_tokens=False)) == 1
 
     if tool_parser == "auto":
-        if "<function=" in source and "<parameter=" in source:
+        if "<|channel|>" in source and "<|message|>" in source:
+            tool_parser = "harmony"
+        elif "<function=" in source and "<parameter=" in source:
             tool_parser = "qwen3_coder"
         elif "<arg_key>" in source and "<arg_value>" in source:
             tool_parser = "glm"
@@ -88,15 +98,22 @@ def detect_formats(tokenizer: Tokenizer, tool_parser: str = "auto", reasoning_pa
 
 
 class OutputParser:
-    """One choice's output -> events: reasoning first, then tool calls in the answer."""
+    """One choice's output -> events: reasoning first, then tool calls in the answer (or harmony's messages, which
+    say which each is)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(
+        self, reasoning: ReasoningParser | None, tools: ToolParser | None, harmony: HarmonyParser | None = None
+    ) -> None:
+        self.reasoning, self.tools, self.harmony = reasoning, tools, harmony
 
     def feed(self, text: str) -> list[Event]:
+        if self.harmony:
+            return _merge(self.harmony.feed(text))
         return self._route(self.reasoning.feed(text) if self.reasoning else [("content", text)])
 
     def finish(self) -> list[Event]:
+        if self.harmony:
+            return _merge(self.harmony.finish())
         out = self._route(self.reasoning.finish() if self.reasoning else [])
         return _merge(out + (self.tools.finish() if self.tools else []))
 
@@ -162,6 +179,7 @@ class Conversation:
     prefill: str = ""
     fit_max_tokens: bool = False
     wire: object = None  # the API's own request, for its writer
+    fields: dict = field(default_factory=dict)  # a template switch -> the API's field that set it, for errors
 
 
 @dataclass
@@ -179,8 +197,11 @@ class ChatPlan:
 
     def parser(self) -> OutputParser:
         """A fresh output parser for one choice."""
+        calls = bool(self.tools) and self.tool_choice != "none"
+        if self.formats.harmony:
+            return OutputParser(None, None, HarmonyParser(calls, None if self.parallel else 1))
         tools = None
-        if self.tools and self.tool_choice != "none":
+        if calls:
             tools = TOOL_PARSERS[self.formats.tool_parser](self.tools, None if self.parallel else 1)
         reasoning = ReasoningParser(self.in_reasoning) if self.formats.reasoning else None
         return OutputParser(reasoning, tools)
@@ -189,6 +210,8 @@ class ChatPlan:
         for p in params:
             p.grammar = self.grammar
             if self.formats.tool_parser == "mistral" and self.tools:  # its [TOOL_CALLS] token is a special one
+                p.skip_special_tokens = False
+            if self.formats.harmony:  # the channels' markup is special tokens
                 p.skip_special_tokens = False
         return params
 
@@ -202,10 +225,12 @@ def render_chat(
     add_generation_prompt: bool = True,
     limit: int | None = None,
     turns: TurnStore | None = None,
+    fields: dict | None = None,
 ) -> ChatPlan:
     """Check the conversation and render it. `template_kwargs`: switches the API sets (the request's
     chat_template_kwargs win); `prefill`: the start of the answer, given by the client (not parsed as output);
-    `turns`: the answers the server gave, replayed as generated where the conversation returns them."""
+    `turns`: the answers the server gave, replayed as generated where the conversation returns them; `fields`: the
+    API's names of the switches, for a template that refuses one by its name (harmony's `reasoning_effort`)."""
     tools = _tools(req.tools)
     choice, function = _tool_choice(req.tool_choice, tools)
     use_tools = bool(tools) and choice != "none"
@@ -219,12 +244,14 @@ def render_chat(
     if formats.tool_parser == "mistral":
         _mistral_ids(messages)
     kwargs = {**(template_kwargs or {}), **_template_kwargs(req.chat_template_kwargs)}
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
     try:
         segments, gen = render(
             tokenizer, masked, marks, messages, add_generation_prompt, tools if use_tools else None, kwargs
         )
     except EdgeMoEError as exc:
-        raise RequestError(400, str(exc), "messages", "invalid_value") from None
+        raise _refused(str(exc), kwargs, fields or {}) from None
     except (TypeError, ValueError, KeyError, AttributeError) as exc:  # the template's own code failed on this data
         raise RequestError(400, f"chat template: {type(exc).__name__}: {exc}", "messages", "invalid_value") from None
     segments[-1] += prefill
@@ -238,6 +265,17 @@ def render_chat(
         raise RequestError(400, "a required call or format cannot follow a given start of the answer", "messages")
     opening = None if gen is None else gen + prefill
     return ChatPlan(ids, formats, tools, choice, parallel, in_reasoning, opening, grammar)
+
+
+def _refused(message: str, kwargs: dict, fields: dict) -> RequestError:
+    """A template's refusal as a 400: one that names its field first (`messages.2.content: ...`, a switch such as
+    `reasoning_effort: ...`) names it as the request's param (a switch by the API's field that set it)."""
+    m = re.match(r"chat template: ([\w.]+): ", message)
+    name = m[1] if m and (m[1] in kwargs or m[1].startswith("messages.")) else None
+    param = fields.get(name, name) if name else "messages"
+    if name in fields:
+        message = message.replace(f"{name}: ", f"{fields[name]}: ", 1)
+    return RequestError(400, message, param, "invalid_value")
 
 
 def _required_calls(choice: str, function: str | None, schema: dict | None) -> str | None:

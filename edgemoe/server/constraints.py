@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
+from edgemoe.server.harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
 from edgemoe.server.protocol import RequestError
 from edgemoe.server.reasoning import CLOSE, OPEN
 from edgemoe.tokenizer import Tokenizer
@@ -54,6 +55,8 @@ def grammar(
     `schema`, None where no call may come."""
     if calls is None and schema is None:
         return None
+    if formats.harmony:
+        return _valid(_harmony(tok, tools, calls, schema), schema is not None and calls is None)
     rules = [f"answer: {'json' if calls is None else 'calls' if schema is None or calls != 'auto' else 'json | calls'}"]
     if schema is not None:
         rules.append(f"json: %json {_json(schema)}")
@@ -70,12 +73,38 @@ def grammar(
         rules.insert(0, f"start: {start} /[ \\t\\n]{{0,4}}/ answer")
     else:
         rules.insert(0, "start: answer")
-    text = "\n".join(rules)
+    return _valid("\n".join(rules), schema is not None and calls is None)
+
+
+def _valid(text: str, format_only: bool) -> str:
     error = llguidance.LLMatcher.validate_grammar(text)
     if error:
-        param = "response_format" if schema is not None and calls is None else "tools"
+        param = "response_format" if format_only else "tools"
         raise RequestError(400, f"{param}: cannot constrain the answer: {error.splitlines()[0]}", param)
     return text
+
+
+def _harmony(tok: Tokenizer, tools: list[dict], calls: str | None, schema: dict | None) -> str:
+    """Harmony's answer (`harmony.py`; the prompt ends with `<|start|>assistant`): an analysis message may come
+    first, then one call on commentary addressed to one of the tools, JSON arguments and `<|call|>` (gpt-oss stops
+    on that token), or the JSON of `schema` as the final message. One call a turn: the model stops at its end."""
+    lit = {m: _lit(tok, m) for m in (CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START)}
+    body = "/(.|\\n)*/ " + lit[END] if tok.added_token(END) is not None else "text[suffix=" + json.dumps(END) + "]"
+    rules = [f"analysis: {lit[CHANNEL]} \"analysis\" {lit[MESSAGE]} {body} {lit[START]} \"assistant\"",
+             "text: /(.|\\n)*/"]  # fmt: skip
+    answers = []
+    if calls is not None:
+        named = [t for t in tools if calls in ("required", "auto") or t["function"]["name"] == calls]
+        for i, t in enumerate(named):
+            fn = t["function"]
+            head = f"{lit[CHANNEL]} {json.dumps('commentary to=functions.' + fn['name'] + ' ')} {lit[CONSTRAIN]}"
+            rules.append(f"args_{i}: %json {_json(fn.get('parameters') or {'type': 'object'})}")
+            rules.append(f'call_{i}: {head} "json" {lit[MESSAGE]} args_{i} {lit[CALL]}')
+        answers += [f"call_{i}" for i in range(len(named))]
+    if schema is not None:
+        rules.append(f"json: %json {_json(schema)}")
+        answers.append(f'{lit[CHANNEL]} "final" {lit[MESSAGE]} json {lit[RETURN]}')
+    return "\n".join(["start: analysis? answer", "answer: " + " | ".join(answers), *rules])
 
 
 def _json(schema: dict) -> str:

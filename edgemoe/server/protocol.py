@@ -118,6 +118,7 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None  # the template's own switches, e.g. {"enable_thinking": false}
     response_format: dict | None = None  # text, json_object or json_schema (`constraints.py`)
+    reasoning_effort: str | None = None  # the template's `reasoning_effort` (harmony's low, medium or high)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -77,8 +77,10 @@ def parse(body: object) -> Conversation:
     kwargs = {}
     if req.reasoning and req.reasoning.get("effort") is not None:
         kwargs["enable_thinking"] = req.reasoning["effort"] != "none"
+        if kwargs["enable_thinking"]:  # harmony's templates take the effort itself
+            kwargs["reasoning_effort"] = req.reasoning["effort"]
     conv_req = parse_request(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
-    return Conversation(conv_req, kwargs, wire=req)
+    return Conversation(conv_req, kwargs, wire=req, fields={"reasoning_effort": "reasoning.effort"})
 
 
 def _text(content: Any, where: str) -> str:

@@ -17,6 +17,7 @@ Formats (`edgemoe serve --tool-parser`; `auto` picks one per model, see `chat_fo
   (v11 and later)
 - `glm`: `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>` (GLM-4.5); values
   typed by the tool's JSON schema, as `qwen3_coder`'s
+- `harmony`: gpt-oss's messages, calls among them; read by `harmony.HarmonyParser` with the reasoning (`chat_format`)
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 Qwen's format (tools listed in the system turn, calls as `<tool_call>{json}</tool_call>`, results as
 `<tool_response>` in a user turn), Qwen3.5's (the same turns, calls as XML), Mistral's (`[AVAILABLE_TOOLS]`,
 `[TOOL_CALLS]`, `[TOOL_RESULTS]`) for the Mixtral family, and GLM-4.5's
-(`<tool_call>NAME<arg_key>..</arg_key><arg_value>..</arg_value></tool_call>`) for glm4_moe.
-`edgemoe.server.chat_format.detect_formats` reads them as the `qwen`, `qwen3_coder`, `mistral` and `glm` tool-call
-formats.
+(`<tool_call>NAME<arg_key>..</arg_key><arg_value>..</arg_value></tool_call>`) for glm4_moe, and OpenAI's harmony
+(channels, calls addressed `to=functions.NAME`) for gpt_oss. `edgemoe.server.chat_format.detect_formats` reads them as
+the `qwen`, `qwen3_coder`, `mistral`, `glm` and `harmony` formats.
 
 Without tools, the Qwen template renders exactly what the demo model was trained on, `<|im_start|>ROLE\\nTEXT<|im_end|>`
 per message, with no default system turn."""
@@ -169,7 +169,79 @@ GLM = """
 {%- endif %}
 """
 
-TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER, "glm": GLM}  # by tool-call format
+# gpt-oss's harmony shape, in edgemoe's words: every message `<|start|>ROLE<|channel|>C<|message|>TEXT<|end|>`; a
+# system header naming the reasoning effort (`reasoning_effort`: low, medium or high) and the channels; the caller's
+# system messages and the tools (a `functions` namespace, parameters as JSON) in a developer message; an assistant's
+# reasoning on the analysis channel (only after the last user message: earlier turns' reasoning is dropped), its text
+# on final (commentary when calls follow it), each call on commentary addressed `to=functions.NAME` with JSON
+# arguments and ending in <|call|>; results from `functions.NAME to=assistant`. Markup in a message's text, or an
+# effort it does not know, is refused, naming the field
+HARMONY = """
+{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort is not none else 'medium' %}
+{%- if effort not in ['low', 'medium', 'high'] %}
+{{- raise_exception('reasoning_effort: must be low, medium or high, not ' + (effort | string)) }}
+{%- endif %}
+{%- set marks = ['<|start|>', '<|channel|>', '<|message|>', '<|end|>', '<|return|>', '<|call|>', '<|constrain|>'] %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages %}
+{%- set i = loop.index0 %}
+{%- if m.role == 'user' %}{%- set ns.last_user = i %}{%- endif %}
+{%- for field in ['content', 'reasoning_content'] %}
+{%- for mark in marks %}
+{%- if m[field] is string and mark in m[field] %}
+{{- raise_exception('messages.' + (i | string) + '.' + field + ': harmony markup (' + mark + ') cannot be '
+                    + 'sent as text') }}
+{%- endif %}
+{%- endfor %}
+{%- endfor %}
+{%- endfor %}
+{{- '<|start|>system<|message|>An assistant answering in the harmony format.\nReasoning: ' + effort + '\n\n' }}
+{{- '# Valid channels: analysis, commentary, final. Every message names its channel.' }}
+{%- if tools %}{{- '\nCalls to the tools go to the commentary channel.' }}{%- endif %}
+{{- '<|end|>' }}
+{%- if (messages and messages[0].role == 'system') or tools %}
+{{- '<|start|>developer<|message|>' }}
+{%- if messages and messages[0].role == 'system' %}{{- '# Instructions\n\n' + messages[0].content }}{%- endif %}
+{%- if tools %}
+{%- if messages and messages[0].role == 'system' %}{{- '\n\n' }}{%- endif %}
+{{- '# Tools\n\n## functions\n\nnamespace functions {\n' }}
+{%- for tool in tools %}
+{{- '\n// ' + (tool.function.description or '') + '\ntype ' + tool.function.name + ' = (_: ' }}
+{{- (tool.function.parameters or {}) | tojson + ') => any;\n' }}
+{%- endfor %}
+{{- '\n} // namespace functions' }}
+{%- endif %}
+{{- '<|end|>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- if not loop.first %}
+{{- '<|start|>developer<|message|># Instructions\n\n' + message.content + '<|end|>' }}
+{%- endif %}
+{%- elif message.role == 'user' %}
+{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}
+{%- elif message.role == 'assistant' %}
+{%- if message.reasoning_content and loop.index0 > ns.last_user %}
+{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.reasoning_content + '<|end|>' }}
+{%- endif %}
+{%- if message.content %}
+{{- '<|start|>assistant<|channel|>' + ('commentary' if message.tool_calls else 'final') + '<|message|>' }}
+{{- message.content + '<|end|>' }}
+{%- endif %}
+{%- for call in message.tool_calls or [] %}
+{{- '<|start|>assistant<|channel|>commentary to=functions.' + call.function.name + ' <|constrain|>json<|message|>' }}
+{{- (call.function.arguments if call.function.arguments is string else call.function.arguments | tojson) }}
+{{- '<|call|>' }}
+{%- endfor %}
+{%- elif message.role == 'tool' %}
+{{- '<|start|>functions.' + message.name + ' to=assistant<|channel|>commentary<|message|>' + message.content }}
+{{- '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}
+"""
+
+TEMPLATES = {"qwen": QWEN, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER, "glm": GLM, "harmony": HARMONY}
 
 
 def chat_template(tool_format: str) -> str:

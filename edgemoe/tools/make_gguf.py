@@ -13,6 +13,7 @@ quantizer). The file is written under a temporary name and renamed when complete
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -123,12 +124,12 @@ def _write(writer: gguf.GGUFWriter, partial: Path, plan: dict, family: str, conf
     total = sum(int(np.prod(gguf.quant_shape_to_byte_shape(s, q))) for e in plan.values() for _, s, q in e)
     with tqdm(total=total, desc="writing", unit="B", unit_scale=True, leave=False, disable=None) as bar:
         for hf_name, t in random_tensors(family, config, "fused", seed, DTYPES[config["dtype"]]):
-            for (_, shape, qtype), data in zip(plan[hf_name], _convert(hf_name, t, config, family)):
+            for (_, shape, qtype), (_, data) in zip(plan[hf_name], _parts(hf_name, t, config, family)):
                 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # random valid blocks, weights of the drawn scale
                     std = 1.0 if hf_name.endswith("embed_tokens.weight") else shape[-1] ** -0.5
                     raw = random_blocks(shape, int(qtype), blocks, std=std).numpy()
                 else:
-                    raw = gguf.quants.quantize(data.reshape(shape).float().numpy(), qtype)
+                    raw = gguf.quants.quantize(data.reshape(shape).float().contiguous().numpy(), qtype)
                 writer.write_tensor_data(raw)
                 bar.update(raw.nbytes)
     writer.close()
@@ -139,26 +140,28 @@ def _plan(family: str, config: dict, dense: Q, expert_dtype: str) -> dict[str, l
     names = gguf.get_tensor_name_map(gguf_arch(family), config["num_hidden_layers"])  # Hugging Face's -> GGUF's
     plan = {}
     for hf_name, shape in checkpoint_shapes(family, config):
-        if ".experts." in hf_name:
-            layer = int(hf_name.split(".")[2])
-            gate_up, down = expert_types(expert_dtype, layer)
-            if hf_name.endswith("gate_up_proj"):  # [E, 2I, H]: gate rows first
-                half = (shape[0], shape[1] // 2, shape[2])
-                parts = [(_expert_name(kind, layer), half, gate_up) for kind in ("gate", "up")]
-            else:  # [E, H, I]
-                parts = [(_expert_name("down", layer), shape, down)]
-            plan[hf_name] = parts
-            continue
-        # the converter's spelling of a routing bias (a parameter named `..._bias`, no `.bias` suffix)
-        base, suffix = hf_name.replace("e_score_correction_bias", "e_score_correction.bias").rsplit(".", 1)
-        gname = f"{names.get_name(base)}.{suffix}"
-        # [1, H] gates become [H]: the converter now keeps [1, H], which transformers' GGUF loader (the oracle of
-        # tests/models/test_gguf.py) cannot read; tests/models/test_llama_converter.py loads that form
-        shape = tuple(d for d in shape if d != 1) or (1,)
-        router = gname.endswith("ffn_gate_inp.weight")
-        f32 = len(shape) == 1 or router or gname.endswith("_norm.weight")
-        plan[hf_name] = [(gname, shape, Q.F32 if f32 else dense_type(gname, shape, dense, expert_dtype))]
+        parts = _parts(hf_name, torch.empty(shape, device="meta"), config, family)
+        plan[hf_name] = [_entry(names, name, tuple(t.shape), dense, expert_dtype) for name, t in parts]
     return plan
+
+
+def _entry(names: gguf.TensorNameMap, name: str, shape: tuple, dense: Q, expert_dtype: str) -> tuple[str, tuple, Q]:
+    """One part of a checkpoint tensor (`_parts`) -> its GGUF (name, numpy shape, GGML type)."""
+    expert = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate|up|down)_proj\.(weight|bias)", name)
+    if expert:  # [E, I, H] or [E, H, I]; biases [E, rows], F32 as every 1-D or non-weight tensor
+        layer, kind, suffix = int(expert[1]), expert[2], expert[3]
+        gate_up, down = expert_types(expert_dtype, layer)
+        qtype = Q.F32 if suffix == "bias" else down if kind == "down" else gate_up
+        return _expert_name(kind, layer).removesuffix(".weight") + f".{suffix}", shape, qtype
+    # the converter's spelling of a routing bias (a parameter named `..._bias`, no `.bias` suffix)
+    base, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rsplit(".", 1)
+    gname = f"{names.get_name(base)}.{suffix}"
+    # [1, H] gates become [H]: the converter now keeps [1, H], which transformers' GGUF loader (the oracle of
+    # tests/models/test_gguf.py) cannot read; tests/models/test_llama_converter.py loads that form
+    shape = tuple(d for d in shape if d != 1) or (1,)
+    router = gname.endswith("ffn_gate_inp.weight")
+    f32 = len(shape) == 1 or router or gname.endswith("_norm.weight")
+    return gname, shape, Q.F32 if f32 else dense_type(gname, shape, dense, expert_dtype)
 
 
 def dense_type(gname: str, shape: tuple, dense: Q, expert_dtype: str) -> Q:
@@ -174,14 +177,22 @@ def _expert_name(kind: str, layer: int) -> str:
     return gguf.TENSOR_NAMES[_EXPERTS[kind]].format(bid=layer) + ".weight"
 
 
-def _convert(hf_name: str, t: torch.Tensor, config: dict, family: str) -> list[torch.Tensor]:
-    """A Hugging Face tensor -> the values of its GGUF tensors (plan order)."""
-    if hf_name.endswith("gate_up_proj"):
-        return list(t.chunk(2, dim=1))
+def _parts(hf_name: str, t: torch.Tensor, config: dict, family: str) -> list[tuple[str, torch.Tensor]]:
+    """A Hugging Face tensor -> the tensors the converter writes of it (plan order), named as the gguf package's name
+    map knows them; a family whose converter splits or reorders tensors otherwise says how (its `gguf_tensors`)."""
+    own = getattr(FAMILIES[family], "gguf_tensors", None)
+    if own is not None:
+        return own(hf_name, t)
+    stem = hf_name.rsplit(".", 1)[0] + "."
+    if hf_name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: gate rows first
+        gate, up = t.chunk(2, dim=1)
+        return [(stem + "gate_proj.weight", gate), (stem + "up_proj.weight", up)]
+    if hf_name.endswith(".experts.down_proj"):  # [E, H, I]
+        return [(stem + "down_proj.weight", t)]
     if family_value(family, "GGUF_PERMUTED_QK") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
-        return [llama_permute(t, heads)]
-    return [t]
+        return [(hf_name, llama_permute(t, heads))]
+    return [(hf_name, t)]
 
 
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:

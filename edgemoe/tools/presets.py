@@ -155,6 +155,42 @@ PRESETS: dict[str, dict] = {
         rope_theta=1e6,
         max_position_embeddings=131072,
     ),
+    # openai/gpt-oss-20b's and -120b's config.json (the second is transformers' GptOssConfig defaults): every layer
+    # routed, the experts as wide as the model, sliding (128) and full attention alternating, YaRN 32x over 4096
+    "gpt-oss-20b": dict(
+        family="gpt_oss",
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=2880,
+        sliding_window=128,
+        vocab_size=201088,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        original_max_position_embeddings=4096,
+        max_position_embeddings=131072,
+    ),
+    "gpt-oss-120b": dict(
+        family="gpt_oss",
+        hidden_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_experts=128,
+        num_experts_per_tok=4,
+        moe_intermediate_size=2880,
+        sliding_window=128,
+        vocab_size=201088,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        original_max_position_embeddings=4096,
+        max_position_embeddings=131072,
+    ),
 }
 # the families make-model writes (each has `random_config`; listed here, without importing them, for the CLI's help)
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text", "glm4_moe")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text", "glm4_moe", "gpt_oss")

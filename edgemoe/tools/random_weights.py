@@ -84,8 +84,10 @@ def checkpoint_shapes(family: str, config: dict) -> list[tuple[str, tuple[int, .
 
 
 def random_tensors(family: str, config: dict, layout: str, seed: int, dtype: torch.dtype):
-    """Yield (checkpoint name, tensor) in Hugging Face naming, experts per-expert or fused."""
+    """Yield (checkpoint name, tensor) in Hugging Face naming, experts per-expert or fused (always stacked for a
+    family whose checkpoints have no per-expert layout, `STACKED_EXPERTS`)."""
     gen = torch.Generator().manual_seed(seed)
+    layout = "fused" if family_value(family, "STACKED_EXPERTS") else layout
     # per-expert names: mlp.experts.N.{gate,up,down}_proj, or the family's own (`CHECKPOINT_EXPERTS`)
     prefix, gate, up, down = family_value(family, "CHECKPOINT_EXPERTS", ("mlp", "gate_proj", "up_proj", "down_proj"))
     for name, shape in checkpoint_shapes(family, config):

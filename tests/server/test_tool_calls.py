@@ -197,4 +197,5 @@ def test_malformed_output_is_the_raw_text():
 
 
 def test_flag_names_match_the_parsers():
-    assert config.TOOL_PARSERS == ("auto", "none", *TOOL_PARSERS)
+    """(harmony's messages, reasoning and calls together, are read by `edgemoe.server.harmony`)"""
+    assert config.TOOL_PARSERS == ("auto", "none", *TOOL_PARSERS, "harmony")

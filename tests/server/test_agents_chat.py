@@ -1,5 +1,5 @@
 """Chat completions with tools and reasoning, through the real HTTP path with the official `openai` client, on a
-server whose output is scripted (tests/server/scripted.py): calls parsed whole and streamed, the stream's deltas
+server whose output is scripted (benchmarks/scripted_server.py): calls parsed whole and streamed, the stream's deltas
 reassembling to the non-streamed answer, tool_choice, multi-turn tool conversations, and 4xx for bad ones."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GLM-4.5's tool calls and reasoning through the three chat APIs (chat completions, Responses, Anthropic Messages),
 whole and streamed, on the demo model dressed in GLM's template and markup tokens with scripted output
-(tests/server/scripted.py): the same reasoning, text and calls each way; a call cut off goes out as text."""
+(benchmarks/scripted_server.py): the same reasoning, text and calls each way; a call cut off goes out as text."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """gpt-oss's harmony format: the parser on its own (every cut of a stream gives the whole answer; what is not a whole
 call goes out as written), the template's switches and refusals, a forced call's grammar, and the three chat APIs
 (chat completions, Responses, Anthropic Messages) whole and streamed on the demo model dressed in the harmony
-template with its markup as special tokens, output scripted (tests/server/scripted.py)."""
+template with its markup as special tokens, output scripted (benchmarks/scripted_server.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.scripted_server import InProcessServer, make_model
 from edgemoe.server.chat_format import detect_formats, parse_all, render_chat
 from edgemoe.server.harmony import MARKS, HarmonyParser
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
@@ -20,7 +21,6 @@ from edgemoe.server.tool_calls import Content, ToolCall
 from edgemoe.tokenizer import Tokenizer
 from edgemoe.tools.chat_templates import HARMONY
 
-from .scripted import InProcessServer, make_model
 from .test_agents_chat import reassemble, whole, without_ids
 
 MODEL = "harmony-tools"

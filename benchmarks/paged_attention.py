@@ -1,17 +1,18 @@
 """Paged decode attention on CUDA: the Triton kernel (`edgemoe.kernels.paged_attention`) against its reference
 `PagedAttention._decode_torch`, contexts of 4K and 32K tokens at batch 1 and 4, each in block tables padded to a 40K
 width (CUDA-graph decode's, qwen3's max_model_len) and in tables as wide as the context, against HBM bandwidth (a
-device-to-device copy) in the same run.
+device-to-device copy) in the same run; gpt-oss's layers too: a sliding one (a window of 128 and sinks), which reads
+only its window's blocks (at a 32K context ~1/250 of the KV the context holds), and a full one with sinks.
 
     python benchmarks/paged_attention.py [--dtype bfloat16] [--width 40960] [--shapes qwen3] [--sweep] [--json OUT]
 
-KV bytes per call = the K and V bytes the contexts hold (what attention must read); "of copy" is their rate over the
-copy's (read + write) rate. Calls cycle over `layers` KV caches sharing one block table (as decode's layers do),
-enough that they do not fit in L2, so repeated calls do not measure the L2 cache. The graph figure is what decode
-runs (the calls of all layers captured in one graph); the eager one includes launch overhead. The kernel runs with the
-splits `choose_splits` picks for this GPU (the engine's); the splits line times forced splits S next to it, so one run
-shows whether the pick is the best. `--sweep` times the kernel over tiles, warps and pipeline stages at the chosen
-splits.
+KV bytes per call = the K and V bytes attention must read (the contexts', or their windows'); "of copy" is their
+rate over the copy's (read + write) rate. Calls cycle over `layers` KV caches sharing one block table (as decode's
+layers do), enough that they do not fit in L2 (and within 16 GiB), so repeated calls do not measure the L2 cache.
+The graph figure is what decode runs (the calls of all layers captured in one graph); the eager one includes launch
+overhead. The kernel runs with the splits `choose_splits` picks for this GPU (the engine's); the splits line times
+forced splits S next to it, so one run shows whether the pick is the best. `--sweep` times the kernel over tiles,
+warps and pipeline stages at the chosen splits.
 """
 
 from __future__ import annotations
@@ -40,11 +41,15 @@ from edgemoe.tools.measure import bandwidths, capture, timed
 
 DEV = torch.device("cuda")
 BLOCK_SIZE = 16  # the engine's default
+# (heads, kv_heads, head_dim, window, sinks)
 SHAPES = {
-    "16/16/128 (olmoe, qwen1.5-moe)": (16, 16, 128),
-    "32/4/128 (qwen3-30b-a3b)": (32, 4, 128),
-    "4/1/64 (mqa)": (4, 1, 64),
+    "16/16/128 (olmoe, qwen1.5-moe)": (16, 16, 128, None, False),
+    "32/4/128 (qwen3-30b-a3b)": (32, 4, 128, None, False),
+    "4/1/64 (mqa)": (4, 1, 64, None, False),
+    "64/8/64 window 128 + sinks (gpt-oss sliding)": (64, 8, 64, 128, True),
+    "64/8/64 sinks (gpt-oss full)": (64, 8, 64, None, True),
 }
+CACHE_LIMIT = 16 << 30  # the layers' caches together (a window reads little of a cache that holds the context)
 FORCED_SPLITS = (1, 8, 32, 64, 128, 256)
 
 
@@ -56,14 +61,17 @@ class Problem:
     """`layers` caches [slots, kv_heads, dim], one block table: `batch` sequences of `context` tokens on shuffled
     blocks, padded with the pad block to `width` tokens; one query per layer."""
 
-    def __init__(self, shape: tuple[int, int, int], batch: int, context: int, width: int, dtype) -> None:
-        heads, kv_heads, dim = shape
+    def __init__(self, shape: tuple, batch: int, context: int, width: int, dtype) -> None:
+        heads, kv_heads, dim, self.window, sinks = shape
         used = -(-context // BLOCK_SIZE)
         num_blocks = batch * used
-        self.kv_bytes = 2 * batch * context * kv_heads * dim * dtype.itemsize
+        self.cache_bytes = 2 * batch * context * kv_heads * dim * dtype.itemsize  # what the contexts hold
+        read = context if self.window is None else min(context, self.window)
+        self.kv_bytes = 2 * batch * read * kv_heads * dim * dtype.itemsize
         l2 = getattr(torch.cuda.get_device_properties(DEV), "L2_cache_size", 50 << 20)
-        self.layers = max(2, min(64, math.ceil(4 * l2 / self.kv_bytes)))
         slots = (num_blocks + 1) * BLOCK_SIZE
+        by_memory = CACHE_LIMIT // (2 * slots * kv_heads * dim * dtype.itemsize)
+        self.layers = max(2, min(64, math.ceil(4 * l2 / self.kv_bytes), by_memory))
         self.k = torch.randn(self.layers, slots, kv_heads, dim, device=DEV).to(dtype)
         self.v = torch.randn(self.layers, slots, kv_heads, dim, device=DEV).to(dtype)
         self.q = torch.randn(self.layers, batch, heads, dim, device=DEV).to(dtype)
@@ -74,12 +82,16 @@ class Problem:
         self.splits = choose_splits(kv_heads, sms)  # what the kernel picks with splits=None
         # the kernel's split length at this context (on the device there), for the report
         min_tiles = min_split_tiles(kv_heads, self.splits, sms)
-        self.split_len = max(min_tiles, cdiv(cdiv(context, self.splits), BLOCK_N)) * BLOCK_N
+        keys = context if self.window is None else context - max(0, context - self.window) // BLOCK_N * BLOCK_N
+        self.split_len = max(min_tiles, cdiv(cdiv(keys, self.splits), BLOCK_N)) * BLOCK_N
         self.programs = batch * kv_heads * self.splits  # the partial kernel's grid
-        self.active = batch * kv_heads * cdiv(context, self.split_len)  # its programs that hold tokens
+        self.active = batch * kv_heads * cdiv(keys, self.split_len)  # its programs that hold tokens
         self.attn = []
+        sink_values = torch.randn(heads, device=DEV)
         for i in range(self.layers):
-            attn = PagedAttention(heads, kv_heads, dim)
+            attn = PagedAttention(heads, kv_heads, dim, self.window, sinks).to(DEV)
+            if sinks:
+                attn.sinks.data = sink_values
             attn.bind(self.k[i], self.v[i], BLOCK_SIZE)
             self.attn.append(attn)
         self.ctx = ForwardContext(False, torch.empty(0, dtype=torch.long, device=DEV), self.lens, self.tables)
@@ -87,7 +99,7 @@ class Problem:
     def kernel(self, i: int, **opts) -> torch.Tensor:
         a = self.attn[i]
         return paged_decode_attention(
-            self.q[i], a.k_cache, a.v_cache, self.tables, self.lens, a.scale, BLOCK_SIZE, **opts
+            self.q[i], a.k_cache, a.v_cache, self.tables, self.lens, a.scale, BLOCK_SIZE, a.window, a.sinks, **opts
         )
 
     def reference(self, i: int) -> torch.Tensor:
@@ -110,7 +122,7 @@ def eager_seconds(call: Callable[[int], object], layers: int, reps: int = 3) -> 
 def measure(p: Problem, hbm: float, sweep: bool) -> dict:
     ref = p.reference(0).float()
     diff = (p.kernel(0).float() - ref).abs().max().item()
-    r = {"kv_bytes": p.kv_bytes, "layers": p.layers, "max_abs_diff_vs_torch": diff}
+    r = {"kv_bytes": p.kv_bytes, "context_kv_bytes": p.cache_bytes, "layers": p.layers, "max_abs_diff_vs_torch": diff}
     r.update(splits=p.splits, split_len=p.split_len, partial_programs=p.programs, partial_programs_with_tokens=p.active)
     for mode, seconds in (("graph", graph_seconds), ("eager", eager_seconds)):
         for name, call in (("kernel", p.kernel), ("torch", p.reference)):
@@ -181,6 +193,8 @@ def main() -> None:
                 f"({r['kernel_over_copy']:.2f}), torch {r['torch_kv_bytes_per_s'] / 1e9:.0f} GB/s "
                 f"({r['torch_over_copy']:.2f}) (max diff {r['max_abs_diff_vs_torch']:.1e})"
             )
+            if r["kv_bytes"] < r["context_kv_bytes"]:
+                print(f"  window: reads {r['kv_bytes'] / r['context_kv_bytes']:.4f} of the context's KV")
             forced = ", ".join(
                 f"S{k} {us:.1f} ({r['splits_over_copy'][k]:.2f})" for k, us in r["splits_graph_us"].items()
             )

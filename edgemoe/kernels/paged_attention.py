@@ -14,6 +14,11 @@ block table and only up to the sequence's context length (split-KV, "flash decod
   the output: with at most 64 splits in one round trip to memory (every split's max, sum and accumulator loaded at
   once), with more in chunks of 64 after a pass over the maxima. With S = 1 (forced: tests and benchmarks) the
   partial kernel normalises and writes the output itself, and reduce does not run.
+- a sliding `window` (a constexpr: gpt-oss's and Gemma-4's sliding layers) starts the splits at the tile holding the
+  window's first token: they share the window's tokens, the blocks before it are never read, the first tile masks
+  its tokens before the window. Attention `sinks` (gpt-oss: a logit per head, no value) join the softmax's
+  denominator once, where the output is normalised (reduce, or the one split). Both are constexpr branches: the
+  kernel of a layer without them compiles to the PTX it had before they existed.
 
 Both kernels are latency-bound at decode's short splits, so each reads the context length, a step input written
 before the step's first kernel, before waiting on the previous kernel (`wait_for_inputs`): that round trip overlaps
@@ -45,6 +50,7 @@ WARPS, STAGES = 4, 3
 # prologue lets attention be scheduled early (docs/findings.md, "The prologue's early trigger and one K/V tile")
 PREFETCH_TILES = 1
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_LOG2E = tl.constexpr(math.log2(math.e))  # a sink logit into the kernels' log2 domain
 
 
 def choose_splits(kv_heads: int, sms: int) -> int:
@@ -90,6 +96,16 @@ def _split_len(ctx_len, num_splits, min_tiles, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _window_tile(ctx_len, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the first token of the tile holding the window's first key (0 without a window): the splits share the tokens
+    # from there, and the tiles before it are never read
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(ctx_len - WINDOW, 0) // BLOCK_N * BLOCK_N
+    return first
+
+
+@triton.jit
 def _partial(
     q,
     k_cache,
@@ -100,6 +116,7 @@ def _partial(
     m_part,
     l_part,
     acc_part,
+    sinks,
     qk_scale,
     width,
     num_splits,
@@ -125,13 +142,16 @@ def _partial(
     PREFETCH_N: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the context length is a step input, written before the step's first kernel: read before the wait, so that
     # its round trip overlaps the previous kernel (the prologue that writes q and this token's K and V)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)  # the reference masks to the width too
-    span = _split_len(ctx_len, num_splits, min_tiles, BLOCK_N)
-    start = split * span  # a multiple of BLOCK_N: tiles stay aligned
+    first = _window_tile(ctx_len, WINDOW, BLOCK_N)
+    span = _split_len(ctx_len - first, num_splits, min_tiles, BLOCK_N)
+    start = first + split * span  # a multiple of BLOCK_N: tiles stay aligned
     end = tl.minimum(start + span, ctx_len)  # past the context: no iterations
     if not SINGLE and start >= ctx_len:
         return  # a split past the context reads and writes nothing: it need not wait (its exit lets the reduce launch)
@@ -143,6 +163,8 @@ def _partial(
         # cache rows; the newest token is the prologue's to write, so it is left out)
         tp = start + tl.arange(0, PREFETCH_N)
         ahead = tp < tl.minimum(end, ctx_len - 1)
+        if WINDOW > 0:
+            ahead = ahead & (tp >= ctx_len - WINDOW)
         slot_p = tl.load(table + tp // BS, mask=ahead, other=0).to(tl.int64) * BS + tp % BS
         prefetch_rows_l2(k_base + slot_p * stride_ks, tl.where(ahead, ROW_BYTES, 0))
         prefetch_rows_l2(v_base + slot_p * stride_vs, tl.where(ahead, ROW_BYTES, 0))
@@ -159,7 +181,9 @@ def _partial(
     acc = tl.zeros([G_PAD, D], tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + n  # [BLOCK_N] token positions
-        valid = t < end  # at least t0 itself, so every row of s below has a finite max
+        valid = t < end  # at least one token (t0, or the window's first), so every row of s has a finite max
+        if WINDOW > 0:
+            valid = valid & (t >= ctx_len - WINDOW)  # the first tile's tokens before the window
         block = tl.load(table + t // BS, mask=valid, other=0).to(tl.int64)
         slot = block * BS + t % BS  # int64: slot * stride overflows int32 for large caches
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
@@ -181,6 +205,13 @@ def _partial(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SINGLE:
+        if SINKS:  # the sink joins the denominator once, with no value: here, or in reduce
+            sink = tl.load(sinks + head, mask=rows, other=0.0).to(tl.float32) * _LOG2E
+            m_top = tl.maximum(m_i, sink)
+            m_top = tl.where(m_top == float("-inf"), 0.0, m_top)  # no token and a sink at -inf: NaN-free
+            alpha = tl.exp2(m_i - m_top)
+            l_i = l_i * alpha + tl.exp2(sink - m_top)
+            acc = acc * alpha[:, None]
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context: zeros
         o_ptr = out + seq64 * stride_os + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, o.to(out.dtype.element_ty), mask=rows[:, None])
@@ -196,6 +227,7 @@ def _reduce(
     m_part,
     l_part,
     acc_part,
+    sinks,
     context_lens,
     out,
     width,
@@ -209,10 +241,15 @@ def _reduce(
     SPLITS_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq, h = tl.program_id(0), tl.program_id(1)
     ctx_len = tl.minimum(tl.load(context_lens + seq).to(tl.int32), width)  # a step input: read before the wait
-    used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, min_tiles, BLOCK_N))  # splits the partial kernel wrote
+    keys = ctx_len - _window_tile(ctx_len, WINDOW, BLOCK_N)  # the tokens the splits share
+    used = tl.cdiv(keys, _split_len(keys, num_splits, min_tiles, BLOCK_N))  # splits the partial kernel wrote
+    if SINKS:  # a weight: read before the wait too
+        sink = tl.load(sinks + h).to(tl.float32) * _LOG2E
     base = (seq.to(tl.int64) * heads + h) * num_splits
     d = tl.arange(0, D)
     wait_for_inputs(PDL)
@@ -222,14 +259,20 @@ def _reduce(
         l_i = tl.load(l_part + base + i, mask=i < used, other=0.0)
         a_i = tl.load(acc_part + (base + i)[:, None] * D + d[None, :], mask=(i < used)[:, None], other=0.0)
         top = tl.max(m_i, axis=0)
+        if SINKS:
+            top = tl.maximum(top, sink)
         top = tl.where(top == float("-inf"), 0.0, top)  # empty context: keeps exp2 below NaN-free
         w_i = tl.exp2(m_i - top)  # 0 at the splits past the context
         l_sum = tl.sum(w_i * l_i, axis=0)
         acc = tl.sum(w_i[:, None] * a_i, axis=0)
+        if SINKS:  # the sink's term, no value
+            l_sum += tl.exp2(sink - top)
     else:  # more splits: the maxima first, then the accumulators in chunks that keep the [splits, D] tile small
         s = tl.arange(0, SPLITS_PAD)
         m = tl.load(m_part + base + s, mask=s < used, other=float("-inf"))
         m_max = tl.max(m, axis=0)
+        if SINKS:
+            m_max = tl.maximum(m_max, sink)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: keeps exp2 below NaN-free
         l_sum = tl.sum(tl.exp2(m - m_max) * tl.load(l_part + base + s, mask=s < used, other=0.0), axis=0)
         sb = tl.arange(0, BLOCK_S)
@@ -239,6 +282,8 @@ def _reduce(
             w = tl.exp2(tl.load(m_part + base + i, mask=i < used, other=float("-inf")) - m_max)  # [BLOCK_S]
             a = tl.load(acc_part + (base + i)[:, None] * D + d[None, :], mask=(i < used)[:, None], other=0.0)
             acc += tl.sum(w[:, None] * a, axis=0)
+        if SINKS:
+            l_sum += tl.exp2(sink - m_max)
     o = acc / tl.where(l_sum > 0, l_sum, 1.0)
     tl.store(out + seq.to(tl.int64) * stride_os + h * stride_oh + d, o.to(out.dtype.element_ty))
 
@@ -251,6 +296,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     block_size: int,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     splits: int | None = None,
     block_n: int = BLOCK_N,
     num_warps: int | None = None,
@@ -259,8 +306,11 @@ def paged_decode_attention(
     """q: [seqs, heads, head_dim]; k_cache, v_cache: [num_slots, kv_heads, head_dim] (slot = block * block_size +
     offset); block_tables: [seqs, max_blocks] int64 (entries past a sequence's context are never read);
     context_lens: [seqs] int64 on the device -> [seqs, heads, head_dim] in q's dtype. head_dim a power of two >= 16
-    (others: ValueError, use the torch path); heads a multiple of kv_heads. `splits` (None: `choose_splits`'s),
-    `block_n`, `num_warps` and `stages` (None: WARPS, STAGES) are for tests (the interpreter) and
+    (others: ValueError, use the torch path); heads a multiple of kv_heads. `window`: the query sees only the last
+    `window` tokens of its context (itself included; the blocks before them are not read), None for all; `sinks`
+    [heads] float: a logit per head that joins the softmax's denominator with no value, None for none (each window
+    compiles its own kernel; without either, the kernel is the one without their branches). `splits` (None:
+    `choose_splits`'s), `block_n`, `num_warps` and `stages` (None: WARPS, STAGES) are for tests (the interpreter) and
     benchmarks/paged_attention.py's sweep."""
     seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -276,6 +326,10 @@ def paged_decode_attention(
         raise ValueError("the KV cache must be contiguous in head_dim")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    if sinks is not None and (sinks.shape != (heads,) or not sinks.is_floating_point() or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be [{heads}] float and contiguous, got {list(sinks.shape)} {sinks.dtype}")
     width = block_tables.shape[1] * block_size  # padded tokens: bounds the context lengths
     sms = _sm_count(q.device)
     if splits is None:
@@ -308,17 +362,19 @@ def paged_decode_attention(
     if prefetch & (prefetch - 1):
         raise ValueError(f"PREFETCH_TILES * block_n must be a power of two, got {prefetch}")
     _partial[(seqs, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, m_part, l_part, acc_part,
+        q, k_cache, v_cache, block_tables, context_lens, out, m_part, l_part, acc_part, sinks,
         scale * math.log2(math.e), width, splits, min_tiles, heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         group, g_pad, dim, block_size, block_n, single, dot_ty, precision, prefetch, row_bytes,
-        num_warps=num_warps or WARPS, num_stages=stages or STAGES, **launch,
+        WINDOW=window or 0, SINKS=sinks is not None, num_warps=num_warps or WARPS, num_stages=stages or STAGES,
+        **launch,
     )  # fmt: skip
     if not single:  # chunks of up to 64 splits: few serial iterations at hundreds of splits, in ~64 registers
         splits_pad = triton.next_power_of_2(splits)
         _reduce[(seqs, heads)](
-            m_part, l_part, acc_part, context_lens, out, width, splits, min_tiles, heads, out.stride(0), out.stride(1),
-            dim, block_n, splits_pad, min(64, splits_pad), num_warps=4, **launch,
+            m_part, l_part, acc_part, sinks, context_lens, out, width, splits, min_tiles, heads, out.stride(0),
+            out.stride(1), dim, block_n, splits_pad, min(64, splits_pad), WINDOW=window or 0, SINKS=sinks is not None,
+            num_warps=4, **launch,
         )  # fmt: skip
     return out

@@ -10,11 +10,11 @@ prefix), which `causal_lower_right` tells SDPA without a mask: on CUDA flash att
 they are (no mask, no K/V repeated per query head); on the CPU torch builds the mask itself. A sliding `window`
 narrows `visible` to the last keys: a [new, keys] mask, with K/V repeated per query head so that CUDA can run the
 memory-efficient kernel. Attention `sinks` (gpt-oss: a learnt logit per head in the softmax's denominator, no value)
-have no SDPA form: those layers compute the scores themselves (`sink_attention`, transformers' eager attention), in
-blocks of queries that bound the scores' memory, and keep that torch decode on every device (the Triton decode kernel
-neither windows nor sinks). On CUDA prefill leaves SDPA's cuDNN backend out (`PREFILL_BACKENDS`): it builds a plan for
-every new query length on the CPU, which every agent-loop turn, whose prompt is a length never seen, paid (docs/
-findings.md, "Streamed prefill").
+have no SDPA form: those layers' prefill computes the scores itself (`sink_attention`, transformers' eager attention),
+in blocks of queries that bound the scores' memory, plain torch on every device. Decode's kernel takes both (the
+window's blocks alone are read; the sink joins its softmax's denominator), `_decode_torch` stays their reference. On
+CUDA prefill leaves SDPA's cuDNN backend out (`PREFILL_BACKENDS`): it builds a plan for every new query length on the
+CPU, which every agent-loop turn, whose prompt is a length never seen, paid (docs/findings.md, "Streamed prefill").
 
 `Attention` is the block every family shares: one qkv projection, an optional per-head q/k norm, RoPE, the KV-cache
 write and paged attention, the output projection. A family that transforms q, k, v before RoPE (OLMoE's norm over
@@ -62,8 +62,6 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache, self.block_size = k_cache, v_cache, block_size
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.window is not None or self.sinks is not None:  # the kernel neither windows nor sinks: torch decode
-            return
         if self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0:  # its tiles need a power of 2
             from edgemoe.kernels.paged_attention import paged_decode_attention
 
@@ -100,13 +98,14 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
         if self._decode_kernel is not None:
             return self._decode_kernel(
-                q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale, self.block_size
-            )
+                q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale, self.block_size,
+                window=self.window, sinks=self.sinks,
+            )  # fmt: skip
         return self._decode_torch(q, ctx)
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Which keys a query sees, by position (broadcast): causal, within the last `window` where there is one.
-        The Triton decode kernel and prefill's maskless causal path take the window-less ones only."""
+        The Triton decode kernel takes the same window; prefill's maskless causal path the window-less ones only."""
         seen = k_pos <= q_pos
         return seen if self.window is None else seen & (k_pos > q_pos - self.window)
 

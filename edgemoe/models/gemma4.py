@@ -76,8 +76,8 @@ class Gemma4Rotaries(nn.Module):
 
 
 class Gemma4PagedAttention(PagedAttention):
-    """Scaling 1 (q and k are normed); a sliding layer sees only the last `window` keys (and keeps the torch decode on
-    every device: the Triton decode kernel cannot window)."""
+    """Scaling 1 (q and k are normed); a sliding layer sees only the last `window` keys (on CUDA the Triton decode
+    kernel reads only those)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, window)

@@ -48,7 +48,7 @@ def ptx_for_sm90(kernel, args: dict, options: dict) -> str:
     constexprs, signature = {}, {}
     for i, param in enumerate(kernel.params):
         value = args[param.name]
-        if param.is_constexpr:
+        if param.is_constexpr or value is None:  # (Triton specialises a None argument as a constexpr)
             constexprs[(i,)], signature[param.name] = value, "constexpr"
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + _POINTEE[value.dtype]

@@ -125,7 +125,7 @@ def test_narrow_table_gets_the_same_splits() -> None:
 
 
 def test_a_sequence_gets_the_same_output_whatever_its_batch() -> None:
-    """Batch invariance: a sequence alone in a table of its own width, and in batches of 2-5 beside other contexts
+    """Batch invariance: a sequence alone in a table of its own width, and in batches up to 5 beside other contexts
     in tables padded wider (as a graph's), gives bitwise the same output (the splits S and their length follow from
     the shapes and its own context alone)."""
     lens = [150, 3, 97, 512, 33]
@@ -135,7 +135,7 @@ def test_a_sequence_gets_the_same_output_whatever_its_batch() -> None:
         alone = dict(c, q=c["q"][i : i + 1], block_tables=c["block_tables"][i : i + 1, :blocks],
                      context_lens=c["context_lens"][i : i + 1])  # fmt: skip
         expected = kernel(alone, 16, splits=None)
-        for b in range(i + 1, len(lens) + 1):
+        for b in sorted({i + 1, i + 2, len(lens)} & set(range(1, len(lens) + 1))):  # (interpreter time: not every b)
             batch = dict(c, q=c["q"][:b], block_tables=c["block_tables"][:b], context_lens=c["context_lens"][:b])
             assert torch.equal(kernel(batch, 16, splits=None)[i], expected[0]), (i, b)
 

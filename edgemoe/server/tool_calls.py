@@ -252,9 +252,9 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
 
 
-class Qwen3CoderToolParser(ToolParser):
-    """A call ends at the first `</tool_call>` (so a value cannot contain that text); inside it a value ends at the
-    first `</parameter>` followed by the next parameter or `</function>`, so values may contain `</parameter>`."""
+class _ClosedCallParser(ToolParser):
+    """A call runs from `<tool_call>` to the first `</tool_call>` (so its text cannot contain that); the format's own
+    `_body_call` reads the body -> (name, arguments), or None (malformed: the text goes out as it was)."""
 
     start, end = "<tool_call>", "</tool_call>"
 
@@ -267,10 +267,18 @@ class Qwen3CoderToolParser(ToolParser):
             self._searched = max(0, len(text) - len(self.end) + 1)
             return None
         body, end = (text, len(text)) if i < 0 else (text[:i], i + len(self.end))
-        call = self._function(body)
+        call = self._body_call(body)
         return _Calls([call], end) if call else _Malformed(end)
 
-    def _function(self, body: str) -> tuple[str, dict] | None:
+    def _body_call(self, body: str) -> tuple[str, dict] | None:
+        raise NotImplementedError
+
+
+class Qwen3CoderToolParser(_ClosedCallParser):
+    """A call ends at the first `</tool_call>` (so a value cannot contain that text); inside it a value ends at the
+    first `</parameter>` followed by the next parameter or `</function>`, so values may contain `</parameter>`."""
+
+    def _body_call(self, body: str) -> tuple[str, dict] | None:
         m = _FUNCTION.match(body)
         if m is None or not m[1].strip():
             return None
@@ -401,25 +409,11 @@ _GLM_NAME = re.compile(r"\s*([\w.\-]+)\s*")
 _ARG_KEY = re.compile(r"<arg_key>([^<\n]+)</arg_key>\s*<arg_value>")
 
 
-class GlmToolParser(ToolParser):
+class GlmToolParser(_ClosedCallParser):
     """A call ends at the first `</tool_call>` (so a value cannot contain that text); inside it a value ends at the
     first `</arg_value>` followed by the next `<arg_key>` or the call's end, so values may contain `</arg_value>`."""
 
-    start, end = "<tool_call>", "</tool_call>"
-
-    def _reset_call(self) -> None:
-        self._searched = 0
-
-    def _parse(self, text: str, final: bool) -> _Calls | _Malformed | None:
-        i = text.find(self.end, self._searched)
-        if i < 0 and not final:
-            self._searched = max(0, len(text) - len(self.end) + 1)
-            return None
-        body, end = (text, len(text)) if i < 0 else (text[:i], i + len(self.end))
-        call = self._call(body)
-        return _Calls([call], end) if call else _Malformed(end)
-
-    def _call(self, body: str) -> tuple[str, dict] | None:
+    def _body_call(self, body: str) -> tuple[str, dict] | None:
         m = _GLM_NAME.match(body)
         if m is None:
             return None

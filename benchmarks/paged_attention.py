@@ -46,6 +46,7 @@ SHAPES = {
     "16/16/128 (olmoe, qwen1.5-moe)": (16, 16, 128, None, False),
     "32/4/128 (qwen3-30b-a3b)": (32, 4, 128, None, False),
     "4/1/64 (mqa)": (4, 1, 64, None, False),
+    "64/8/64 plain (gpt-oss's shape without sinks or window)": (64, 8, 64, None, False),
     "64/8/64 window 128 + sinks (gpt-oss sliding)": (64, 8, 64, 128, True),
     "64/8/64 sinks (gpt-oss full)": (64, 8, 64, None, True),
 }

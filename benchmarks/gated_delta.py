@@ -3,7 +3,7 @@ state pools in place) against its reference `GatedDeltaNet._decode` (conv_step, 
 scattered back to the slots), at Qwen3-Next's geometry (16 q/k heads, 32 value heads of 128, 8192 channels, kernel 4;
 Qwen3.5-35B-A3B's is the same), batch 1 and 8, against HBM bandwidth (a device-to-device copy) in the same run.
 
-    python benchmarks/gated_delta.py [--dtype bfloat16] [--batches 1,8] [--json OUT]
+    python benchmarks/gated_delta.py [--dtype bfloat16] [--batches 1,8] [--prefill-tokens 4096,16384] [--json OUT]
 
 Bytes per call = the states a step must read and write: the fp32 matrices (v_heads x k_dim x v_dim per sequence)
 and the convolution's last inputs (channels x (kernel - 1) per sequence, the model's dtype), each read once and
@@ -11,6 +11,11 @@ written once; the step's inputs and outputs (a few KB a sequence) and the conv w
 that rate over the copy's (read + write) rate. Calls cycle over `layers` layers whose states share one StateCache
 pool (as the engine's do), enough that they do not fit in L2. The graph figure is what decode runs (one call per
 layer captured in one graph); the eager one includes launch overhead.
+
+Prefill (`--prefill-tokens`, default 4096,16384): one sequence of that many tokens from a random state through
+`delta_rule_prefill` (`kernels/gated_delta_prefill.py`, two launches) against `chunked_delta_rule` (the layer's
+plain-torch prefill) on the convolved channels, eager: ms per call and tokens/s per layer. A size whose reference
+runs out of GPU memory is reported as such and skipped.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from torch import nn
 
 from edgemoe.engine.state_cache import StateCache
 from edgemoe.kernels.gated_delta import gated_delta_decode
-from edgemoe.layers.linear_attention import GatedDeltaNet
+from edgemoe.kernels.gated_delta_prefill import delta_rule_prefill
+from edgemoe.layers.linear_attention import GatedDeltaNet, chunked_delta_rule
 from edgemoe.tools.measure import bandwidths, capture, timed
 
 DEV = torch.device("cuda")
@@ -103,11 +109,59 @@ def measure(p: Problem, hbm: float) -> dict:
     return r
 
 
+def measure_prefill(geometry: tuple, tokens: int, dtype: torch.dtype, reps: int = 5) -> dict:
+    """One sequence of `tokens` from slot 1 of a 2-slot state: the kernel against `chunked_delta_rule`."""
+    k_heads, v_heads, k_dim, v_dim, kernel, tiled = geometry
+    layer = GatedDeltaNet(64, k_heads, v_heads, k_dim, v_dim, kernel, 1e-6, tiled=tiled).to(DEV, dtype)
+    channels = torch.nn.functional.silu(2 * torch.randn(tokens, layer.channels, device=DEV)).to(dtype)
+    beta = torch.sigmoid(2 * torch.randn(tokens, v_heads, device=DEV)).to(dtype)
+    g = -0.5 * torch.rand(tokens, v_heads, device=DEV)
+    start = 0.5 * torch.randn(2, v_heads, k_dim, v_dim, device=DEV)
+    state, slots = start.clone(), torch.tensor([1], device=DEV)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=DEV)
+    q, k, v = layer._heads(channels)
+
+    def kernel() -> torch.Tensor:
+        return delta_rule_prefill(channels, beta, g, state, slots, cu, tokens, k_heads, tiled)
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        return chunked_delta_rule(q, k, v, g, beta, start[1])
+
+    out, (ref, ref_state) = kernel(), reference()
+    r = {"tokens": tokens, "max_abs_diff_vs_torch": (out.float() - ref.float()).abs().max().item()}
+    r["state_max_abs_diff_vs_torch"] = (state[1] - ref_state).abs().max().item()
+    for name, call in (("kernel", kernel), ("torch", reference)):
+        r[f"{name}_ms"] = timed(call, DEV, reps) * 1e3
+        r[f"{name}_tokens_per_s"] = tokens / (r[f"{name}_ms"] / 1e3)
+    r["speedup"] = r["torch_ms"] / r["kernel_ms"]
+    return r
+
+
+def prefill(names: list[str], sizes: list[int], dtype: torch.dtype, results: dict) -> None:
+    print("prefill, geometry, tokens: kernel / torch ms -> speedup | kernel tokens/s a layer")
+    for name, tokens in itertools.product(names, sizes):
+        try:
+            r = measure_prefill(GEOMETRIES[name], tokens, dtype)
+        except torch.cuda.OutOfMemoryError:
+            results[f"{name}/prefill{tokens}"] = "out of GPU memory"
+            print(f"{name}, {tokens} tokens: out of GPU memory, skipped")
+            torch.cuda.empty_cache()
+            continue
+        results[f"{name}/prefill{tokens}"] = r
+        print(
+            f"{name}, {tokens} tokens: {r['kernel_ms']:.2f} / {r['torch_ms']:.2f} ms -> {r['speedup']:.1f}x | "
+            f"{r['kernel_tokens_per_s'] / 1e3:.0f}K tokens/s (max diff {r['max_abs_diff_vs_torch']:.1e}, state "
+            f"{r['state_max_abs_diff_vs_torch']:.1e})"
+        )
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--batches", default="1,8", help="decode batch sizes (default: 1,8)")
     ap.add_argument("--geometries", default="qwen3-next", help=f"comma-separated, of {', '.join(GEOMETRIES)}")
+    ap.add_argument("--prefill-tokens", default="4096,16384", help="prefill lengths (default: 4096,16384; '' skips)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
@@ -134,6 +188,7 @@ def main() -> None:
             )
             del p
             torch.cuda.empty_cache()
+        prefill(names, [int(n) for n in a.prefill_tokens.split(",") if n], dtype, results)
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
 

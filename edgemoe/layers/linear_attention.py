@@ -12,8 +12,9 @@ Each sequence's two states (the convolution's inputs, the fp32 matrix per head) 
 the forward context (`state_slots`). A slot starts at zero with its sequence. Prefill runs each sequence's new tokens
 through `chunked_delta_rule` from its slot's state; decode runs one `recurrent_step` for the whole batch, gathered from
 and scattered back to the slots: fixed shapes and no host reads, so CUDA graphs capture it. Both are plain torch here,
-the references of the kernels that replace them: on CUDA decode runs `edgemoe.kernels.gated_delta` (two launches on
-the slots in place, `use_kernels`); prefill stays plain torch.
+the references of the kernels that replace them (`use_kernels`): on CUDA decode runs `edgemoe.kernels.gated_delta`
+(two launches on the slots in place) and prefill's delta rule `edgemoe.kernels.gated_delta_prefill` (two launches for
+the whole batch, the slots in place); prefill's convolution stays torch's conv1d, one call a sequence.
 
 Grouped heads: a q/k head serves `v_heads // k_heads` value heads: consecutive ones in the Hugging Face checkpoints'
 order, every `k_heads`-th one in the order llama.cpp's converter writes Qwen3.5 GGUF files in (`tiled`: value head h
@@ -22,6 +23,8 @@ columns) follows the one order, so only the pairing with q/k heads differs.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +83,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
         self._decode_kernel = None  # `edgemoe.kernels.gated_delta.gated_delta_decode`, once `use_kernels` chose it
+        self._prefill_kernel = None  # `edgemoe.kernels.gated_delta_prefill.delta_rule_prefill`, likewise
 
     def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """One sequence's states: the convolution's last inputs (the model's dtype) and the delta rule's matrices
@@ -93,10 +97,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_state, self.recurrent_state = conv, recurrent
 
     def use_kernels(self, device: torch.device) -> None:
-        if max(self.k_dim, self.v_dim) <= 256:  # the kernel holds a [k_dim, block of v_dim] tile in registers
+        if max(self.k_dim, self.v_dim) <= 256:  # the kernels hold a [k_dim, block of v_dim] tile in registers
             from edgemoe.kernels.gated_delta import gated_delta_decode
+            from edgemoe.kernels.gated_delta_prefill import delta_rule_prefill
 
             self._decode_kernel = gated_delta_decode  # 2 launches, the states updated in place, instead of ~40
+            self._prefill_kernel = delta_rule_prefill  # 2 launches a batch instead of ~10 a chunk of each sequence
 
     def fuses_norm(self, *args) -> bool:
         """`DecoderLayer` asks every token mixer; this one runs its input norm apart."""
@@ -143,15 +149,29 @@ class GatedDeltaNet(nn.Module):
         return q, k, v
 
     def _prefill(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, ctx) -> torch.Tensor:
-        outs, start = [], 0
+        """Each sequence's new tokens from its slot's states: the convolution one sequence at a time, then the delta
+        rule for the batch (`delta_rule_prefill`) or, in plain torch, one sequence at a time (`chunked_delta_rule`)."""
+        convolved, start = [], 0
         for i, n in enumerate(ctx.query_lens):
             slot = ctx.state_slots[i : i + 1]
             conv = self.conv_state.index_select(0, slot)[0]
             channels, conv = causal_conv(mixed[start : start + n], conv, self.conv1d.weight)
             self.conv_state.index_copy_(0, slot, conv[None].to(self.conv_state.dtype))
-            q, k, v = self._heads(channels)
+            convolved.append(channels)
+            start += n
+        channels = torch.cat(convolved)  # [tokens, channels]
+        if self._prefill_kernel is not None:
+            cu_seqlens = torch.tensor([0, *itertools.accumulate(ctx.query_lens)], dtype=torch.int32)
+            return self._prefill_kernel(
+                channels, beta, g, self.recurrent_state, ctx.state_slots, cu_seqlens.to(mixed.device),
+                max(ctx.query_lens), self.k_heads, self.tiled,
+            )  # fmt: skip
+        q, k, v = self._heads(channels)
+        outs, start = [], 0
+        for i, n in enumerate(ctx.query_lens):
+            slot = ctx.state_slots[i : i + 1]
             state = self.recurrent_state.index_select(0, slot)[0]
-            o, state = chunked_delta_rule(q, k, v, g[start : start + n], beta[start : start + n], state)
+            o, state = chunked_delta_rule(*(t[start : start + n] for t in (q, k, v, g, beta)), state)
             self.recurrent_state.index_copy_(0, slot, state[None])
             outs.append(o)
             start += n

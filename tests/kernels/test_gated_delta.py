@@ -21,6 +21,7 @@ from edgemoe.context import ForwardContext, set_context
 from edgemoe.engine.state_cache import StateCache
 from edgemoe.kernels import gated_delta
 from edgemoe.kernels.gated_delta import conv_decode, delta_rule_decode, gated_delta_decode
+from edgemoe.kernels.gated_delta_prefill import delta_rule_prefill
 from edgemoe.layers import linear_attention
 from edgemoe.layers.linear_attention import GatedDeltaNet, conv_step, recurrent_step
 from tests.kernels import interpreter_only
@@ -225,10 +226,10 @@ def test_no_sequences_and_bad_arguments() -> None:
     assert big._decode_kernel is None  # the layer keeps its reference
 
 
-def test_engine_decodes_on_the_kernel_as_transformers(tiny_checkpoint) -> None:
-    """The tiny Qwen3-Next through the engine with its Gated DeltaNet layers' decode on the kernel (under the
-    interpreter; only these layers swapped): greedy tokens identical to transformers', batched, each sequence from
-    its prefilled state."""
+def test_engine_runs_on_the_kernels_as_transformers(tiny_checkpoint) -> None:
+    """The tiny Qwen3-Next through the engine with its Gated DeltaNet layers' decode and prefill on the kernels
+    (`gated_delta_decode`, `delta_rule_prefill`; under the interpreter; only these layers swapped): greedy tokens
+    identical to transformers', batched, each sequence decoding from the state its prefill left."""
     from edgemoe import LLM, SamplingParams
 
     folder, hf = tiny_checkpoint("qwen3next-dense", "per-expert")
@@ -237,6 +238,7 @@ def test_engine_decodes_on_the_kernel_as_transformers(tiny_checkpoint) -> None:
     for m in swapped:
         m.use_kernels(torch.device("cuda"))
     assert len(swapped) == 3 and all(m._decode_kernel is gated_delta_decode for m in swapped)
+    assert all(m._prefill_kernel is delta_rule_prefill for m in swapped)
     g = torch.Generator().manual_seed(2)
     batch = [torch.randint(3, 6000, (n,), generator=g).tolist() for n in (5, 17, 9)]
     outs = llm.generate(batch, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))

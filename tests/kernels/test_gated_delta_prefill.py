@@ -128,6 +128,22 @@ def test_full_head() -> None:
     torch.testing.assert_close(layer.recurrent_state, ref_state, **FP32)
 
 
+def test_nearly_parallel_keys() -> None:
+    """The hard case for the chunk's inverse: keys nearly parallel, beta near 1 and little decay, so that A is full
+    of entries near 1 and its powers grow like binomials (an inverse summed as the series (I - A)(I + A^2)(I + A^4)..
+    passes every other test here and fails this one). Within fp32's tolerance of the recurrence, its states float64."""
+    layers, _ = make_layers((1, 1, 32, 32), torch.float32, tiled=False, seed=13, slots=2)
+    layer = layers[0]
+    channels, _, _ = prefill_inputs(layer, 128, torch.float32)
+    channels[:, 32:64] = torch.randn(32) + 0.01 * torch.randn(128, 32)  # the k head
+    beta, g = 0.9 + 0.1 * torch.rand(128, 1), -0.01 * torch.rand(128, 1)
+    start = layer.recurrent_state.clone()
+    out = run_kernel(layer, channels, beta, g, [128], torch.tensor([1]))
+    truth, state = recurrent(layer, channels, beta, g, [128], torch.tensor([1]), start.double())  # float64 states
+    torch.testing.assert_close(out, truth.float(), **FP32)
+    torch.testing.assert_close(layer.recurrent_state, state.float(), **FP32)
+
+
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
 def test_bfloat16_matches_reference(tiled: bool) -> None:
     """bf16 channels and beta, fp32 g and states: the states within fp32's tolerance, the outputs rounded once."""

@@ -9,9 +9,9 @@ are (`ModelConfig.expert_format`); a checkpoint of float experts (transformers' 
 read too. transformers stores an expert's gate and up rows interleaved (even rows gate, odd rows up) and its float
 weights transposed; `convert` lays them out as every family's.
 
-On CUDA the attention of every layer (sinks; sliding windows) decodes with the Triton paged-attention kernel; its
-prefill with sinks, the router and the experts (their biases and activation) stay plain torch: the Triton kernels take
-none of them yet.
+On CUDA the attention of every layer (sinks; sliding windows) decodes with the Triton paged-attention kernel, and the
+experts (their biases and clamped SwiGLU) run the expert kernels, MXFP4 as stored, in decode and prefill; prefill
+attention with sinks and the router stay plain torch.
 """
 
 from __future__ import annotations

@@ -51,8 +51,7 @@ class OffloadedExperts(nn.Module):
         self.w13, self.w2 = (None, None) if cache is None else self.layout.views(cache.joined)
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.gate_up_proj_bias is None:  # the kernels add no biases
-            self.layout.use_kernels(device)
+        self.layout.use_kernels(device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]
@@ -110,8 +109,7 @@ class ResidentExperts(nn.Module):
         _no_biases(self)
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.gate_up_proj_bias is None:  # the kernels add no biases
-            self.layout.use_kernels(device)
+        self.layout.use_kernels(device)
 
     @property
     def gate_up_proj(self) -> torch.Tensor:

@@ -245,7 +245,7 @@ class ExpertCache:
         if wait is not None:
             rows = wait.rows[: ids.numel()]
         elif on_cpu is not None:  # computed while the GPU copies
-            rows = split.compute(source.bank, source.layout, on_cpu, ids.numel(), x.device)
+            rows = split.compute(source.bank, source.layout, on_cpu, ids.numel(), x.device, source.host_biases())
         return Fetched(got.slots, self.arrivals(got), rows, wait)
 
     def _posts(self) -> bool:

@@ -58,10 +58,11 @@ class OffloadedExperts(nn.Module):
         if get_context().is_prefill:
             return self._prefill(x, ids, weights)
         got = self.cache.fetch(self.moe_layer, ids, x, self)  # decode: at most min(E, pairs) <= S experts
-        if got.cpu_rows is not None:  # (never with biases: `cpu_split.resolve` refuses them)
+        if got.cpu_rows is not None:  # the CPU pairs' rows hold their biases (`host_biases`); the others get theirs
             return self.layout.decode_cpu(
-                x, got.slots, weights, self.w13, self.w2, got.cpu_rows, got.arrivals, cpu_wait=got.cpu_wait
-            )
+                x, got.slots, weights, self.w13, self.w2, got.cpu_rows, got.arrivals, cpu_wait=got.cpu_wait,
+                **pair_biases(self, ids),
+            )  # fmt: skip
         return self.layout.decode(
             x, got.slots, weights, self.w13, self.w2, arrivals=got.arrivals, **pair_biases(self, ids)
         )
@@ -81,6 +82,16 @@ class OffloadedExperts(nn.Module):
             slot_of[wave] = torch.tensor(slots, device=x.device)
             self.layout.pair_outputs(x, slot_of[flat], weights.flatten(), self.w13, self.w2, out=y, **bias)
         return sum_pairs(y, ids.shape[1])
+
+    def host_biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The expert biases as the CPU expert executor reads them (gate_up [E, 2I], down [E, H], fp32 host copies,
+        made once), or None where the experts have none."""
+        if self.gate_up_proj_bias is None:
+            return None
+        if getattr(self, "_host_biases", None) is None:
+            self._host_biases = tuple(b.detach().float().cpu().contiguous() for b in (self.gate_up_proj_bias,
+                                                                                      self.down_proj_bias))  # fmt: skip
+        return self._host_biases
 
     def load(self, ids: torch.Tensor) -> Ensured:
         got = self.cache.ensure(self.moe_layer, ids, self.banks)

@@ -43,7 +43,7 @@ class ExpertLayout:
         # (x, ids, weights, w13, w2, arrivals=, bias=) -> [T, H]
         self.decode: Callable = decode_reference if act == "silu" else partial(decode_reference, glu=self.glu)
         self.decode_waits = False  # whether `decode` waits for each copied expert itself (the kernels do)
-        # (x, slots, weights, w13, w2, cpu_out, arrivals=, cpu_wait=) -> [T, H]: `decode` with CPU pairs' rows
+        # (x, slots, weights, w13, w2, cpu_out, arrivals=, cpu_wait=, bias=) -> [T, H]: `decode` with CPU pairs' rows
         self.decode_cpu: Callable = self._decode_cpu_reference
 
     def _prefill_references(self) -> None:
@@ -85,6 +85,7 @@ class ExpertLayout:
     def _decode_cpu_reference(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         cpu_out: torch.Tensor, arrivals=None, cpu_wait: CpuWait | None = None,  # noqa: ANN001 - decode's
+        bias: PairBiases | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """`decode` where pairs of slot -1 were computed on the CPU (`cpu_out` [T * K, H] fp32, their rows): every
         other pair's output as `decode` computes it (itself, one pair a token, weight 1), the CPU's rounded to x's
@@ -97,7 +98,8 @@ class ExpertLayout:
         scratch = torch.full_like(flat, w13.shape[0] - 1)  # a slot to read instead: the pool's scratch slot
         xs = x.repeat_interleave(top_k, dim=0)  # [pairs, H]
         ones = torch.ones(flat.numel(), 1, dtype=x.dtype, device=x.device)
-        out = self.decode(xs, torch.where(on_cpu, scratch, flat)[:, None], ones, w13, w2, arrivals=arrivals)
+        bias = {} if bias is None else {"bias": bias}  # one pair a row, in pair order: the pairs' own biases
+        out = self.decode(xs, torch.where(on_cpu, scratch, flat)[:, None], ones, w13, w2, arrivals=arrivals, **bias)
         if cpu_wait is not None:
             from edgemoe.kernels.miss_copy import await_cpu_rows
 
@@ -150,9 +152,9 @@ class QuantExpertLayout(ExpertLayout):
                 x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals, bias=bias, act=act
             )
 
-        def decode_cpu(x, ids, weights, w13, w2, cpu_out, arrivals=None, cpu_wait=None):  # noqa: ANN001, ANN202
+        def decode_cpu(x, ids, weights, w13, w2, cpu_out, arrivals=None, cpu_wait=None, bias=None):  # noqa: ANN001, ANN202
             return quant_fused_experts(x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals,
-                                       cpu_out=cpu_out, cpu_wait=cpu_wait, act=act)  # fmt: skip
+                                       cpu_out=cpu_out, cpu_wait=cpu_wait, bias=bias, act=act)  # fmt: skip
 
         # the kernels read CPU pairs' rows themselves (and wait for them in a captured step), as the dense one does
         self.decode, self.decode_cpu, self.decode_waits = decode, decode_cpu, True
@@ -188,10 +190,11 @@ class QuantExpertLayout(ExpertLayout):
 def _fused_cpu(
     fused: Callable, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     cpu_out: torch.Tensor, arrivals=None, cpu_wait: CpuWait | None = None,  # noqa: ANN001 - decode's
+    bias: PairBiases | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The dense kernel's `decode_cpu`: the kernel reads CPU pairs' rows itself, and waits for them in a captured step
     (`edgemoe.kernels.moe_gemv`)."""
-    return fused(x, slots, weights, w13, w2, arrivals=arrivals, cpu_out=cpu_out, cpu_wait=cpu_wait)
+    return fused(x, slots, weights, w13, w2, arrivals=arrivals, cpu_out=cpu_out, cpu_wait=cpu_wait, bias=bias)
 
 
 def split_rows(joined: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

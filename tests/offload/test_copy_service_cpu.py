@@ -93,7 +93,7 @@ def make(steps_of, pool: CpuExperts | None, cases=("fp32", "bf16")):
     gpu.service = CopyService(pools, torch.zeros(E, dtype=torch.int64), CHUNKS, E, group=1, driver=gpu,
                               max_pairs=MAX_PAIRS)  # fmt: skip
     if pool is not None:
-        gpu.service.attach_cpu(pool, layers, MAX_TOKENS)
+        gpu.service.attach_cpu(pool, [(bank, layout, None) for bank, layout in layers], MAX_TOKENS)
     return gpu, pools, copy_banks, layers
 
 

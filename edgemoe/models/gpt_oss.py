@@ -299,7 +299,7 @@ def gguf_hparams(writer, config: dict) -> None:  # noqa: ANN001 - a gguf.GGUFWri
     writer.add_uint32(f"{a}.expert_feed_forward_length", config["intermediate_size"])
 
 
-def gguf_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def gguf_tensors(name: str, t: torch.Tensor, config: dict) -> list[tuple[str, torch.Tensor]]:
     """A checkpoint tensor as the parts llama.cpp's converter writes of it (float experts), each named as the gguf
     package's name map knows it (`edgemoe.tools.make_gguf`): the experts transposed to [E, out, in], gate_up and its
     bias split into their even (gate) and odd (up) rows, the sinks as a weight."""

@@ -215,6 +215,10 @@ def test_measure_and_fit_on_a_real_expert() -> None:
         bank = allocate_bank((16, layout.row), torch.bfloat16, pin=True)
         banks = layout.copy_views(bank)
 
+        @staticmethod
+        def host_biases() -> None:
+            return None
+
     Layer.bank.normal_(0, 0.02)
     device = torch.device("cuda")
     with CpuExperts() as pool:

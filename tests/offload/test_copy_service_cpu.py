@@ -208,6 +208,9 @@ def test_resolve_attaches_the_pool_and_close_detaches_it(pool: CpuExperts) -> No
         def __init__(self, i: int) -> None:
             self.layer, (self.bank, self.layout), self.num_experts = i, layers[i], E
 
+        def host_biases(self) -> None:
+            return None
+
     split = resolve(2, [Layer(0), Layer(1)], torch.device("cpu"), TOP_K, True, service=gpu.service,
                     max_tokens=MAX_TOKENS)  # fmt: skip
     assert split.table.tolist()[:4] == [0, 1, 2, 2] and not split.fitted and split.service is gpu.service

@@ -234,9 +234,13 @@ def test_inputs_it_cannot_compute_are_clear_errors(pool: CpuExperts) -> None:
     fails("cannot read experts", None, ExpertLayout(layout.hidden, layout.inter, torch.float64))
     relu = make_layout("Q8_0")
     relu.act_name = "relu"
-    fails("computes silu, gelu_pytorch_tanh, not relu", None, relu)
+    fails("computes silu, gelu_pytorch_tanh, swiglu_oai, not relu", None, relu)
+    with pytest.raises(EdgeMoEError, match="down biases: expected"):
+        pool.compute(*args, (torch.zeros(7, 2 * layout.inter), torch.zeros(7, layout.hidden + 1)))
     # 35: TQ2_0, a GGUF format it does not read
-    for field, value, match in [("gate_up_format", 35, "format"), ("down_offset", 0, "shapes"), ("act", 7, "activ")]:
+    changes = [("gate_up_format", 35, "format"), ("down_offset", 0, "shapes"), ("act", 7, "activ"),
+               ("gate_up_bias", bank.data_ptr(), "shapes")]  # one bias array without the other
+    for field, value, match in changes:
         job = pool.job(*args)
         setattr(job, field, value)
         with pytest.raises(EdgeMoEError, match=match):

@@ -238,8 +238,12 @@ def test_inputs_it_cannot_compute_are_clear_errors(pool: CpuExperts) -> None:
     with pytest.raises(EdgeMoEError, match="down biases: expected"):
         pool.compute(*args, (torch.zeros(7, 2 * layout.inter), torch.zeros(7, layout.hidden + 1)))
     # 35: TQ2_0, a GGUF format it does not read
-    changes = [("gate_up_format", 35, "format"), ("down_offset", 0, "shapes"), ("act", 7, "activ"),
-               ("gate_up_bias", bank.data_ptr(), "shapes")]  # one bias array without the other
+    changes = [
+        ("gate_up_format", 35, "format"),
+        ("down_offset", 0, "shapes"),
+        ("act", 7, "activ"),
+        ("gate_up_bias", bank.data_ptr(), "shapes"),
+    ]  # one bias array without the other
     for field, value, match in changes:
         job = pool.job(*args)
         setattr(job, field, value)

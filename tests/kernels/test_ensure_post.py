@@ -62,7 +62,7 @@ def test_posted_rows_carry_the_cpu_pairs_and_x() -> None:
     cache.attach_pool(*layout.copy_views(pool), pool)
     cache.ensure_scratch = torch.zeros(S + 2 * E, dtype=torch.long)
     gpu = Served([])
-    service = CopyService((cache.w13, cache.w2), cache.arrival_counters, 1, E, group=0, driver=gpu,
+    service = CopyService((cache.pool_a, cache.pool_b), cache.arrival_counters, 1, E, group=0, driver=gpu,
                           max_pairs=TOKENS * TOP_K)  # fmt: skip
     gpu.service = service
     table = torch.tensor(manual_table(1, E), dtype=torch.int32)  # one miss a layer-step on the CPU

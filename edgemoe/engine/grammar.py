@@ -5,7 +5,7 @@ Grammars are llguidance's (Lark syntax, JSON schemas inline as `%json {...}`: do
 chosen over xgrammar for its wheel without dependencies and its tokenizer built from the `tokenizer.json` the engine
 already reads. `GrammarConstraint` is a logits processor (`LLMEngine.logits_processors`): at each step, each
 constrained sequence's matcher takes the tokens sampled since its last mask and writes the next mask (a bit per
-token, on the host; llguidance lets go of the GIL), and the masks go to the step's logits in one op.
+token, on the host; llguidance lets go of the GIL), and the masks go to the step's logits as one add of 0 / -inf.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class GrammarConstraint:
         self.tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=sorted(stop_ids))
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
-        self._bits = torch.arange(32, dtype=torch.int32)
+        self._tables: dict[tuple, torch.Tensor] = {}  # byte -> its 8 tokens' penalties, by device and dtype
         self._stop = torch.zeros(self._words, dtype=torch.int32)  # the mask that allows only the stop tokens
         for t in stop_ids:
             self._stop[t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
@@ -64,7 +64,18 @@ class GrammarConstraint:
                 masks[i] = self._stop  # a token the grammar refused (another processor chose it): end there
             else:
                 m.matcher.unsafe_compute_mask_ptr(masks[i].data_ptr(), self._words * 4)
-        allowed = ((masks.unsqueeze(-1) >> self._bits) & 1).reshape(len(rows), -1)[:, : logits.shape[1]].bool()
+        penalty = self._penalties(masks.to(logits.device, non_blocking=True), logits.dtype)[:, : logits.shape[1]]
         index = torch.tensor([row for row, _, _ in rows], device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
-        return logits
+        return logits.index_add_(0, index, penalty)  # -inf where the grammar refuses the token, + 0 elsewhere
+
+    def _penalties(self, masks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Packed masks [rows, vocab / 32] int32 -> [rows, vocab] of 0 (allowed) or -inf in `dtype`, on the masks'
+        device: each byte (little-endian words: token 32 w + 8 b + j is bit j of byte b) looks up its 8 values in a
+        [256, 8] table, one gather, added to the logits in one op. At a 151,936-token vocabulary on the CPU this is
+        ~0.25 ms a row where shifting every word 32 ways, then a masked fill of gathered rows, took ~1.2 ms."""
+        table = self._tables.get((masks.device, dtype))
+        if table is None:
+            bits = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+            table = torch.zeros(256, 8, dtype=dtype).masked_fill(~bits, float("-inf")).to(masks.device)
+            self._tables[masks.device, dtype] = table
+        return table[masks.view(torch.uint8).int()].reshape(masks.shape[0], -1)

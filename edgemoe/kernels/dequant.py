@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from edgemoe.kernels.protocol import PairBiases
 from edgemoe.kernels.quant_decode import _e2m1_doubled, _f16, _word
 from edgemoe.quant import QuantLike, quant_type, row_bytes
 
@@ -214,13 +215,15 @@ def quant_pair_outputs(
     q2: QuantLike,
     out: torch.Tensor | None = None,
     wave: int | None = None,
+    bias: PairBiases | None = None,
+    act: str = "silu",
 ) -> torch.Tensor:
     """`grouped_gemm.pair_outputs` over quantized banks (x [T, H], rows [T * K] bank rows, -1 skipped; w13 uint8
     [N, 2I, row_bytes(q13, H)], w2 uint8 [N, H, row_bytes(q2, I)]): the experts the pairs use are dequantized in
     waves of `wave` (default `wave_experts`) into a scratch bank, and each wave's pairs are computed by the bf16
     grouped GEMM over it (the other pairs skipped). Every expert's pairs form the tiles they form in one launch, so
     the result is bitwise the same whatever the waves and whichever bank rows hold the experts (resident, a slot
-    pool, a streamed area). One host sync (the used rows)."""
+    pool, a streamed area). One host sync (the used rows). `bias`, `act`: as `pair_outputs`'."""
     from edgemoe.kernels.grouped_gemm import pair_outputs, pick_blocks, schedule
 
     H, inter, N = x.shape[1], w13.shape[1] // 2, w13.shape[0]
@@ -240,7 +243,7 @@ def quant_pair_outputs(
         d2 = dequantize_rows(w2, these, q2, inter, out=s2[: these.numel()], dtype=x.dtype)  # [G, H, I]
         bank_of.fill_(-1)
         bank_of[these] = torch.arange(these.numel(), device=x.device)
-        pair_outputs(x, rows, weights, d13, d2, out=out, plan=plan, bank_of=bank_of)
+        pair_outputs(x, rows, weights, d13, d2, out=out, plan=plan, bank_of=bank_of, bias=bias, act=act)
     return out
 
 

@@ -11,9 +11,11 @@ the device, so the grid is a bound that needs no host read: sum_e cdiv(n_e, BLOC
 
 - gate_up, program (tile, column block): BLOCK_M pairs' rows of x gathered by token, times BLOCK_N gate columns and
   the matching up columns of the tile's expert (two fp32 accumulators, `tl.dot`); the epilogue writes
-  h = silu(gate) * up [pairs, I] in x's dtype, in sorted order (down reads a tile's rows contiguously).
-- down, program (tile, column block): h's tile times BLOCK_N rows of w2, scaled by each pair's routing weight, into
-  the pair's own row of y [pairs, H] (original pair order).
+  h = silu(gate) * up [pairs, I] in x's dtype, in sorted order (down reads a tile's rows contiguously); with expert
+  biases (gpt-oss) each pair's are added first, by its expert id, and gpt-oss's clamped SwiGLU may replace SiLU
+  (moe_gemv's `_glu`).
+- down, program (tile, column block): h's tile times BLOCK_N rows of w2 (plus the pair's down bias, if any), scaled
+  by each pair's routing weight, into the pair's own row of y [pairs, H] (original pair order).
 
 Then each token's top_k rows of y are summed in fp32 in pair order (`edgemoe.moe.experts.sum_pairs`): no atomics
 anywhere, so results
@@ -35,13 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
+from edgemoe.kernels.moe_gemv import ACTS, _glu, _plus_down_bias, bias_args
+from edgemoe.kernels.protocol import PairBiases
+
 
 @triton.jit
 def _gate_up(
-    x, order, tile_expert, tile_first, starts, w13, h, bank_of,
+    x, order, tile_expert, tile_first, starts, w13, h, bank_of, b13, bias_ids,
     n_rows, H, inter, top_k, stride_x, stride_e, stride_r,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr, PRECISION: tl.constexpr, MAP: tl.constexpr,
+    STAGES: tl.constexpr, PRECISION: tl.constexpr, MAP: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_n = tl.cdiv(inter, BLOCK_N)
@@ -57,7 +62,8 @@ def _gate_up(
     row0 = tl.load(starts + e) + (tile - tl.load(tile_first + e)) * BLOCK_M
     m = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] sorted positions
     in_tile = m < tl.load(starts + e + 1)
-    tok = tl.load(order + m, mask=in_tile, other=0) // top_k
+    pair = tl.load(order + m, mask=in_tile, other=0)
+    tok = pair // top_k
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     cols = n < inter
@@ -76,17 +82,18 @@ def _gate_up(
             bmask = ks[:, None] & cols[None, :]
         acc_g = tl.dot(a, tl.load(g_ptr + k0, mask=bmask, other=0.0), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, tl.load(u_ptr + k0, mask=bmask, other=0.0), acc_u, input_precision=PRECISION)
-    out = acc_g * tl.sigmoid(acc_g) * acc_u
+    mask = in_tile[:, None] & cols[None, :]
+    out = _glu(acc_g, acc_u, b13, bias_ids, pair[:, None], n[None, :], inter, mask, ACT, BIAS)
     h_ptr = h + m.to(tl.int64)[:, None] * inter + n[None, :]
-    tl.store(h_ptr, out.to(h.dtype.element_ty), mask=in_tile[:, None] & cols[None, :])
+    tl.store(h_ptr, out.to(h.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _down(
-    h, order, weights, tile_expert, tile_first, starts, w2, y, bank_of,
+    h, order, weights, tile_expert, tile_first, starts, w2, y, bank_of, b2, bias_ids,
     n_rows, H, inter, stride_e, stride_r, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr, PRECISION: tl.constexpr, MAP: tl.constexpr,
+    STAGES: tl.constexpr, PRECISION: tl.constexpr, MAP: tl.constexpr, BIAS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -119,6 +126,7 @@ def _down(
         acc = tl.dot(a, tl.load(b_ptr + k0, mask=bmask, other=0.0), acc, input_precision=PRECISION)
     pair = tl.load(order + m, mask=in_tile, other=0)
     wk = tl.load(weights + pair, mask=in_tile, other=0.0).to(tl.float32)
+    acc = _plus_down_bias(acc, b2, bias_ids, pair, n, H, in_tile, BIAS)
     y_ptr = y + pair.to(tl.int64)[:, None] * stride_y + n[None, :]
     tl.store(y_ptr, (acc * wk[:, None]).to(y.dtype.element_ty), mask=in_tile[:, None] & cols[None, :])
 
@@ -168,6 +176,8 @@ def pair_outputs(
     blocks: Blocks | None = None,
     plan: tuple[torch.Tensor, ...] | None = None,
     bank_of: torch.Tensor | None = None,
+    bias: PairBiases | None = None,
+    act: str = "silu",
 ) -> torch.Tensor:
     """x: [T, H]; rows: [T * K] the bank row of each pair (token t = pair // K; -1: skipped); weights: [T * K];
     w13: [N, 2I, H] (gate rows, then up rows); w2: [N, H, I] -> out [T * K, H] in x's dtype: each computed pair's
@@ -175,7 +185,8 @@ def pair_outputs(
     may be any [N, ...] views contiguous in their last dim (a slot pool's). `plan`, `bank_of`: `rows` index experts
     [0, R) whose weights lie at bank rows bank_of [R] (-1: the expert's pairs are skipped), scheduled once by `plan`
     (`schedule(rows, R, blocks.m)`), so that several launches over other banks reuse one schedule (quantized
-    prefill's waves)."""
+    prefill's waves). `bias`, `act`: the pairs' expert biases and the gated activation, as
+    `edgemoe.kernels.moe_gemv.fused_experts`' (a pair's bias is read by its expert id, whatever its row)."""
     (T, H), P, (N, two_i, _) = x.shape, rows.numel(), w13.shape
     inter, K = two_i // 2, P // max(T, 1)
     assert w13.shape[2] == H and w2.shape[1:] == (H, inter) and w13.stride(2) == 1 and w2.stride(2) == 1
@@ -192,15 +203,17 @@ def pair_outputs(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 as torch's matmul computes it (no TF32)
     h = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # [pairs, I] in sorted order
     tiles, mapped = tile_expert.numel(), bank_of if bank_of is not None else rows
+    b13, bias_ids = bias_args(bias, rows)
+    b2 = rows if bias is None else bias.down
     _gate_up[(tiles * triton.cdiv(inter, b.up_n),)](
-        x, order, tile_expert, tile_first, starts, w13, h, mapped, R, H, inter, K, x.stride(0), w13.stride(0),
-        w13.stride(1), b.m, b.up_n, b.up_k, H % b.up_k == 0, b.stages, precision, bank_of is not None,
-        num_warps=b.warps,
+        x, order, tile_expert, tile_first, starts, w13, h, mapped, b13, bias_ids, R, H, inter, K, x.stride(0),
+        w13.stride(0), w13.stride(1), b.m, b.up_n, b.up_k, H % b.up_k == 0, b.stages, precision, bank_of is not None,
+        ACTS[act], bias is not None, num_warps=b.warps,
     )  # fmt: skip
     _down[(tiles * triton.cdiv(H, b.down_n),)](
-        h, order, weights, tile_expert, tile_first, starts, w2, out, mapped, R, H, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), b.m, b.down_n, b.down_k, inter % b.down_k == 0, b.stages, precision, bank_of is not None,
-        num_warps=b.warps,
+        h, order, weights, tile_expert, tile_first, starts, w2, out, mapped, b2, bias_ids, R, H, inter, w2.stride(0),
+        w2.stride(1), out.stride(0), b.m, b.down_n, b.down_k, inter % b.down_k == 0, b.stages, precision,
+        bank_of is not None, bias is not None, num_warps=b.warps,
     )  # fmt: skip
     return out
 
@@ -212,8 +225,10 @@ def grouped_gemm(
     w13: torch.Tensor,
     w2: torch.Tensor,
     blocks: Blocks | None = None,
+    bias: PairBiases | None = None,
+    act: str = "silu",
 ) -> torch.Tensor:
     """x: [T, H]; ids, weights: [T, K]; w13: [N, 2I, H]; w2: [N, H, I] -> [T, H] in x's dtype (`prefill_reference`'
-    signature, SiLU only)."""
-    y = pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2, blocks=blocks)
+    signature; `act` in place of its `glu`)."""
+    y = pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2, blocks=blocks, bias=bias, act=act)
     return y.view(-1, ids.shape[1], y.shape[-1]).sum(dim=1, dtype=torch.float32).to(y.dtype)  # as `sum_pairs`

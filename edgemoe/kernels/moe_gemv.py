@@ -41,7 +41,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
-from edgemoe.kernels.protocol import Arrivals, CpuWait
+from edgemoe.kernels.protocol import Arrivals, CpuWait, PairBiases
 
 
 @triton.jit
@@ -73,12 +73,44 @@ def _with_cpu_rows(yk, on_cpu, pair, n, H, cpu_out, cpu_done, cpu_seq, CPU_WAIT:
     return tl.where(from_cpu, rows, yk)
 
 
+ACTS = {"silu": 0, "swiglu_oai": 1}  # the gated activations the expert kernels compute (`edgemoe.layers.mlp.GLUS`)
+
+
+@triton.jit
+def _glu(gate, up, b13, bias_ids, pair, n, inter, mask, ACT: tl.constexpr, BIAS: tl.constexpr):
+    """A pair's gate and up rows n (fp32 sums) -> the down projection's input, fp32: first the pair's expert biases
+    (b13 [experts, 2I], the expert bias_ids[pair]) where BIAS, then SiLU(gate) * up (ACT 0) or gpt-oss's clamped
+    SwiGLU (ACT 1: `edgemoe.layers.mlp.swiglu_oai`). `pair` and `mask` are scalars or shaped like n's rows (the
+    grouped GEMM's tiles). Shared with quant_gemv and grouped_gemm."""
+    if BIAS:
+        e = tl.load(bias_ids + pair).to(tl.int64)
+        gate += tl.load(b13 + e * 2 * inter + n, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(b13 + e * 2 * inter + inter + n, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 1:
+        gate = tl.minimum(gate, 7.0)
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
+        return (up + 1.0) * (gate * tl.sigmoid(gate * 1.702))
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _plus_down_bias(y, b2, bias_ids, pair, n, H, mask, BIAS: tl.constexpr):
+    """Pair outputs y [P, BLOCK_N] (pairs `pair` [P], rows n [BLOCK_N]) plus their experts' down biases (b2 [experts,
+    H]) where BIAS."""
+    if BIAS:
+        e = tl.load(bias_ids + pair, mask=mask, other=0).to(tl.int64)
+        y += tl.load(b2 + e[:, None] * H + n[None, :], mask=mask[:, None] & (n < H)[None, :], other=0.0).to(tl.float32)
+    return y
+
+
 @triton.jit
 def _up(
     x,
     ids,
     w13,
     h,
+    b13,
+    bias_ids,
     dst,
     count,
     arrived,
@@ -100,6 +132,8 @@ def _up(
     CACHE: tl.constexpr,
     PDL: tl.constexpr,
     CPU: tl.constexpr,
+    ACT: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
     pair = tl.program_id(0)
     if STREAMED:  # no wait for the copy kernel: only for this pair's rows, if they are in its list
@@ -136,7 +170,8 @@ def _up(
         acc_up += tl.load(up_ptr + k0, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32) * xk
     gate = tl.sum(acc_gate, axis=1)
     up = tl.sum(acc_up, axis=1)
-    tl.store(h + pair * inter + n, (gate * tl.sigmoid(gate) * up).to(h.dtype.element_ty), mask=rows)
+    y = _glu(gate, up, b13, bias_ids, pair, n, inter, rows, ACT, BIAS)
+    tl.store(h + pair * inter + n, y.to(h.dtype.element_ty), mask=rows)
 
 
 @triton.jit
@@ -146,6 +181,8 @@ def _down(
     weights,
     w2,
     out,
+    b2,
+    bias_ids,
     cpu_out,
     cpu_done,
     cpu_seq,
@@ -164,6 +201,7 @@ def _down(
     PDL: tl.constexpr,
     CPU: tl.constexpr,
     CPU_WAIT: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     t = tl.program_id(0)
@@ -192,7 +230,7 @@ def _down(
         w = tl.load(w_ptr + k0, mask=mask, other=0.0, cache_modifier=CACHE)
         acc += w.to(tl.float32) * hk.to(tl.float32)[:, None, :]
     wk = tl.load(weights + pair, mask=pairs, other=0.0).to(tl.float32)  # [BLOCK_P]
-    yk = tl.sum(acc, axis=2)  # [BLOCK_P, BLOCK_N] each pair's output
+    yk = _plus_down_bias(tl.sum(acc, axis=2), b2, bias_ids, pair, n, H, pairs, BIAS)  # [BLOCK_P, BLOCK_N]
     if CPU:
         yk = _with_cpu_rows(yk, pairs & (expert < 0), pair, n, H, cpu_out, cpu_done, cpu_seq, CPU_WAIT)
     y = tl.sum(yk * wk[:, None], axis=0)  # [BLOCK_N] in k order
@@ -242,17 +280,23 @@ def fused_experts(
     arrivals: Arrivals | None = None,
     cpu_out: torch.Tensor | None = None,
     cpu_wait: CpuWait | None = None,
+    bias: PairBiases | None = None,
+    act: str = "silu",
 ) -> torch.Tensor:
     """x: [T, H]; ids: [T, K] rows of w13/w2 (expert ids, or slots of an offload pool); weights: [T, K] (float32 or
     x's dtype); w13: [N, 2I, H] (gate rows, then up rows); w2: [N, H, I] -> [T, H] in x's dtype. The weight banks
     may be any [N, ...] views contiguous in their last dim. `blocks` is for benchmarks/moe_gemv.py's sweep.
+    `bias`: the pairs' expert biases (gpt-oss), added to gate/up before the activation and to each pair's output
+    before its weight; `act`: the gated activation, a key of `ACTS`.
     `arrivals`: the miss copy launched just before is filling some of ids' slots; wait for those rows only.
     `cpu_out` [T * K, H] fp32: the outputs of the pairs whose id is -1, computed on the CPU
     (`edgemoe.offload.cpu_split`), weighted and summed over k in the same order as the others. `cpu_wait`: in a
     captured step those rows arrive from the copy service during the kernels; down waits for them (its programs
     whose token has a CPU pair, once their own pairs are summed)."""
-    h = up_proj(x, ids, w13, blocks, arrivals, cpu=cpu_out is not None)
-    return down_proj(h, ids, weights, w2, blocks, streamed=arrivals is not None, cpu_out=cpu_out, cpu_wait=cpu_wait)
+    h = up_proj(x, ids, w13, blocks, arrivals, cpu=cpu_out is not None, bias=bias, act=act)
+    return down_proj(
+        h, ids, weights, w2, blocks, streamed=arrivals is not None, cpu_out=cpu_out, cpu_wait=cpu_wait, bias=bias
+    )
 
 
 def up_proj(
@@ -262,9 +306,11 @@ def up_proj(
     blocks: Blocks | None = None,
     arrivals: Arrivals | None = None,
     cpu: bool = False,
+    bias: PairBiases | None = None,
+    act: str = "silu",
 ) -> torch.Tensor:
     """x: [T, H], ids: [T, K], w13: [N, 2I, H] -> h = silu(gate) * up [T * K, I] in x's dtype (`cpu`: ids -1 are
-    pairs computed on the CPU, left out)."""
+    pairs computed on the CPU, left out; `bias`, `act`: as `fused_experts`')."""
     (T, H), K, inter = x.shape, ids.shape[1], w13.shape[1] // 2
     assert w13.shape[2] == H and w13.stride(2) == 1
     x, ids = x if x.stride(1) == 1 else x.contiguous(), ids.contiguous()
@@ -274,13 +320,24 @@ def up_proj(
         a = arrivals or Arrivals(ids, ids, ids, 1)  # unread unless streamed
         M = a.dst.numel()
         # pairs on the fastest axis: pairs of one expert (other tokens) read the same rows together, from L2
+        b13, bias_ids = bias_args(bias, ids)
         _up[(T * K, triton.cdiv(inter, b.up_n))](
-            x, ids, w13, h, a.dst, a.count, a.counters, H, inter, K, x.stride(0), w13.stride(0), w13.stride(1), M,
+            x, ids, w13, h, b13, bias_ids, a.dst, a.count, a.counters, H, inter, K, x.stride(0), w13.stride(0),
+            w13.stride(1), M,
             b.up_n, b.up_k, H % b.up_k == 0, b.up_stages, arrivals is not None, a.after_ensure, a.chunks,
-            triton.next_power_of_2(max(M, 1)), _cache(arrivals is not None), CPU=cpu, num_warps=b.up_warps,
-            **launch_args(x.device),
+            triton.next_power_of_2(max(M, 1)), _cache(arrivals is not None), CPU=cpu, ACT=ACTS[act],
+            BIAS=bias is not None, num_warps=b.up_warps, **launch_args(x.device),
         )  # fmt: skip
     return h
+
+
+def bias_args(bias: PairBiases | None, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' bias arguments: a bias bank and each pair's expert id (`bias.gate_up` and `bias.experts`), or
+    `ids` twice where there are none (unread)."""
+    if bias is None:
+        return ids, ids
+    assert bias.gate_up.is_contiguous() and bias.down.is_contiguous() and bias.experts.numel() == ids.numel()
+    return bias.gate_up, bias.experts.contiguous()
 
 
 def _cache(streamed: bool) -> str:
@@ -297,9 +354,10 @@ def down_proj(
     streamed: bool = False,
     cpu_out: torch.Tensor | None = None,
     cpu_wait: CpuWait | None = None,
+    bias: PairBiases | None = None,
 ) -> torch.Tensor:
     """h: [T * K, I] from `up_proj`, ids and weights: [T, K], w2: [N, H, I] -> [T, H] in h's dtype. `streamed`:
-    up waited for the miss copy's rows, not for the copy kernel (read w2 at L2). `cpu_out`, `cpu_wait`: as
+    up waited for the miss copy's rows, not for the copy kernel (read w2 at L2). `cpu_out`, `cpu_wait`, `bias`: as
     `fused_experts`'."""
     (T, K), H, inter = ids.shape, w2.shape[1], w2.shape[2]
     assert h.shape == (T * K, inter) and h.is_contiguous() and w2.stride(2) == 1
@@ -310,10 +368,11 @@ def down_proj(
         if cpu_out is not None:
             assert cpu_out.shape == (T * K, H) and cpu_out.dtype == torch.float32 and cpu_out.is_contiguous()
         flag, seq = (ids, ids) if cpu_wait is None else (cpu_wait.done, cpu_wait.seq)  # unread without a wait
+        b2, bias_ids = (ids, ids) if bias is None else (bias.down, bias_args(bias, ids)[1])
         _down[(T, triton.cdiv(H, b.down_n))](  # likewise tokens first
-            h, ids, weights, w2, out, h if cpu_out is None else cpu_out, flag, seq, H, inter, K, out.stride(0),
-            w2.stride(0), w2.stride(1), triton.next_power_of_2(K), b.down_n, b.down_k, inter % b.down_k == 0,
-            b.down_stages, _cache(streamed), CPU=cpu_out is not None, CPU_WAIT=cpu_wait is not None,
-            num_warps=b.down_warps, **launch_args(h.device),
+            h, ids, weights, w2, out, b2, bias_ids, h if cpu_out is None else cpu_out, flag, seq, H, inter, K,
+            out.stride(0), w2.stride(0), w2.stride(1), triton.next_power_of_2(K), b.down_n, b.down_k,
+            inter % b.down_k == 0, b.down_stages, _cache(streamed), CPU=cpu_out is not None,
+            CPU_WAIT=cpu_wait is not None, BIAS=bias is not None, num_warps=b.down_warps, **launch_args(h.device),
         )  # fmt: skip
     return out

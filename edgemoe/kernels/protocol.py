@@ -21,6 +21,9 @@ Arrivals (`Arrivals`): one int64 counter per list entry, zeroed by `ensure`; an 
 reaches `chunks` (work items of the SM copy, or the copy service's single write). Readers acquire it at GPU scope.
 CPU rows (`CpuWait`): a reader of pair rows whose id is -1 acquires `done` at GPU scope until it reaches the service's
 tick (the sequence number of the step's own list, which was the last posted), then reads the rows at L2.
+
+Beside the copy protocol, one argument every expert function takes, kernel or reference: a layer's expert biases
+(`PairBiases`, gpt-oss), read by each pair's expert id since the bank row a pair's weights come from may be a slot.
 """
 
 from __future__ import annotations
@@ -105,3 +108,12 @@ class PolicyState(NamedTuple):
     reuse: torch.Tensor  # [L]
     freq_rate: float = 0.0
     reuse_rate: float = 0.0
+
+
+class PairBiases(NamedTuple):
+    """A layer's expert biases, gate_up [E, 2I] and down [E, H], and each pair's expert id [pairs], by which they are
+    read: the bank rows a pair's weights come from may be cache slots, not experts."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    experts: torch.Tensor

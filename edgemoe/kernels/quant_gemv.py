@@ -37,20 +37,20 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from edgemoe.kernels.moe_gemv import _await_rows, _with_cpu_rows
+from edgemoe.kernels.moe_gemv import ACTS, _await_rows, _glu, _plus_down_bias, _with_cpu_rows, bias_args
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
-from edgemoe.kernels.protocol import Arrivals, CpuWait
+from edgemoe.kernels.protocol import Arrivals, CpuWait, PairBiases
 from edgemoe.kernels.quant_decode import ALIGN, GROUPS, decode_step
 from edgemoe.quant import QuantLike, QuantType, dequantize, quant_type, row_bytes
 
 
 @triton.jit
 def _up(
-    x, ids, w13, h, dst, count, arrived, inter, top_k, nblk, stride_x, stride_e, stride_r, M,
+    x, ids, w13, h, b13, bias_ids, dst, count, arrived, inter, top_k, nblk, stride_x, stride_e, stride_r, M,
     QTYPE: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, L: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr, STAGES: tl.constexpr, STREAMED: tl.constexpr, AFTER_ENSURE: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, CACHE: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
-    CPU: tl.constexpr,
+    CPU: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if STREAMED:  # as moe_gemv's up: no wait for the copy kernel, only for this pair's rows if listed
@@ -78,15 +78,17 @@ def _up(
     r = tl.sum(tl.sum(acc, axis=3), axis=2)  # [2, BLOCK_N]
     gate = tl.sum(tl.where(half[:, None] == 0, r, 0.0), axis=0)
     up = tl.sum(tl.where(half[:, None] == 1, r, 0.0), axis=0)
-    tl.store(h + pair * inter + n, (gate * tl.sigmoid(gate) * up).to(h.dtype.element_ty), mask=n < inter)
+    y = _glu(gate, up, b13, bias_ids, pair, n, inter, n < inter, ACT, BIAS)
+    tl.store(h + pair * inter + n, y.to(h.dtype.element_ty), mask=n < inter)
 
 
 @triton.jit
 def _down(
-    h, ids, weights, w2, out, cpu_out, cpu_done, cpu_seq, H, inter, top_k, nblk, stride_o, stride_e, stride_r,
+    h, ids, weights, w2, out, b2, bias_ids, cpu_out, cpu_done, cpu_seq, H, inter, top_k, nblk, stride_o, stride_e,
+    stride_r,
     QTYPE: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, CACHE: tl.constexpr, UNIT: tl.constexpr,
-    PDL: tl.constexpr, CPU: tl.constexpr, CPU_WAIT: tl.constexpr,
+    PDL: tl.constexpr, CPU: tl.constexpr, CPU_WAIT: tl.constexpr, BIAS: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(PDL)
     t = tl.program_id(0)
@@ -105,7 +107,7 @@ def _down(
     for blk in tl.range(0, nblk, NB, num_stages=STAGES):
         acc = decode_step(acc, rows, vec, blk, nblk, QTYPE, NB, EVEN, CACHE, "")
     wk = tl.load(weights + pair, mask=pairs, other=0.0).to(tl.float32)  # [BLOCK_P]
-    r = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_P, BLOCK_N]
+    r = _plus_down_bias(tl.sum(tl.sum(acc, axis=3), axis=2), b2, bias_ids, pair, n, H, pairs, BIAS)  # [P, BLOCK_N]
     if CPU:
         r = _with_cpu_rows(r, on_cpu, pair, n, H, cpu_out, cpu_done, cpu_seq, CPU_WAIT)
     y = tl.sum(tl.where(pairs[:, None], r * wk[:, None], 0.0), axis=0)  # [BLOCK_N]
@@ -189,17 +191,21 @@ def quant_fused_experts(
     arrivals: Arrivals | None = None,
     cpu_out: torch.Tensor | None = None,
     cpu_wait: CpuWait | None = None,
+    bias: PairBiases | None = None,
+    act: str = "silu",
 ) -> torch.Tensor:
     """x: [T, H] (bf16, fp16 or fp32); ids: [T, K] rows of w13/w2 (expert ids or slots); weights: [T, K]; w13:
     uint8 [N, 2I, row_bytes(qtype_gate_up, H)]; w2: uint8 [N, H, row_bytes(qtype_down, I)] -> [T, H] in x's
     dtype. The banks may be views with any expert stride (a joined row per expert) and any row stride, each row's
     bytes contiguous. `blocks` is for benchmarks; `arrivals`, `cpu_out` (the outputs of pairs of id -1, computed on
-    the CPU) and `cpu_wait` as in `moe_gemv.fused_experts`."""
+    the CPU), `cpu_wait`, `bias` (expert biases) and `act` (the gated activation) as in `moe_gemv.fused_experts`."""
     q13, q2 = quant_type(qtype_gate_up), quant_type(qtype_down)
     b = blocks or pick_blocks(q13, q2, hidden, inter)
-    h = quant_up_proj(x, ids, w13, q13, inter, hidden, b, arrivals, cpu=cpu_out is not None)
+    h = quant_up_proj(x, ids, w13, q13, inter, hidden, b, arrivals, cpu=cpu_out is not None, bias=bias, act=act)
     streamed = arrivals is not None
-    return quant_down_proj(h, ids, weights, w2, q2, inter, hidden, b, streamed, cpu_out=cpu_out, cpu_wait=cpu_wait)
+    return quant_down_proj(
+        h, ids, weights, w2, q2, inter, hidden, b, streamed, cpu_out=cpu_out, cpu_wait=cpu_wait, bias=bias
+    )
 
 
 def _strides(w: torch.Tensor, rows: int, q: QuantType, n: int) -> tuple[int, int, int]:
@@ -226,9 +232,11 @@ def quant_up_proj(
     blocks: QuantBlocks | None = None,
     arrivals: Arrivals | None = None,
     cpu: bool = False,
+    bias: PairBiases | None = None,
+    act: str = "silu",
 ) -> torch.Tensor:
     """x: [T, H], ids: [T, K], w13: uint8 [N, 2I, row_bytes] -> h = silu(gate) * up [T * K, I] in x's dtype (`cpu`:
-    ids -1 are pairs computed on the CPU, left out)."""
+    ids -1 are pairs computed on the CPU, left out; `bias`, `act`: as `quant_fused_experts`')."""
     q = quant_type(qtype)
     (T, H), K = x.shape, ids.shape[1]
     assert H == hidden
@@ -240,11 +248,14 @@ def quant_up_proj(
         a = arrivals or Arrivals(ids, ids, ids, 1)  # unread unless streamed
         M, nblk = a.dst.numel(), hidden // q.block_weights
         groups, lanes = GROUPS[q.name]
+        b13, bias_ids = bias_args(bias, ids)
         _up[(T * K, triton.cdiv(inter, b.up_n))](
-            x, ids, w13, h, a.dst, a.count, a.counters, inter, K, nblk, x.stride(0), stride_e, stride_r, M,
+            x, ids, w13, h, b13, bias_ids, a.dst, a.count, a.counters, inter, K, nblk, x.stride(0), stride_e,
+            stride_r, M,
             int(q.ggml_type), b.up_blocks, groups * b.up_blocks, lanes, b.up_n, nblk % b.up_blocks == 0, b.up_stages,
             arrivals is not None, a.after_ensure, a.chunks, triton.next_power_of_2(max(M, 1)),
-            ".cg" if arrivals is not None else "", unit, CPU=cpu, num_warps=b.up_warps, **launch_args(x.device),
+            ".cg" if arrivals is not None else "", unit, CPU=cpu, ACT=ACTS[act], BIAS=bias is not None,
+            num_warps=b.up_warps, **launch_args(x.device),
         )  # fmt: skip
     return h
 
@@ -261,10 +272,11 @@ def quant_down_proj(
     streamed: bool = False,
     cpu_out: torch.Tensor | None = None,
     cpu_wait: CpuWait | None = None,
+    bias: PairBiases | None = None,
 ) -> torch.Tensor:
     """h: [T * K, I] from `quant_up_proj`, ids and weights: [T, K], w2: uint8 [N, H, row_bytes] -> [T, H] in h's
     dtype. `streamed`: up waited for the miss copy's rows, not for the copy kernel (read w2 at L2). `cpu_out`,
-    `cpu_wait`: as `quant_fused_experts`'."""
+    `cpu_wait`, `bias`: as `quant_fused_experts`'."""
     q = quant_type(qtype)
     T, K = ids.shape
     assert h.shape == (T * K, inter) and h.is_contiguous()
@@ -278,12 +290,14 @@ def quant_down_proj(
         if cpu_out is not None:
             assert cpu_out.shape == (T * K, hidden) and cpu_out.dtype == torch.float32 and cpu_out.is_contiguous()
         flag, seq = (ids, ids) if cpu_wait is None else (cpu_wait.done, cpu_wait.seq)  # unread without a wait
+        b2, bias_ids = (ids, ids) if bias is None else (bias.down, bias_args(bias, ids)[1])
         _down[(T, triton.cdiv(hidden, b.down_n))](
-            h, ids, weights, w2, out, h if cpu_out is None else cpu_out, flag, seq, hidden, inter, K, nblk,
+            h, ids, weights, w2, out, b2, bias_ids, h if cpu_out is None else cpu_out, flag, seq, hidden, inter, K,
+            nblk,
             out.stride(0), stride_e, stride_r, int(q.ggml_type), b.down_blocks, groups * b.down_blocks, lanes,
             triton.next_power_of_2(K), b.down_n, nblk % b.down_blocks == 0, b.down_stages, ".cg" if streamed else "",
-            unit, CPU=cpu_out is not None, CPU_WAIT=cpu_wait is not None, num_warps=b.down_warps,
-            **launch_args(h.device),
+            unit, CPU=cpu_out is not None, CPU_WAIT=cpu_wait is not None, BIAS=bias is not None,
+            num_warps=b.down_warps, **launch_args(h.device),
         )  # fmt: skip
     return out
 

@@ -9,9 +9,9 @@ are (`ModelConfig.expert_format`); a checkpoint of float experts (transformers' 
 read too. transformers stores an expert's gate and up rows interleaved (even rows gate, odd rows up) and its float
 weights transposed; `convert` lays them out as every family's.
 
-On CUDA the attention of every layer (sinks; sliding windows) decodes with the Triton paged-attention kernel; its
-prefill with sinks, the router and the experts (their biases and activation) stay plain torch: the Triton kernels take
-none of them yet.
+On CUDA the attention of every layer (sinks; sliding windows) decodes with the Triton paged-attention kernel, and the
+experts (their biases and clamped SwiGLU) run the expert kernels, MXFP4 as stored, in decode and prefill; prefill
+attention with sinks and the router stay plain torch.
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def gguf_hparams(writer, config: dict) -> None:  # noqa: ANN001 - a gguf.GGUFWri
     writer.add_uint32(f"{a}.expert_feed_forward_length", config["intermediate_size"])
 
 
-def gguf_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def gguf_tensors(name: str, t: torch.Tensor, config: dict) -> list[tuple[str, torch.Tensor]]:
     """A checkpoint tensor as the parts llama.cpp's converter writes of it (float experts), each named as the gguf
     package's name map knows it (`edgemoe.tools.make_gguf`): the experts transposed to [E, out, in], gate_up and its
     bias split into their even (gate) and odd (up) rows, the sinks as a weight."""

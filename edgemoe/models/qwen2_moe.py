@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from edgemoe.config import ModelConfig
 from edgemoe.layers.attention import Attention
 from edgemoe.layers.rotary import RotaryEmbedding
@@ -55,6 +57,15 @@ def gguf_hparams(writer, config: dict) -> None:  # noqa: ANN001 - a gguf.GGUFWri
     """The keys llama.cpp's converter writes for this architecture beyond every family's (`edgemoe.tools.make_gguf`)."""
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def gguf_tensors(name: str, t: torch.Tensor, config: dict) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as make-model's GGUF file holds it (`edgemoe.tools.make_gguf`): the shared expert's gate
+    [1, H] as [H], as the converter once wrote it. The converter now keeps [1, H], which transformers' GGUF loader (the
+    oracle of tests/models/test_gguf.py) cannot read; tests/models/test_llama_converter.py loads that form."""
+    if name.endswith(".shared_expert_gate.weight"):
+        return [(name, t.reshape(-1))]
+    return [(name, t)]
 
 
 def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint

@@ -16,7 +16,7 @@ checkpoints carry (`mtp.*`; llama.cpp's next-n blocks) is skipped.
 
 GGUF files (llama.cpp's `qwen3next` and `qwen35moe`) hold the norms with their 1 added, A as -exp(A_log), the
 projections split, and for `qwen35moe` the value heads in tiled order (`edgemoe.layers.linear_attention`): read as
-stored, no conversion.
+stored, no conversion. `edgemoe make-model --format gguf` writes them so (`gguf_hparams`, `gguf_tensors`).
 """
 
 from __future__ import annotations
@@ -111,11 +111,13 @@ def normalise(hf: dict) -> ModelConfig:
     )
 
 
-GGUF_ARCHS = ("qwen3next", "qwen35moe")  # llama.cpp's names for Qwen3-Next and Qwen3.5 / 3.6 MoE
+# llama.cpp's architecture of each model type (Qwen3-Next's, Qwen3.5 / 3.6 MoE's), and the model type its files read as
+GGUF_ARCH = {"qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"}
+_GGUF_MODEL_TYPES = {"qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
+GGUF_ARCHS = tuple(_GGUF_MODEL_TYPES)
 # random checkpoints (by model type): the demo tokenizer's Qwen2 split; Qwen3-Next's JSON tool calls, Qwen3.5's XML
 TOKENIZER_PRE = "qwen2"
 TOOL_FORMAT = {"qwen3_next": "qwen", "qwen3_5_moe": "qwen3_coder", "qwen3_5_moe_text": "qwen3_coder"}
-_GGUF_MODEL_TYPES = {"qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
 # llama.cpp's per-layer tensors whose names only the hybrid architectures use -> ours
 GGUF_TENSORS = {
     "attn_qkv.weight": "self_attn.in_proj_qkv.weight",
@@ -159,6 +161,85 @@ def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
     )
     sparse = gguf_sparse_fields(ckpt, renormalise=True)
     return common | sparse | fields | {"model_type": _GGUF_MODEL_TYPES[a]}
+
+
+def gguf_hparams(writer, config: dict) -> None:  # noqa: ANN001 - a gguf.GGUFWriter
+    """The keys llama.cpp's converter writes for these architectures beyond every family's (`edgemoe.tools.make_gguf`:
+    random checkpoints as GGUF): the experts' widths, the linear attention's shapes as the ssm keys `gguf_config`
+    reads, which layers are recurrent, the rotary dims, and for Qwen3.5 the M-RoPE sections it writes when the
+    checkpoint names none. The converter reads config.json through transformers, which keeps layer_types but not
+    full_attention_interval: it writes its default interval, 4, whatever the checkpoint's (llama.cpp, like
+    `gguf_config`, takes the recurrent layers first). No next-n keys: random checkpoints have no MTP head."""
+    cfg = normalise(config)
+    s: HybridSettings = cfg.family_config
+    arch = GGUF_ARCH[config["model_type"]]
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    writer.add_ssm_conv_kernel(s.conv_kernel)
+    writer.add_ssm_state_size(s.k_dim)
+    writer.add_ssm_group_count(s.k_heads)
+    writer.add_ssm_time_step_rank(s.v_heads)
+    writer.add_ssm_inner_size(s.v_heads * s.v_dim)
+    writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in s.layer_types])
+    writer.add_full_attention_interval(4)
+    writer.add_rope_dimension_count(cfg.rotary_dim)
+    if arch == "qwen35moe":
+        writer.add_rope_dimension_sections([11, 11, 10, 0])  # the converter's default, Qwen3.5's M-RoPE sections
+
+
+def gguf_tensors(name: str, t: torch.Tensor, config: dict) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as llama.cpp's converter writes it (`edgemoe.tools.make_gguf`), computed in its dtype as the
+    converter computes: the (1 + weight) norms with the 1 added, A_log as A = -exp(A_log), dt_bias as the dt
+    projection's bias, the convolution [channels, kernel], Qwen3-Next's in_proj_qkvz split (`split_qkvz`), and in a
+    qwen35moe file every value-head tensor in tiled order (`tile_value_heads`)."""
+    if ".linear_attn." not in name:
+        return [(name, t + 1 if name.endswith("norm.weight") else t)]
+    s: HybridSettings = normalise(config).family_config
+    if GGUF_ARCH[config["model_type"]] == "qwen35moe" and s.v_heads != s.k_heads:
+        t = tile_value_heads(name, t, s)
+    prefix, part = name.split(".linear_attn.")
+    prefix += ".linear_attn."
+    if part == "A_log":
+        return [(name, -t.exp())]
+    if part == "dt_bias":
+        return [(prefix + "dt_proj.bias", t)]
+    if part == "conv1d.weight":
+        return [(name, t.squeeze(1))]
+    if part == "in_proj_qkvz.weight":
+        qkv, z = split_qkvz(t, s)
+        return [(prefix + "in_proj_qkv.weight", qkv), (prefix + "in_proj_z.weight", z)]
+    return [(name, t)]
+
+
+def tile_value_heads(name: str, t: torch.Tensor, s: HybridSettings) -> torch.Tensor:
+    """A Qwen3.5 linear-attention tensor with its value heads from grouped order (each q/k head's consecutive
+    ones) to tiled (value head h reads q/k head h % k_heads): the rows of v (in in_proj_qkv and the convolution, after
+    the q and k rows), z, b, a, A_log and dt_bias, out_proj's columns."""
+    part = name.split(".linear_attn.")[1]
+    r, qk_rows = s.v_heads // s.k_heads, 2 * s.k_heads * s.k_dim
+
+    def tiled(x: torch.Tensor, dim: int, d: int) -> torch.Tensor:  # [.., k_heads, r, d, ..] -> [.., r, k_heads, d, ..]
+        shape = x.shape
+        return x.unflatten(dim, (s.k_heads, r, d)).transpose(dim, dim + 1).reshape(shape)
+
+    if part in ("in_proj_qkv.weight", "conv1d.weight"):
+        return torch.cat((t[:qk_rows], tiled(t[qk_rows:], 0, s.v_dim)))
+    if part == "in_proj_z.weight":
+        return tiled(t, 0, s.v_dim)
+    if part in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias"):
+        return tiled(t, 0, 1)
+    if part == "out_proj.weight":
+        return tiled(t, 1, s.v_dim)
+    return t
+
+
+def split_qkvz(w: torch.Tensor, s: HybridSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz (per key head: its q, k, value heads' v, then their z rows) -> in_proj_qkv (every q,
+    then every k, then every v row) and in_proj_z, as llama.cpp's converter splits it."""
+    hidden, r = w.shape[-1], s.v_heads // s.k_heads
+    parts = w.reshape(s.k_heads, -1, hidden).split([s.k_dim, s.k_dim, r * s.v_dim, r * s.v_dim], 1)
+    q, k, v, z = (p.reshape(-1, hidden) for p in parts)
+    return torch.cat((q, k, v)), z
 
 
 def random_config(base: dict, g: dict) -> dict:
@@ -277,14 +358,11 @@ class HybridForCausalLM(MoEForCausalLM):
             return [(name, tensor.float() + 1)]
         if name.endswith(".A_log"):
             return [(name.removesuffix("_log"), -tensor.float().exp())]
-        s: HybridSettings = self.config.family_config
         if not name.endswith(".in_proj_qkvz.weight"):
             return [(name, tensor)]
-        prefix, hidden = name.rsplit(".", 2)[0], tensor.shape[-1]
-        r = s.v_heads // s.k_heads  # value heads per key head: per key head q, k, r x v, r x z rows
-        parts = tensor.view(s.k_heads, -1, hidden).split([s.k_dim, s.k_dim, r * s.v_dim, r * s.v_dim], 1)
-        q, k, v, z = (p.reshape(-1, hidden) for p in parts)
-        return [(f"{prefix}.in_proj_qkv.weight", torch.cat((q, k, v))), (f"{prefix}.in_proj_z.weight", z)]
+        prefix = name.rsplit(".", 2)[0]
+        qkv, z = split_qkvz(tensor, self.config.family_config)
+        return [(f"{prefix}.in_proj_qkv.weight", qkv), (f"{prefix}.in_proj_z.weight", z)]
 
 
 MODEL = HybridForCausalLM

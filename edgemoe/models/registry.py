@@ -3,9 +3,11 @@
 A family is a module with `MODEL_TYPE`, `normalise(hf) -> ModelConfig`, `rename(checkpoint name) -> our name` and
 `LAYER`, its `DecoderLayer` class; optionally `MODEL_TYPES` (every `model_type` it reads), `MODEL`, its
 `MoEForCausalLM` subclass (another embedding, layer loop or logits, config-dependent checkpoint names), and for GGUF
-files `GGUF_ARCH` (llama.cpp's architecture name), `gguf_config(ckpt) -> config.json fields`, `GGUF_PERMUTED_QK`
-(q/k rows in llama.cpp's RoPE order) and `GGUF_TENSORS` (llama.cpp's per-layer tensor names that only this
-architecture uses -> Hugging Face's, e.g. `exp_probs_b.bias`)."""
+files `GGUF_ARCH` (llama.cpp's architecture name; by model type where a family reads several, which `GGUF_ARCHS`
+lists), `gguf_config(ckpt) -> config.json fields`, `GGUF_PERMUTED_QK` (q/k rows in llama.cpp's RoPE order) and
+`GGUF_TENSORS` (llama.cpp's per-layer tensor names that only this architecture uses -> Hugging Face's, e.g.
+`exp_probs_b.bias`); `gguf_hparams` and `gguf_tensors` say what llama.cpp's converter writes of its own
+(`edgemoe.tools.make_gguf`)."""
 
 from __future__ import annotations
 

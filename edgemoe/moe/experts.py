@@ -4,15 +4,15 @@ Weights are two banks in Hugging Face's fused layout: `gate_up_proj [experts, 2 
 (gate rows first) and `down_proj [experts, hidden, inter]`. The gated activation is SiLU(gate) * up unless a family
 names another (`act`, one of `edgemoe.layers.mlp.GLUS`: Gemma-4's GELU-tanh, gpt-oss's clamped SwiGLU); a family may
 give its experts biases (gpt-oss: `gate_up_proj_bias [experts, 2 * inter]`, `down_proj_bias [experts, hidden]`), which
-the references add per pair (`PairBiases`). The Triton kernels compute SiLU without biases only. On CUDA decode runs
-the fused GEMVs (`edgemoe.kernels.moe_gemv`) and prefill one grouped GEMM over all pairs
-(`edgemoe.kernels.grouped_gemm`); the functions here are their plain-torch references.
+kernels and references add per pair (`PairBiases`). The Triton kernels compute SiLU and gpt-oss's activation
+(`edgemoe.kernels.moe_gemv.ACTS`), not GELU. On CUDA decode runs the fused GEMVs (`edgemoe.kernels.moe_gemv`) and
+prefill one grouped GEMM over all pairs (`edgemoe.kernels.grouped_gemm`); the functions here are their plain-torch
+references.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -20,20 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgemoe.context import get_context
+from edgemoe.kernels.protocol import PairBiases
 from edgemoe.layers.mlp import GLUS
 
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> the down projection's input
 silu_glu = GLUS["silu"]
-
-
-@dataclass(frozen=True)
-class PairBiases:
-    """A layer's expert biases, gate_up [E, 2I] and down [E, H], and each pair's expert id [pairs], by which they are
-    read: the bank rows a pair's weights come from may be cache slots, not experts."""
-
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    experts: torch.Tensor
 
 
 def pair_biases(module: nn.Module, ids: torch.Tensor) -> dict[str, PairBiases]:
@@ -66,13 +57,13 @@ class Experts(nn.Module):
         self.prefill: Callable = prefill_reference if silu else partial(prefill_reference, glu=self.glu)
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.act_name != "silu" or self.gate_up_proj_bias is not None:  # the kernels: SiLU without biases only
-            return
         from edgemoe.kernels.grouped_gemm import grouped_gemm
-        from edgemoe.kernels.moe_gemv import fused_experts
+        from edgemoe.kernels.moe_gemv import ACTS, fused_experts
 
-        self.decode = fused_experts  # reads the chosen experts in place
-        self.prefill = grouped_gemm  # every pair in two launches, no host synchronisation
+        if self.act_name not in ACTS:  # an activation the kernels do not compute (Gemma-4's GELU)
+            return
+        self.decode = partial(fused_experts, act=self.act_name)  # reads the chosen experts in place
+        self.prefill = partial(grouped_gemm, act=self.act_name)  # every pair in two launches, no host sync
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]

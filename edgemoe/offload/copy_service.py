@@ -161,10 +161,12 @@ class CopyService:
         self.cpu: _CpuSection | None = None  # once `attach_cpu` ran
         library()  # built now: a missing C compiler fails the engine's start, not its first decode step
 
-    def attach_cpu(self, pool: CpuExperts, layers: list[tuple[torch.Tensor, ExpertLayout]], max_tokens: int) -> None:
+    def attach_cpu(
+        self, pool: CpuExperts, layers: list[tuple[torch.Tensor, ExpertLayout, tuple | None]], max_tokens: int
+    ) -> None:
         """Serve lists with CPU pairs from now on (see copy_service.c): `pool` computes them from `layers`' banks
-        (bank [experts, row] and layout of each MoE layer, in order), for steps of at most `max_tokens` tokens
-        (max_tokens x top_k <= max_pairs). Before any capture that posts them."""
+        (bank [experts, row], layout and expert biases or None of each MoE layer, in order), for steps of at most
+        `max_tokens` tokens (max_tokens x top_k <= max_pairs). Before any capture that posts them."""
         self.cpu = _CpuSection(pool, layers, max_tokens, self.max_pairs, self.device)
         self.cpu.fill(self._state)
 
@@ -258,8 +260,8 @@ class _CpuSection:
         self.rows = torch.zeros(max_pairs, hidden, device=device)
         self.done = torch.zeros((), dtype=torch.int64, device=device)
         none, empty = torch.zeros(0, dtype=torch.int64), torch.zeros(0, hidden)
-        jobs = [pool.job(bank, layout, self.x[0], none, none, empty) for bank, layout in layers]
-        if any(layout.hidden != hidden for _, layout in layers):
+        jobs = [pool.job(bank, layout, self.x[0], none, none, empty, biases) for bank, layout, biases in layers]
+        if any(layout.hidden != hidden for _, layout, _ in layers):
             raise EdgeMoEError("the layers' experts differ in hidden size")
         self.jobs = (Job * len(jobs))(*jobs)
         self._keep = jobs  # their tensors (the banks)

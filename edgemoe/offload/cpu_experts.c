@@ -3,7 +3,8 @@
  * For the P pairs of one MoE layer, y_p = down_e @ (act(gate_e @ x_t) * (up_e @ x_t)): fp32 [P, H], unweighted (the
  * GPU applies the routing weights and sums in its own fixed order). Weights are dequantized to fp32 as they are read
  * and activations are never quantized, so the result is the fp32 reference's but for the order of the sums
- * (cpu_experts_kernels.h: the dot kernels, one per format and ISA).
+ * (cpu_experts_kernels.h: the dot kernels, one per format and ISA). Expert biases (gpt-oss), where the job has them,
+ * are added to gate and up before the activation and to y_p.
  *
  * Work split: pairs are grouped by expert, up to MAXX pairs a group, which share each read of a weight row. Phase 1
  * hands out items of whole gate/up rows of every group (a dot product is never split along K, so each output is one
@@ -26,7 +27,7 @@
 #include "cpu_experts_job.h"
 #include "cpu_experts_kernels.h"
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_SWIGLU_OAI = 2 };
 enum { BAD_FORMAT = 1, BAD_SHAPE = 2, BAD_INDEX = 3, NO_MEMORY = 4, BAD_ACT = 5 }; /* run's errors (0: none) */
 
 #define ITEM_BYTES (64 << 10) /* weight bytes of one work item: enough to amortise claiming it */
@@ -90,9 +91,16 @@ static void await_count(atomic_llong *value, int64_t target) {
   }
 }
 
-static float activate(int act, float g) {
-  if (act == ACT_SILU) return g / (1.0f + expf(-g));
-  return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))); /* torch's tanh GELU */
+/* The down projection's input from a pair's gate and up sums (biases added): act(gate) * up, or gpt-oss's clamped
+ * SwiGLU (edgemoe.layers.mlp.swiglu_oai: gate clamped above at 7, up at +-7, (up + 1) gate sigmoid(1.702 gate)). */
+static float glu(int act, float g, float u) {
+  if (act == ACT_SILU) return g / (1.0f + expf(-g)) * u;
+  if (act == ACT_SWIGLU_OAI) {
+    g = g < 7.0f ? g : 7.0f;
+    u = u < -7.0f ? -7.0f : (u > 7.0f ? 7.0f : u);
+    return (u + 1.0f) * (g / (1.0f + expf(-1.702f * g)));
+  }
+  return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u; /* torch's tanh GELU */
 }
 
 /* Rows are read a row or two ahead: a thread streams two rows at a time (gate and up) across many 4 KiB pages, which
@@ -117,7 +125,11 @@ static void gate_up_item(const run_state *s, int64_t item) {
           prefetch_row(rows + (j->inter + r + a) * s->gu_bytes, s->gu_bytes);
     s->gu->dot(rows + r * s->gu_bytes, j->hidden, xs, (int)g->n, gate);
     s->gu->dot(rows + (j->inter + r) * s->gu_bytes, j->hidden, xs, (int)g->n, up);
-    for (int k = 0; k < g->n; ++k) s->h[g->pairs[k] * j->inter + r] = activate(j->act, gate[k]) * up[k];
+    if (j->gate_up_bias) {
+      const float *b = j->gate_up_bias + g->expert * 2 * j->inter;
+      for (int k = 0; k < g->n; ++k) gate[k] += b[r], up[k] += b[j->inter + r];
+    }
+    for (int k = 0; k < g->n; ++k) s->h[g->pairs[k] * j->inter + r] = glu(j->act, gate[k], up[k]);
   }
 }
 
@@ -133,7 +145,8 @@ static void down_item(const run_state *s, int64_t item) {
     float y[MAXX];
     if (r + a < j->hidden) prefetch_row(rows + (r + a) * s->down_bytes, s->down_bytes);
     s->down->dot(rows + r * s->down_bytes, j->inter, hs, (int)g->n, y);
-    for (int k = 0; k < g->n; ++k) j->out[g->pairs[k] * j->hidden + r] = y[k];
+    float b = j->down_bias ? j->down_bias[g->expert * j->hidden + r] : 0.0f;
+    for (int k = 0; k < g->n; ++k) j->out[g->pairs[k] * j->hidden + r] = y[k] + b;
   }
 }
 
@@ -222,7 +235,8 @@ edgemoe_cpu_pool *edgemoe_cpu_experts_create(int threads) {
 static int check_job(const edgemoe_cpu_job *j, const format **gu, const format **down) {
   *gu = find_format(j->gate_up_format), *down = find_format(j->down_format);
   if (!*gu || !*down) return BAD_FORMAT;
-  if (j->act != ACT_SILU && j->act != ACT_GELU_TANH) return BAD_ACT;
+  if (j->act != ACT_SILU && j->act != ACT_GELU_TANH && j->act != ACT_SWIGLU_OAI) return BAD_ACT;
+  if (!j->gate_up_bias != !j->down_bias) return BAD_SHAPE;
   if (j->hidden <= 0 || j->inter <= 0 || j->pairs < 0 || j->hidden % (*gu)->block_weights ||
       j->inter % (*down)->block_weights)
     return BAD_SHAPE;

@@ -36,7 +36,8 @@ SOURCE = Path(__file__).with_name("cpu_experts.c")
 KERNELS = SOURCE.with_name("cpu_experts_kernels.h")  # included by SOURCE
 JOB = SOURCE.with_name("cpu_experts_job.h")  # included by SOURCE and copy_service.c
 DENSE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # dtype -> GGML type id, the C file's format ids
-ACT_IDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # edgemoe.layers.mlp.ACTIVATIONS' names -> the C file's ids
+# edgemoe.layers.mlp.GLUS' names -> the C file's ids
+ACT_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "swiglu_oai": 2}
 ERRORS = {
     1: "an unsupported weight format",
     2: "shapes that do not fit the bank's rows",
@@ -56,6 +57,7 @@ class Job(ctypes.Structure):
         ("down_format", ctypes.c_int32), ("act", ctypes.c_int32), ("reserved", ctypes.c_int32),
         ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64), ("pairs", ctypes.c_int64),
         ("token_ids", ctypes.c_void_p), ("expert_ids", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -150,10 +152,11 @@ class CpuExperts:
 
     def job(
         self, bank: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
-        out: torch.Tensor,
+        out: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Job:  # fmt: skip
         """The job for pairs (tokens[p], experts[p]) of one layer: bank [experts, row] laid out by `layout`, x fp32
-        [T, H], tokens and experts int64 [P], out fp32 [P, H] (every tensor contiguous on the CPU). The job points
+        [T, H], tokens and experts int64 [P], out fp32 [P, H] (every tensor contiguous on the CPU); `biases`: the
+        layer's expert biases, gate_up [experts, 2I] and down [experts, H] fp32 (`host_biases`). The job points
         into these tensors and keeps them alive."""
         gate_up, down, down_offset, act = layout_formats(layout)
         rows = bank.dim() == 2 and bank.shape[1] == layout.row and bank.stride(1) == 1
@@ -165,12 +168,17 @@ class CpuExperts:
         _expect(tokens, "tokens", torch.int64, (pairs,))
         _expect(experts, "experts", torch.int64, (pairs,))
         _expect(out, "out", torch.float32, (pairs, hidden))
+        b13 = b2 = None
+        if biases is not None:
+            b13, b2 = biases
+            _expect(b13, "gate_up biases", torch.float32, (bank.shape[0], 2 * layout.inter))
+            _expect(b2, "down biases", torch.float32, (bank.shape[0], hidden))
         job = Job(
             x.data_ptr(), x.shape[0], bank.data_ptr(), bank.shape[0], bank.stride(0) * bank.element_size(),
             down_offset, gate_up, down, act, 0, hidden, layout.inter, pairs, tokens.data_ptr(), experts.data_ptr(),
-            out.data_ptr(),
+            out.data_ptr(), None if b13 is None else b13.data_ptr(), None if b2 is None else b2.data_ptr(),
         )  # fmt: skip
-        job.tensors = (bank, x, tokens, experts, out)
+        job.tensors = (bank, x, tokens, experts, out, biases)
         return job
 
     def run(self, job: Job) -> None:
@@ -182,10 +190,10 @@ class CpuExperts:
 
     def compute(
         self, bank: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
-        out: torch.Tensor,
+        out: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Each pair's unweighted expert output into `out` [P, H] (returned); arguments as `job`'s."""
-        self.run(self.job(bank, layout, x, tokens, experts, out))
+        self.run(self.job(bank, layout, x, tokens, experts, out, biases))
         return out
 
     def _check_open(self) -> None:

@@ -15,13 +15,15 @@ typedef struct {
   int64_t down_offset;         /* bytes from a row's start to its down weights */
   int32_t gate_up_format;      /* a GGML type id (cpu_experts_kernels.h's formats) */
   int32_t down_format;
-  int32_t act;                 /* 0 SiLU, 1 tanh GELU (cpu_experts.c's ACT_*) */
+  int32_t act;                 /* 0 SiLU, 1 tanh GELU, 2 gpt-oss's clamped SwiGLU (cpu_experts.c's ACT_*) */
   int32_t reserved;
   int64_t hidden, inter;
   int64_t pairs;
   const int64_t *token_ids;    /* [pairs]: the pair's row of x */
   const int64_t *expert_ids;   /* [pairs]: the pair's expert */
   float *out;                  /* [pairs, hidden] fp32, contiguous: each pair's unweighted output */
+  const float *gate_up_bias;   /* [experts, 2 inter] fp32 or NULL: expert biases (gpt-oss), added before act */
+  const float *down_bias;      /* [experts, hidden] fp32 or NULL (both or neither) */
 } edgemoe_cpu_job;
 
 /* edgemoe_cpu_experts_run: 0, or an error code (edgemoe.offload.cpu_experts.ERRORS) */

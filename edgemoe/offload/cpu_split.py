@@ -91,11 +91,14 @@ class CpuSplit:
         top_k = ids.shape[-1]
         return pairs, pairs // top_k, ids.reshape(-1).cpu()[pairs], x.detach().float().cpu().contiguous()
 
-    def compute(self, bank: torch.Tensor, layout: ExpertLayout, pairs: tuple[torch.Tensor, ...], total: int,
-                device: torch.device) -> torch.Tensor:  # fmt: skip
-        """[total, H] fp32 on `device`: each CPU pair's unweighted output in its row (zeros elsewhere)."""
+    def compute(
+        self, bank: torch.Tensor, layout: ExpertLayout, pairs: tuple[torch.Tensor, ...], total: int,
+        device: torch.device, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """[total, H] fp32 on `device`: each CPU pair's unweighted output in its row (zeros elsewhere); `biases`: the
+        layer's expert biases (`OffloadedExperts.host_biases`)."""
         index, tokens, experts, x = pairs
-        y = self.pool.compute(bank, layout, x, tokens, experts, torch.empty(len(index), layout.hidden))
+        y = self.pool.compute(bank, layout, x, tokens, experts, torch.empty(len(index), layout.hidden), biases)
         out = torch.zeros(total, layout.hidden)
         out[index] = y
         return out.to(device)
@@ -175,7 +178,7 @@ def resolve(
     # 2 cores: a job 200x slower), so there the calling thread computes alone
     pool = CpuExperts(1 if device.type == "cpu" and threads is None else threads)
     if service is not None:
-        service.attach_cpu(pool, [(m.bank, m.layout) for m in layers], max_tokens)
+        service.attach_cpu(pool, [(m.bank, m.layout, m.host_biases()) for m in layers], max_tokens)
     if setting != "auto":
         cap = int(setting)
         _say(f"{pool.threads} threads ({pool.isa}), at most {cap} misses a layer-step on the CPU (manual)")
@@ -200,10 +203,7 @@ def resolve(
 
 
 def unsupported(layer) -> str | None:  # noqa: ANN001 - an OffloadedExperts
-    """Why the CPU expert executor cannot compute `layer`'s experts (expert biases, an activation or layout it lacks),
-    or None."""
-    if getattr(layer, "gate_up_proj_bias", None) is not None:
-        return "the CPU expert executor adds no expert biases (gpt-oss's experts have them)"
+    """Why the CPU expert executor cannot compute `layer`'s experts (an activation or layout it lacks), or None."""
     try:
         layout_formats(layer.layout)
     except EdgeMoEError as exc:
@@ -262,7 +262,7 @@ def measure(
             _copy_rows(layer, scratch, range(experts))
             end.record()
             t0 = time.perf_counter()
-            pool.compute(layer.bank, layer.layout, x, tokens, ids, out)
+            pool.compute(layer.bank, layer.layout, x, tokens, ids, out, layer.host_biases())
             cpu_times.append((n, time.perf_counter() - t0))
             end.synchronize()
             copy_times.append(start.elapsed_time(end) / 1e3 / experts)
@@ -298,7 +298,7 @@ def split_wins(layer, pool: CpuExperts, device: torch.device, misses: int, on_cp
         xh = x.float().cpu()
         _copy_rows(layer, scratch, range(misses - n))
         if n:
-            pool.compute(layer.bank, layer.layout, xh, tokens, _fresh(layer, n, r), out)
+            pool.compute(layer.bank, layer.layout, xh, tokens, _fresh(layer, n, r), out, layer.host_biases())
             x.copy_(out[:1].to(device))
         torch.cuda.synchronize(device)
         return time.perf_counter() - t0

@@ -56,8 +56,8 @@ class ExpertCache:
             torch.zeros(S + 2 * E, dtype=torch.long, device=device) if self.device.type == "cuda" else None
         )
         self.joined: torch.Tensor | None = None  # [S + 1, row]: the pool, one expert's row a slot
-        self.w13: torch.Tensor | None = None  # [S + 1, ...] its first half (dense: gate_up), as the miss copy moves it
-        self.w2: torch.Tensor | None = None  # [S + 1, ...] the rest
+        self.pool_a: torch.Tensor | None = None  # [S + 1, ...] its first part (dense: gate_up) the miss copy moves
+        self.pool_b: torch.Tensor | None = None  # [S + 1, ...] the rest
         self.copy_service = None  # a CopyService once `start_copy_service` ran (CUDA)
         self.prefill_stream = None  # an `edgemoe.offload.prefill_stream.PrefillStream` where the pool has 2E slots
         self.cpu_split = None  # a CpuSplit (edgemoe.offload.cpu_split) when decode computes some misses on the CPU
@@ -73,14 +73,15 @@ class ExpertCache:
     @property
     def pool_bytes(self) -> int:
         """Device bytes of the slot pool (the scratch slot included)."""
-        parts = [self.joined] if self.joined is not None else [t for t in (self.w13, self.w2) if t is not None]
+        parts = [self.joined] if self.joined is not None else [t for t in (self.pool_a, self.pool_b) if t is not None]
         return sum(t.numel() * t.element_size() for t in parts)
 
-    def attach_pool(self, w13: torch.Tensor, w2: torch.Tensor, joined: torch.Tensor | None = None) -> None:
-        """The slot pool: (w13, w2) the two parts of each slot the miss copy moves, views of `joined` [S + 1, row]
-        (the storage the layers view in their own layout) where there is one."""
-        assert w13.shape[0] == w2.shape[0] == self.num_slots + 1, "the pool has S slots plus one scratch slot"
-        self.w13, self.w2, self.joined = w13, w2, joined
+    def attach_pool(self, pool_a: torch.Tensor, pool_b: torch.Tensor, joined: torch.Tensor | None = None) -> None:
+        """The slot pool: (pool_a, pool_b) the two parts of each slot the miss copy moves (as the mailbox's bank_a
+        and bank_b), views of `joined` [S + 1, row] (the storage the layers view in their own layout) where there is
+        one."""
+        assert pool_a.shape[0] == pool_b.shape[0] == self.num_slots + 1, "the pool has S slots plus one scratch slot"
+        self.pool_a, self.pool_b, self.joined = pool_a, pool_b, joined
 
     def start_copy_service(self, max_pairs: int = 0) -> None:
         """Hand the miss copy to the copy engine (`edgemoe.offload.copy_service`): CUDA pools, pinned banks.
@@ -88,7 +89,7 @@ class ExpertCache:
         from edgemoe.kernels.miss_copy import chunks_per_entry
         from edgemoe.offload import copy_service
 
-        pools = (self.w13, self.w2)
+        pools = (self.pool_a, self.pool_b)
         counters, chunks = self.arrival_counters, chunks_per_entry(pools)
         self.copy_service = copy_service.CopyService(pools, counters, chunks, self.num_experts, max_pairs=max_pairs)
 
@@ -196,10 +197,10 @@ class ExpertCache:
             return None
         from edgemoe.kernels.miss_copy import chunks_per_entry
 
-        counters, chunks = self.arrival_counters, chunks_per_entry((self.w13, self.w2))
+        counters, chunks = self.arrival_counters, chunks_per_entry((self.pool_a, self.pool_b))
         return Arrivals(copy.dst, copy.count, counters, chunks, after_ensure=copy.posted)
 
-    def copy_missing(self, copy: Ensured, w13_bank: torch.Tensor, w2_bank: torch.Tensor) -> None:
+    def copy_missing(self, copy: Ensured, bank_a: torch.Tensor, bank_b: torch.Tensor) -> None:
         """Copy the listed experts' rows, bank -> pool. A list `ensure` posted to the copy service (captured steps:
         `copy.posted`) is left to the service, which `edgemoe.engine.cuda_graphs.ServedGraph` serves at replay.
         Otherwise on CUDA one Triton launch for both banks, counting each entry's arrival (sync-free,
@@ -208,10 +209,10 @@ class ExpertCache:
             return
         if self._copy_rows is not None:
             counters = self.arrival_counters
-            self._copy_rows((self.w13, self.w2), (w13_bank, w2_bank), copy.src, copy.dst, copy.count, counters)
+            self._copy_rows((self.pool_a, self.pool_b), (bank_a, bank_b), copy.src, copy.dst, copy.count, counters)
         else:
-            copy_rows_reference(self.w13, w13_bank, copy.src, copy.dst)
-            copy_rows_reference(self.w2, w2_bank, copy.src, copy.dst)
+            copy_rows_reference(self.pool_a, bank_a, copy.src, copy.dst)
+            copy_rows_reference(self.pool_b, bank_b, copy.src, copy.dst)
 
     def cpu_wait(self, copy: Ensured) -> CpuWait | None:
         """Where a posted step's CPU pairs' rows arrive and what to wait on before reading them (the copy service
@@ -245,7 +246,7 @@ class ExpertCache:
         if wait is not None:
             rows = wait.rows[: ids.numel()]
         elif on_cpu is not None:  # computed while the GPU copies
-            rows = split.compute(source.bank, source.layout, on_cpu, ids.numel(), x.device)
+            rows = split.compute(source.bank, source.layout, on_cpu, ids.numel(), x.device, source.host_biases())
         return Fetched(got.slots, self.arrivals(got), rows, wait)
 
     def _posts(self) -> bool:

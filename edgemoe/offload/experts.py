@@ -43,28 +43,28 @@ class OffloadedExperts(nn.Module):
         self.banks = layout.copy_views(bank)  # what the miss copy reads
         self.num_experts = bank.shape[0]
         self.cache: ExpertCache | None = None  # set by `attach`
-        self.w13 = self.w2 = None  # this layer's views of the cache's slot pool
+        self.gate_up = self.down = None  # this layer's views of the cache's slot pool
         _no_biases(self)
 
     def attach(self, cache: ExpertCache | None) -> None:
         self.cache = cache
-        self.w13, self.w2 = (None, None) if cache is None else self.layout.views(cache.joined)
+        self.gate_up, self.down = (None, None) if cache is None else self.layout.views(cache.joined)
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.gate_up_proj_bias is None:  # the kernels add no biases
-            self.layout.use_kernels(device)
+        self.layout.use_kernels(device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]
         if get_context().is_prefill:
             return self._prefill(x, ids, weights)
         got = self.cache.fetch(self.moe_layer, ids, x, self)  # decode: at most min(E, pairs) <= S experts
-        if got.cpu_rows is not None:  # (never with biases: `cpu_split.resolve` refuses them)
+        if got.cpu_rows is not None:  # the CPU pairs' rows hold their biases (`host_biases`); the others get theirs
             return self.layout.decode_cpu(
-                x, got.slots, weights, self.w13, self.w2, got.cpu_rows, got.arrivals, cpu_wait=got.cpu_wait
-            )
+                x, got.slots, weights, self.gate_up, self.down, got.cpu_rows, got.arrivals, cpu_wait=got.cpu_wait,
+                **pair_biases(self, ids),
+            )  # fmt: skip
         return self.layout.decode(
-            x, got.slots, weights, self.w13, self.w2, arrivals=got.arrivals, **pair_biases(self, ids)
+            x, got.slots, weights, self.gate_up, self.down, arrivals=got.arrivals, **pair_biases(self, ids)
         )
 
     def _prefill(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -80,8 +80,18 @@ class OffloadedExperts(nn.Module):
         for wave, slots in self._waves(torch.unique(flat).tolist()):
             slot_of = torch.full((self.num_experts,), -1, dtype=torch.long, device=x.device)
             slot_of[wave] = torch.tensor(slots, device=x.device)
-            self.layout.pair_outputs(x, slot_of[flat], weights.flatten(), self.w13, self.w2, out=y, **bias)
+            self.layout.pair_outputs(x, slot_of[flat], weights.flatten(), self.gate_up, self.down, out=y, **bias)
         return sum_pairs(y, ids.shape[1])
+
+    def host_biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The expert biases as the CPU expert executor reads them (gate_up [E, 2I], down [E, H], fp32 host copies,
+        made once), or None where the experts have none."""
+        if self.gate_up_proj_bias is None:
+            return None
+        if getattr(self, "_host_biases", None) is None:
+            self._host_biases = tuple(b.detach().float().cpu().contiguous() for b in (self.gate_up_proj_bias,
+                                                                                      self.down_proj_bias))  # fmt: skip
+        return self._host_biases
 
     def load(self, ids: torch.Tensor) -> Ensured:
         got = self.cache.ensure(self.moe_layer, ids, self.banks)
@@ -110,8 +120,7 @@ class ResidentExperts(nn.Module):
         _no_biases(self)
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.gate_up_proj_bias is None:  # the kernels add no biases
-            self.layout.use_kernels(device)
+        self.layout.use_kernels(device)
 
     @property
     def gate_up_proj(self) -> torch.Tensor:
@@ -123,12 +132,13 @@ class ResidentExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden]; ids, weights: [tokens, top_k]
-        w13, w2 = self.layout.views(self.joined)
+        gate_up, down = self.layout.views(self.joined)
         bias = pair_biases(self, ids)
         if not get_context().is_prefill:
-            return self.layout.decode(x, ids, weights, w13, w2, **bias)
+            return self.layout.decode(x, ids, weights, gate_up, down, **bias)
         # prefill: the function offloaded waves and streamed layers run (`ExpertLayout.pair_outputs`)
-        return sum_pairs(self.layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2, **bias), ids.shape[1])
+        pairs = self.layout.pair_outputs(x, ids.flatten(), weights.flatten(), gate_up, down, **bias)
+        return sum_pairs(pairs, ids.shape[1])
 
 
 def _no_biases(module: nn.Module) -> None:

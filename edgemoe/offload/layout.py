@@ -13,9 +13,9 @@ of memory, so a miss is one copy (`copy_service.c`). A layout gives
 stored, one format for gate_up and one for down. The layers of one model may use different formats (Q4_K_M files
 do): they then share one storage row, the longest of them (`row`), so that one slot pool serves every layer.
 A layout also names the gated activation (`act`, a key of `edgemoe.layers.mlp.GLUS`: SiLU unless the family says
-otherwise): the kernels compute SiLU only, so other activations keep the plain-torch references. Expert biases
-(gpt-oss) are not in the row: the module holding the layer's experts keeps them on the device by expert and hands
-the references each pair's (`edgemoe.moe.experts.PairBiases`, the `bias` keyword), which the kernels do not take.
+otherwise): the kernels compute SiLU and gpt-oss's clamped SwiGLU (`edgemoe.kernels.moe_gemv.ACTS`); others keep the
+plain-torch references. Expert biases (gpt-oss) are not in the row: the module holding the layer's experts keeps
+them on the device by expert and hands kernels and references each pair's (`PairBiases`, the `bias` keyword).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from functools import partial
 
 import torch
 
-from edgemoe.kernels.protocol import CpuWait
+from edgemoe.kernels.protocol import CpuWait, PairBiases
 from edgemoe.layers.mlp import GLUS
-from edgemoe.moe.experts import PairBiases, decode_reference, gathered_experts, pair_outputs_reference
+from edgemoe.moe.experts import decode_reference, gathered_experts, pair_outputs_reference
 from edgemoe.quant import QuantLike, dequantize, quant_type, row_bytes
 
 
@@ -43,7 +43,7 @@ class ExpertLayout:
         # (x, ids, weights, w13, w2, arrivals=, bias=) -> [T, H]
         self.decode: Callable = decode_reference if act == "silu" else partial(decode_reference, glu=self.glu)
         self.decode_waits = False  # whether `decode` waits for each copied expert itself (the kernels do)
-        # (x, slots, weights, w13, w2, cpu_out, arrivals=, cpu_wait=) -> [T, H]: `decode` with CPU pairs' rows
+        # (x, slots, weights, w13, w2, cpu_out, arrivals=, cpu_wait=, bias=) -> [T, H]: `decode` with CPU pairs' rows
         self.decode_cpu: Callable = self._decode_cpu_reference
 
     def _prefill_references(self) -> None:
@@ -55,14 +55,15 @@ class ExpertLayout:
         )
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.act_name != "silu":  # the kernel computes SiLU
-            return
         from edgemoe.kernels.grouped_gemm import pair_outputs
-        from edgemoe.kernels.moe_gemv import fused_experts
+        from edgemoe.kernels.moe_gemv import ACTS, fused_experts
 
-        self.decode, self.decode_waits = fused_experts, True
-        self.pair_outputs = pair_outputs
-        self.decode_cpu = partial(_fused_cpu, fused_experts)
+        if self.act_name not in ACTS:  # an activation the kernels do not compute
+            return
+        fused = partial(fused_experts, act=self.act_name)
+        self.decode, self.decode_waits = fused, True
+        self.pair_outputs = partial(pair_outputs, act=self.act_name)
+        self.decode_cpu = partial(_fused_cpu, fused)
 
     @property
     def row_bytes(self) -> int:
@@ -84,6 +85,7 @@ class ExpertLayout:
     def _decode_cpu_reference(
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         cpu_out: torch.Tensor, arrivals=None, cpu_wait: CpuWait | None = None,  # noqa: ANN001 - decode's
+        bias: PairBiases | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """`decode` where pairs of slot -1 were computed on the CPU (`cpu_out` [T * K, H] fp32, their rows): every
         other pair's output as `decode` computes it (itself, one pair a token, weight 1), the CPU's rounded to x's
@@ -96,7 +98,8 @@ class ExpertLayout:
         scratch = torch.full_like(flat, w13.shape[0] - 1)  # a slot to read instead: the pool's scratch slot
         xs = x.repeat_interleave(top_k, dim=0)  # [pairs, H]
         ones = torch.ones(flat.numel(), 1, dtype=x.dtype, device=x.device)
-        out = self.decode(xs, torch.where(on_cpu, scratch, flat)[:, None], ones, w13, w2, arrivals=arrivals)
+        bias = {} if bias is None else {"bias": bias}  # one pair a row, in pair order: the pairs' own biases
+        out = self.decode(xs, torch.where(on_cpu, scratch, flat)[:, None], ones, w13, w2, arrivals=arrivals, **bias)
         if cpu_wait is not None:
             from edgemoe.kernels.miss_copy import await_cpu_rows
 
@@ -134,20 +137,24 @@ class QuantExpertLayout(ExpertLayout):
         self._prefill_references()
 
     def use_kernels(self, device: torch.device) -> None:
-        if self.act_name != "silu":  # the kernels compute SiLU
-            return
         from edgemoe.kernels.dequant import quant_pair_outputs
+        from edgemoe.kernels.moe_gemv import ACTS
         from edgemoe.kernels.quant_gemv import quant_fused_experts
 
-        q_gu, q_down, inter, hidden = self.q_gate_up, self.q_down, self.inter, self.hidden
-        self.pair_outputs = partial(quant_pair_outputs, q13=q_gu, q2=q_down)  # prefill: waves dequantized for the GEMM
+        if self.act_name not in ACTS:  # an activation the kernels do not compute
+            return
+        q_gu, q_down, inter, hidden, act = self.q_gate_up, self.q_down, self.inter, self.hidden, self.act_name
+        # prefill: waves dequantized for the GEMM
+        self.pair_outputs = partial(quant_pair_outputs, q13=q_gu, q2=q_down, act=act)
 
-        def decode(x, ids, weights, w13, w2, arrivals=None):  # noqa: ANN001, ANN202 - decode's signature
-            return quant_fused_experts(x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals)
+        def decode(x, ids, weights, w13, w2, arrivals=None, bias=None):  # noqa: ANN001, ANN202 - decode's signature
+            return quant_fused_experts(
+                x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals, bias=bias, act=act
+            )
 
-        def decode_cpu(x, ids, weights, w13, w2, cpu_out, arrivals=None, cpu_wait=None):  # noqa: ANN001, ANN202
+        def decode_cpu(x, ids, weights, w13, w2, cpu_out, arrivals=None, cpu_wait=None, bias=None):  # noqa: ANN001, ANN202
             return quant_fused_experts(x, ids, weights, w13, w2, q_gu, q_down, inter, hidden, arrivals=arrivals,
-                                       cpu_out=cpu_out, cpu_wait=cpu_wait)  # fmt: skip
+                                       cpu_out=cpu_out, cpu_wait=cpu_wait, bias=bias, act=act)  # fmt: skip
 
         # the kernels read CPU pairs' rows themselves (and wait for them in a captured step), as the dense one does
         self.decode, self.decode_cpu, self.decode_waits = decode, decode_cpu, True
@@ -183,10 +190,11 @@ class QuantExpertLayout(ExpertLayout):
 def _fused_cpu(
     fused: Callable, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     cpu_out: torch.Tensor, arrivals=None, cpu_wait: CpuWait | None = None,  # noqa: ANN001 - decode's
+    bias: PairBiases | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The dense kernel's `decode_cpu`: the kernel reads CPU pairs' rows itself, and waits for them in a captured step
     (`edgemoe.kernels.moe_gemv`)."""
-    return fused(x, slots, weights, w13, w2, arrivals=arrivals, cpu_out=cpu_out, cpu_wait=cpu_wait)
+    return fused(x, slots, weights, w13, w2, arrivals=arrivals, cpu_out=cpu_out, cpu_wait=cpu_wait, bias=bias)
 
 
 def split_rows(joined: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,8 +102,8 @@ class PrefillStream:
             self._copy(layer + 1)  # under this layer's compute
         if self.cuda:
             torch.cuda.current_stream(self.cache.device).wait_event(self.copied[area])
-        w13, w2 = layout.views(self.area_rows(area))
-        out = sum_pairs(layout.pair_outputs(x, ids.flatten(), weights.flatten(), w13, w2, **bias), ids.shape[1])
+        gate_up, down = layout.views(self.area_rows(area))
+        out = sum_pairs(layout.pair_outputs(x, ids.flatten(), weights.flatten(), gate_up, down, **bias), ids.shape[1])
         self._register(layer, area, ids)
         return out
 

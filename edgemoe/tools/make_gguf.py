@@ -2,12 +2,13 @@
 (convert_hf_to_gguf.py) writes the Hugging Face checkpoint that `make_model` draws from the same seed.
 
 Names come from the gguf package's own tables; experts are stacked per layer (`blk.N.ffn_{gate,up,down}_exps`,
-numpy shapes [E, I, H] and [E, H, I]); size-1 dimensions are squeezed, as the converter once did; 1-D tensors, norms
-and the router are F32, as the converter does; the `llama` architecture (Mixtral) stores q and k with the converter's
-RoPE permutation. Dense weights equal the Hugging Face checkpoint's (same draws, same dtype), except in a `q4_k_m` file,
-whose matrices are typed as llama-quantize's Q4_K_M types them (`dense_type`); experts in a float type equal them
-too, Q8_0 / Q4_0 / MXFP4 are gguf's quantization of them, and the K types are random valid blocks (gguf has no K
-quantizer). The file is written under a temporary name and renamed when complete.
+numpy shapes [E, I, H] and [E, H, I]); 1-D tensors, norms, the routers and the convolutions are F32, as the converter
+writes them; the `llama` architecture (Mixtral) stores q and k with the converter's RoPE permutation; a family whose
+converter splits, reorders or computes tensors says how (its `gguf_tensors`). Dense weights equal the Hugging Face
+checkpoint's (same draws, same dtype) as the converter writes them, except in a `q4_k_m` file, whose matrices are
+typed as llama-quantize's Q4_K_M types them (`dense_type`); experts in a float type equal them too, Q8_0 / Q4_0 /
+MXFP4 are gguf's quantization of them, and the K types are random valid blocks (gguf has no K quantizer). The file is
+written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ Q = gguf.GGMLQuantizationType
 
 
 def gguf_arch(family: str) -> gguf.MODEL_ARCH:
-    """The gguf package's architecture of the family's one GGUF architecture (`GGUF_ARCH`); EdgeMoEError for a family
-    make-model does not write as GGUF (one whose files llama.cpp's converter writes with conversions of its own)."""
+    """The gguf package's architecture of the family's GGUF architecture (`GGUF_ARCH`); EdgeMoEError where the
+    installed gguf package predates it (as older ones predate `qwen3next` and `qwen35moe`)."""
     name = family_value(family, "GGUF_ARCH")
     by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
     if name not in by_name:
         raise EdgeMoEError(
-            f"--format gguf does not write {family} yet: write --format hf and convert it with llama.cpp's "
-            "convert_hf_to_gguf.py, whose files edgemoe reads"
+            f"--format gguf: the installed gguf package does not know llama.cpp's {name!r} architecture ({family}'s "
+            "files): upgrade it (pip install -U gguf)"
         )
     return by_name[name]
 
@@ -62,6 +63,8 @@ EXPERT_DTYPES = {
     "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     "mixed": None,
 }
+# the tensors the converter always writes F32 (besides 1-D ones and what is no `.weight`): norms, routers, convolutions
+_F32 = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 _EXPERTS = {
     "gate": gguf.MODEL_TENSOR.FFN_GATE_EXP,
     "up": gguf.MODEL_TENSOR.FFN_UP_EXP,
@@ -154,22 +157,22 @@ def _entry(names: gguf.TensorNameMap, name: str, shape: tuple, dense: Q, expert_
         qtype = Q.F32 if suffix == "bias" else down if kind == "down" else gate_up
         return _expert_name(kind, layer).removesuffix(".weight") + f".{suffix}", shape, qtype
     # the converter's spelling of a routing bias (a parameter named `..._bias`, no `.bias` suffix)
-    base, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rsplit(".", 1)
-    gname = f"{names.get_name(base)}.{suffix}"
-    # [1, H] gates become [H]: the converter now keeps [1, H], which transformers' GGUF loader (the oracle of
-    # tests/models/test_gguf.py) cannot read; tests/models/test_llama_converter.py loads that form
-    shape = tuple(d for d in shape if d != 1) or (1,)
-    router = gname.endswith("ffn_gate_inp.weight")
-    f32 = len(shape) == 1 or router or gname.endswith("_norm.weight")
+    name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    gname = names.get_name(name, try_suffixes=(".weight", ".bias"))  # (a name without either: llama.cpp's too)
+    if gname is None:
+        raise EdgeMoEError(f"the gguf package has no GGUF name for {name}")
+    f32 = len(shape) == 1 or gname.endswith(_F32) or not gname.endswith(".weight")
     return gname, shape, Q.F32 if f32 else dense_type(gname, shape, dense, expert_dtype)
 
 
 def dense_type(gname: str, shape: tuple, dense: Q, expert_dtype: str) -> Q:
-    """A dense matrix's GGML type: a Q4_K_M file's as llama-quantize types them (Q6_K for attn_v, ffn_down and the
-    output, Q4_K for the others, where rows are whole 256-weight blocks), else the checkpoint's float type."""
+    """A dense matrix's GGML type: a Q4_K_M file's as llama-quantize types them (Q6_K for attn_v and attn_qkv, which it
+    counts as one kind, ffn_down and the output, Q4_K for the others, where rows are whole 256-weight blocks), else the
+    checkpoint's float type."""
     if expert_dtype != "q4_k_m" or shape[-1] % 256:
         return dense
-    more_bits = ".attn_v." in gname or ".ffn_down" in gname or gname == "output.weight"
+    more_bits = any(f".{kind}." in gname for kind in ("attn_v", "attn_qkv")) or ".ffn_down" in gname
+    more_bits |= gname == "output.weight"
     return Q.Q6_K if more_bits else Q.Q4_K
 
 
@@ -179,20 +182,27 @@ def _expert_name(kind: str, layer: int) -> str:
 
 def _parts(hf_name: str, t: torch.Tensor, config: dict, family: str) -> list[tuple[str, torch.Tensor]]:
     """A Hugging Face tensor -> the tensors the converter writes of it (plan order), named as the gguf package's name
-    map knows them; a family whose converter splits or reorders tensors otherwise says how (its `gguf_tensors`)."""
+    map knows them: first what the family's converter does of its own (its `gguf_tensors`: renames, splits, values it
+    computes, in float32 unless the tensor is float16 or float32, as the converter computes), then the stacked experts
+    split into gate and up and the `llama` architecture's q/k permutation."""
+    t = t if t.dtype in (torch.float16, torch.float32) else t.float()
     own = getattr(FAMILIES[family], "gguf_tensors", None)
-    if own is not None:
-        return own(hf_name, t)
-    stem = hf_name.rsplit(".", 1)[0] + "."
-    if hf_name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: gate rows first
+    parts = own(hf_name, t, config) if own is not None else [(hf_name, t)]
+    return [p for name, u in parts for p in _split(name, u, config, family)]
+
+
+def _split(name: str, t: torch.Tensor, config: dict, family: str) -> list[tuple[str, torch.Tensor]]:
+    """What the converter does of every architecture's tensors: stacked experts apart, q/k permuted for `llama`."""
+    stem = name.rsplit(".", 1)[0] + "."
+    if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: gate rows first
         gate, up = t.chunk(2, dim=1)
         return [(stem + "gate_proj.weight", gate), (stem + "up_proj.weight", up)]
-    if hf_name.endswith(".experts.down_proj"):  # [E, H, I]
+    if name.endswith(".experts.down_proj"):  # [E, H, I]
         return [(stem + "down_proj.weight", t)]
-    if family_value(family, "GGUF_PERMUTED_QK") and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-        heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
-        return [(hf_name, llama_permute(t, heads))]
-    return [(hf_name, t)]
+    if family_value(family, "GGUF_PERMUTED_QK") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+        return [(name, llama_permute(t, heads))]
+    return [(name, t)]
 
 
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:

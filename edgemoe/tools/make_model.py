@@ -59,7 +59,7 @@ def make_model(
     if format == "gguf":
         from edgemoe.tools.make_gguf import gguf_arch
 
-        gguf_arch(family)  # before anything is drawn: a family make-model does not write as GGUF says so
+        gguf_arch(family)  # before anything is drawn: a gguf package too old for the family's files says so
     tokenizer, tokenizer_config = tokenizer_files(family)
     shapes = checkpoint_shapes(family, config)
     params = sum(math.prod(shape) for _, shape in shapes)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from edgemoe import SamplingParams
+from edgemoe.engine.grammar import GrammarConstraint
 from edgemoe.errors import EdgeMoEError
 
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
@@ -40,3 +42,15 @@ def test_a_bad_grammar(demo_llm):
         demo_llm.generate("ROMEO:", SamplingParams(grammar="start: undefined_rule"))
     with pytest.raises(EdgeMoEError, match="grammar must be a string"):
         SamplingParams(grammar=3)
+
+
+def test_packed_masks_unpack_bit_by_bit() -> None:
+    """`_penalties` against reading each token's bit of its word (token t: bit t % 32 of word t // 32, sign bit too),
+    on random words: 0 where the bit is set, -inf elsewhere."""
+    g = torch.Generator().manual_seed(3)
+    masks = torch.randint(-(2**31), 2**31, (3, 5), generator=g, dtype=torch.int64).to(torch.int32)
+    constraint = GrammarConstraint.__new__(GrammarConstraint)
+    constraint._tables = {}
+    got = constraint._penalties(masks, torch.float32)
+    bits = torch.tensor([[(int(masks[r, t // 32]) >> (t % 32)) & 1 for t in range(160)] for r in range(3)]).bool()
+    assert torch.equal(got, torch.zeros(3, 160).masked_fill(~bits, float("-inf")))

@@ -102,7 +102,7 @@ def test_eager_copies_by_sms_and_capture_posts_without_sync() -> None:
     assert service.served == 1  # 3 and 5 missed: one list
     graph.replay()  # every expert hits: nothing posted
     assert service.served == 1 == int(service.tick)
-    for pool, bank in zip((cache.w13, cache.w2), banks[0]):
+    for pool, bank in zip((cache.pool_a, cache.pool_b), banks[0]):
         assert torch.equal(pool[cache.slot_table()[0, [3, 5, 9]]].cpu(), bank[[3, 5, 9]])
 
 
@@ -130,7 +130,7 @@ def test_captured_ensure_posts_its_own_list() -> None:
     with host_sync_forbidden():
         graph.replay()
     assert service.served == 1 == int(service.tick)
-    for pool, bank in zip((cache.w13, cache.w2), banks[0]):
+    for pool, bank in zip((cache.pool_a, cache.pool_b), banks[0]):
         assert torch.equal(pool[cache.slot_table()[0, [3, 5, 10]]].cpu(), bank[[3, 5, 10]])
 
 
@@ -157,7 +157,7 @@ def test_streamed_experts_right_after_a_posting_ensure(policy: str) -> None:
             got = gpu.ensure(layer, ids[layer], banks[layer])
             posted.append(got.posted)
             gpu.copy_missing(got, *banks[layer])
-            out.append(fused_experts(x, got.slots, weights, gpu.w13, gpu.w2, arrivals=gpu.arrivals(got)))
+            out.append(fused_experts(x, got.slots, weights, gpu.pool_a, gpu.pool_b, arrivals=gpu.arrivals(got)))
         return out
 
     trace = random_trace(10, L, E, 1, top_k, skew=0.5, seed=12)

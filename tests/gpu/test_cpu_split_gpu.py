@@ -215,6 +215,10 @@ def test_measure_and_fit_on_a_real_expert() -> None:
         bank = allocate_bank((16, layout.row), torch.bfloat16, pin=True)
         banks = layout.copy_views(bank)
 
+        @staticmethod
+        def host_biases() -> None:
+            return None
+
     Layer.bank.normal_(0, 0.02)
     device = torch.device("cuda")
     with CpuExperts() as pool:
@@ -228,7 +232,7 @@ def test_measure_and_fit_on_a_real_expert() -> None:
         joined = Layer.layout.empty(9, device)
         cache.attach_pool(*Layer.layout.copy_views(joined), joined)
         cache.start_copy_service(max_pairs=8)
-        cache.copy_service.attach_cpu(pool, [(Layer.bank, Layer.layout)], 1)
+        cache.copy_service.attach_cpu(pool, [(Layer.bank, Layer.layout, None)], 1)
         seconds = round_trip(cache.copy_service, Layer)
         graphed = measure(Layer, pool, device, 8, service=cache.copy_service)
         print(f"mailbox round trip with one CPU pair: {seconds * 1e3:.3f} ms; costs with graphs: {graphed}")

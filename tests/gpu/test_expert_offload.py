@@ -34,7 +34,7 @@ def ensure_copy_read(cache: ExpertCache, banks: list, ids: torch.Tensor) -> list
         got = cache.ensure(layer, ids[layer], banks[layer])
         cache.copy_missing(got, *banks[layer])
         cache.await_copy(got)
-        out.append((got.slots, cache.w13[got.slots], cache.w2[got.slots]))
+        out.append((got.slots, cache.pool_a[got.slots], cache.pool_b[got.slots]))
     return out
 
 

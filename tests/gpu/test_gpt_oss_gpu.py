@@ -1,5 +1,5 @@
-"""gpt-oss on CUDA, where its pieces without a kernel keep plain torch (sinks and windows in decode attention, the
-biased router, experts with biases and the clamped SwiGLU, resident or offloaded, MXFP4 or float) under replayed CUDA
+"""gpt-oss on CUDA: sinks and windows in the decode attention kernel, experts with biases and the clamped SwiGLU in
+the expert kernels (resident or offloaded, MXFP4 or float), the biased router in plain torch, under replayed CUDA
 graphs: greedy tokens (float32) equal transformers' on the CPU, for the tiny float checkpoint and the Hub-style MXFP4
 one, resident and offloaded; bfloat16 runs too (its tokens are not compared)."""
 

@@ -92,7 +92,7 @@ def test_copy_missing_is_one_launch_without_sync() -> None:
     torch.cuda.synchronize()
     with host_sync_forbidden():
         cache.copy_missing(got, *banks)
-    for pool, bank in zip((cache.w13, cache.w2), banks):
+    for pool, bank in zip((cache.pool_a, cache.pool_b), banks):
         assert torch.equal(pool[cache.slot_table()[0, [2, 4, 9]]].cpu(), bank[[2, 4, 9]])
 
 

@@ -62,13 +62,13 @@ def test_posted_rows_carry_the_cpu_pairs_and_x() -> None:
     cache.attach_pool(*layout.copy_views(pool), pool)
     cache.ensure_scratch = torch.zeros(S + 2 * E, dtype=torch.long)
     gpu = Served([])
-    service = CopyService((cache.w13, cache.w2), cache.arrival_counters, 1, E, group=0, driver=gpu,
+    service = CopyService((cache.pool_a, cache.pool_b), cache.arrival_counters, 1, E, group=0, driver=gpu,
                           max_pairs=TOKENS * TOP_K)  # fmt: skip
     gpu.service = service
     table = torch.tensor(manual_table(1, E), dtype=torch.int32)  # one miss a layer-step on the CPU
     rows_seen = posts = 0
     with CpuExperts(1) as cpu_pool:
-        service.attach_cpu(cpu_pool, [(b, layout) for b in banks_cpu], TOKENS)
+        service.attach_cpu(cpu_pool, [(b, layout, None) for b in banks_cpu], TOKENS)
         for step in random_trace(6, L, E, TOKENS, TOP_K, skew=1.0, seed=2):
             for layer, ids in enumerate(step):
                 x = torch.randn(TOKENS, H, generator=g)
@@ -116,7 +116,7 @@ def test_the_round_trip_probe_posts_one_cpu_pair_or_none() -> None:
     gpu.service = service
     x, expert = torch.randn(1, H, generator=g), torch.tensor([5])
     with CpuExperts(1) as cpu_pool:
-        service.attach_cpu(cpu_pool, [(bank, layout)], 1)
+        service.attach_cpu(cpu_pool, [(bank, layout, None)], 1)
         for n in (1, 0, 1):
             service.cpu.rows.fill_(float("nan"))
             post_cpu_probe(service.target(layout.copy_views(bank)), expert, x, torch.tensor(n))

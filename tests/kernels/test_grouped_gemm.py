@@ -15,7 +15,9 @@ pytest.importorskip("triton")
 
 from edgemoe.context import ForwardContext, set_context  # noqa: E402
 from edgemoe.kernels.grouped_gemm import Blocks, grouped_gemm, pair_outputs, pick_blocks, schedule  # noqa: E402
-from edgemoe.moe.experts import Experts, prefill_reference  # noqa: E402
+from edgemoe.kernels.protocol import PairBiases  # noqa: E402
+from edgemoe.layers.mlp import GLUS  # noqa: E402
+from edgemoe.moe.experts import Experts, pair_outputs_reference, prefill_reference  # noqa: E402
 from tests.kernels.test_moe_gemv import loop_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,7 +144,7 @@ def test_experts_prefill_takes_the_kernel_once_chosen() -> None:
     try:
         ref = experts(x, ids, weights)
         experts.use_kernels(torch.device(DEVICE))
-        assert experts.prefill is grouped_gemm
+        assert experts.prefill.func is grouped_gemm
         torch.testing.assert_close(experts(x, ids, weights), ref, atol=1e-5, rtol=1e-5)
     finally:
         set_context(None)
@@ -175,3 +177,29 @@ def test_offloaded_prefill_is_bitwise_resident(slots: int) -> None:
     finally:
         set_context(None)
     assert torch.equal(got, grouped_gemm(x, ids, weights, w13, w2))
+
+
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_expert_biases_and_gpt_oss_activation_over_slots(act: str) -> None:
+    """gpt-oss's experts in prefill: each pair's biases read by its expert id while its weights come from a pool's
+    slot, the clamped SwiGLU (inputs scaled past the clamp), against the reference over the same slots; two waves
+    of slots give bitwise one launch's outputs."""
+    x, ids, weights, w13, w2 = inputs(23, 4, 6, 37, 21, seed=41)
+    x = x * 6
+    g = torch.Generator().manual_seed(42)
+    b13, b2 = (torch.randn(6, 2 * 21, generator=g) * 3).to(DEVICE), torch.randn(6, 37, generator=g).to(DEVICE)
+    slot_of = torch.tensor([4, 0, 6, 2, 7, 1], device=DEVICE)  # expert -> slot of a pool of 8
+    pool13, pool2 = torch.randn(8, *w13.shape[1:], device=DEVICE), torch.randn(8, *w2.shape[1:], device=DEVICE)
+    pool13[slot_of], pool2[slot_of] = w13, w2
+    flat = ids.flatten()
+    bias = PairBiases(b13, b2, flat)
+    y = pair_outputs(x, slot_of[flat], weights.flatten(), pool13, pool2, blocks=SMALL, bias=bias, act=act)
+    ref = pair_outputs_reference(x, slot_of[flat], weights.flatten(), pool13, pool2, glu=GLUS[act], bias=bias)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
+    plain = pair_outputs(x, slot_of[flat], weights.flatten(), pool13, pool2, blocks=SMALL, act=act)
+    assert (y - plain).abs().max() > 0.1  # the biases mattered
+    waves = torch.full_like(y, float("nan"))
+    for wave in ([0, 3, 5], [1, 2, 4]):
+        rows = torch.where(torch.isin(flat, torch.tensor(wave, device=DEVICE)), slot_of[flat], -1)
+        pair_outputs(x, rows, weights.flatten(), pool13, pool2, out=waves, blocks=SMALL, bias=bias, act=act)
+    assert torch.equal(waves, y)

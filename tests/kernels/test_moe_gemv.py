@@ -11,7 +11,8 @@ pytest.importorskip("triton")
 
 from edgemoe.kernels.miss_copy import await_cpu_rows, copy_rows_pair  # noqa: E402
 from edgemoe.kernels.moe_gemv import Blocks, fused_experts, pick_blocks  # noqa: E402
-from edgemoe.kernels.protocol import Arrivals, CpuWait  # noqa: E402
+from edgemoe.kernels.protocol import Arrivals, CpuWait, PairBiases  # noqa: E402
+from edgemoe.layers.mlp import GLUS  # noqa: E402
 from edgemoe.moe.experts import gathered_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,3 +153,28 @@ def test_cpu_pairs(blocks: Blocks | None) -> None:
     wait = CpuWait(cpu_out, seq.clone(), seq, torch.tensor(3, device=DEVICE))
     assert torch.equal(fused_experts(x, on_cpu, weights, w13, w2, blocks, cpu_out=cpu_out, cpu_wait=wait), out)
     await_cpu_rows(wait)
+
+
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("biased", [True, False], ids=["biases", "no-biases"])
+def test_expert_biases_and_gpt_oss_activation(act: str, biased: bool) -> None:
+    """gpt-oss's experts: a bias per expert on gate/up and on down, read by each pair's expert id (here not the
+    bank row: the rows are a pool's slots), and the clamped SwiGLU; inputs scaled so that some gate and up values
+    pass the clamp at 7."""
+    x, slots, weights, w13, w2 = inputs(3, 4, hidden=37, inter=21, dtype=torch.float32, seed=31)
+    g = torch.Generator().manual_seed(32)
+    x = x * 6
+    experts = torch.randint(0, 9, slots.shape, generator=g).to(DEVICE)  # the pairs' experts: their biases' rows
+    bias = None
+    if biased:
+        b13, b2 = torch.randn(9, 2 * 21, generator=g) * 3, torch.randn(9, 37, generator=g)
+        bias = PairBiases(b13.to(DEVICE), b2.to(DEVICE), experts.flatten())
+    out = fused_experts(x, slots, weights, w13, w2, SMALL, bias=bias, act=act)
+    ref = gathered_experts(x, slots, weights, w13, w2, GLUS[act], bias)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+    if act == "swiglu_oai":  # the clamp mattered
+        gate = torch.einsum("th,tkih->tki", x, w13[slots][:, :, :21])
+        assert (gate > 7).any() and (gate < 7).any()
+    if biased:  # the biases mattered, by expert id
+        plain = fused_experts(x, slots, weights, w13, w2, SMALL, act=act)
+        assert (out - plain).abs().max() > 0.1

@@ -22,13 +22,15 @@ pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 
 from edgemoe.kernels.miss_copy import copy_rows_pair  # noqa: E402
-from edgemoe.kernels.protocol import Arrivals  # noqa: E402
+from edgemoe.kernels.protocol import Arrivals, PairBiases  # noqa: E402
 from edgemoe.kernels.quant_gemv import (  # noqa: E402
     QuantBlocks,
     pick_blocks,
     quant_experts_reference,
     quant_fused_experts,
 )
+from edgemoe.layers.mlp import GLUS  # noqa: E402
+from edgemoe.moe.experts import gathered_experts  # noqa: E402
 from edgemoe.quant import QUANT_TYPES, quant_type, random_blocks, row_bytes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -242,3 +244,28 @@ def test_dense_linear_matches_gguf_and_is_batch_invariant(name: str) -> None:
     assert torch.isnan(wide[:, :10]).all() and torch.isnan(wide[:, 50:]).all()
     alone = quant_linear(x[:1].to(DEVICE), w.to(DEVICE), name, bias=bias.to(DEVICE))
     assert torch.equal(alone, y[:1])
+
+
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_mxfp4_experts_with_biases_and_gpt_oss_activation(act: str) -> None:
+    """gpt-oss's experts as stored (MXFP4): each pair's biases read by its expert id while its rows are another
+    bank row (a slot), the clamped SwiGLU with inputs scaled past the clamp; against gguf's dequantization, then the
+    plain-torch expert math with the same biases and activation."""
+    hidden, inter = shapes("MXFP4", "MXFP4")
+    _, w13, w2 = banks("MXFP4", "MXFP4", hidden, inter, seed=51)
+    x, slots, weights = routing(3, hidden, torch.float32, seed=52)
+    x = x * 8
+    g = torch.Generator().manual_seed(53)
+    experts = torch.randint(0, 7, slots.shape, generator=g).to(DEVICE)
+    b13, b2 = (torch.randn(7, 2 * inter, generator=g) * 3).to(DEVICE), torch.randn(7, hidden, generator=g).to(DEVICE)
+    bias = PairBiases(b13, b2, experts.flatten())
+    b = tiles("MXFP4", "MXFP4", hidden, inter)
+    out = quant_fused_experts(x, slots, weights, w13, w2, "MXFP4", "MXFP4", inter, hidden, b, bias=bias, act=act)
+    d13, d2 = (
+        torch.from_numpy(gguf.quants.dequantize(w.cpu().numpy(), gguf.GGMLQuantizationType.MXFP4)).float().to(DEVICE)
+        for w in (w13, w2)
+    )
+    ref = gathered_experts(x, slots, weights, d13, d2, GLUS[act], bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    plain = quant_fused_experts(x, slots, weights, w13, w2, "MXFP4", "MXFP4", inter, hidden, b, act=act)
+    assert (out - plain).abs().max() > 0.1  # the biases mattered

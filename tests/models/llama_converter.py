@@ -91,13 +91,14 @@ def _extract(sdist: Path, into: Path) -> None:
         raise RuntimeError(f"{sdist.name} holds no {prefix}convert_hf_to_gguf.py")
 
 
-def convert(folder: Path, out: Path, outtype: str = "f32", pre: str = "gpt-2") -> Path:
+def convert(folder: Path, out: Path, outtype: str = "f32", pre: str = "gpt-2", options: tuple[str, ...] = ()) -> Path:
     """`folder`'s Hugging Face checkpoint converted by llama.cpp's converter to `out` (`outtype`: f32, f16, bf16,
-    q8_0), its byte-level BPE tokenizer written with pre-tokenizer `pre` (see `_RUN`)."""
+    q8_0), its byte-level BPE tokenizer written with pre-tokenizer `pre` (see `_RUN`), with the converter's further
+    command-line `options`."""
     tool = converter()
     path = [str(tool / "gguf-py"), str(tool), os.environ.get("PYTHONPATH", "")]  # its own gguf before any installed
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
-    args = [str(tool), pre, str(folder), "--outfile", str(out), "--outtype", outtype]
+    args = [str(tool), pre, str(folder), "--outfile", str(out), "--outtype", outtype, *options]
     proc = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode:
         raise AssertionError(f"llama.cpp's converter failed on {folder}:\n{proc.stderr[-4000:]}")

@@ -142,12 +142,18 @@ def test_requantizing_stored_experts_is_refused(mxfp4) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_cpu_expert_executor_refuses_expert_biases(mxfp4) -> None:
-    """`--moe-cpu-compute N` asks the C executor for experts it cannot compute (biases, the clamped SwiGLU): one
-    line; `auto` leaves it off (tested above: the offloaded parity runs with auto)."""
-    with pytest.raises(EdgeMoEError, match="moe_cpu_compute 1: the CPU expert executor adds no expert biases") as err:
-        LLM(str(mxfp4[0]), progress=False, moe_strategy="offload", moe_cache_slots=6, max_num_seqs=3, moe_cpu_compute=1)
-    assert "\n" not in str(err.value)
+@pytest.mark.parametrize("split", [1, 8])
+def test_cpu_expert_executor_computes_biased_mxfp4_experts(mxfp4, split: int) -> None:
+    """`--moe-cpu-compute N`: the C executor computes N misses a step from the MXFP4 bank with the experts' biases and
+    the clamped SwiGLU (8: every miss of a token); greedy tokens equal transformers'."""
+    folder, hf = mxfp4
+    llm = LLM(str(folder), progress=False, dtype="float32", moe_strategy="offload", moe_cache_slots=6, max_num_seqs=3,
+              moe_cpu_compute=split, moe_collect_stats=True)  # fmt: skip
+    batch = prompts(12, lengths=(6, 29))
+    outs = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    for prompt, tokens in zip(batch, outs):
+        assert tokens == hf_greedy(hf, prompt)
+    assert llm.moe_stats()["total"]["cpu_computed"] > 0
 
 
 @pytest.mark.parametrize(

@@ -93,7 +93,7 @@ def make(steps_of, pool: CpuExperts | None, cases=("fp32", "bf16")):
     gpu.service = CopyService(pools, torch.zeros(E, dtype=torch.int64), CHUNKS, E, group=1, driver=gpu,
                               max_pairs=MAX_PAIRS)  # fmt: skip
     if pool is not None:
-        gpu.service.attach_cpu(pool, layers, MAX_TOKENS)
+        gpu.service.attach_cpu(pool, [(bank, layout, None) for bank, layout in layers], MAX_TOKENS)
     return gpu, pools, copy_banks, layers
 
 
@@ -207,6 +207,9 @@ def test_resolve_attaches_the_pool_and_close_detaches_it(pool: CpuExperts) -> No
     class Layer:  # what resolve reads of an OffloadedExperts
         def __init__(self, i: int) -> None:
             self.layer, (self.bank, self.layout), self.num_experts = i, layers[i], E
+
+        def host_biases(self) -> None:
+            return None
 
     split = resolve(2, [Layer(0), Layer(1)], torch.device("cpu"), TOP_K, True, service=gpu.service,
                     max_tokens=MAX_TOKENS)  # fmt: skip

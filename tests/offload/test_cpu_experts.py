@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.layers.mlp import ACTIVATIONS
+from edgemoe.layers.mlp import ACTIVATIONS, swiglu_oai
 from edgemoe.offload import cpu_experts
 from edgemoe.offload.cpu_experts import CpuExperts, Job, build, physical_cores
 from edgemoe.offload.layout import ExpertLayout, QuantExpertLayout
@@ -75,18 +75,31 @@ def make_pairs(g: torch.Generator, pairs: int = 13, tokens: int = 5, experts: in
     return token_ids, expert_ids
 
 
-def reference(bank: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor):
-    """float64 [P, H] outputs and the tolerance of each (the module docstring)."""
+def reference(
+    bank: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+):  # fmt: skip
+    """float64 [P, H] outputs and the tolerance of each (the module docstring); `biases` (gate_up [E, 2I], down
+    [E, H]) added by expert, as gpt-oss's."""
     w13, w2 = (w[experts] for w in layout.views(bank))  # [P, 2I, *], [P, H, *]
     if isinstance(layout, QuantExpertLayout):
         w13, w2 = dequantize(w13, layout.q_gate_up, layout.hidden), dequantize(w2, layout.q_down, layout.inter)
     w13, w2, xs = w13.double(), w2.double(), x[tokens].double()
-    gate, up = (w13 @ xs[:, :, None])[..., 0].chunk(2, dim=-1)  # [P, I] each
-    act = ACTIVATIONS[layout.act_name](gate)
-    h = act * up
+    gate_up = (w13 @ xs[:, :, None])[..., 0]
+    if biases is not None:
+        gate_up = gate_up + biases[0][experts].double()
+    gate, up = gate_up.chunk(2, dim=-1)  # [P, I] each
+    if layout.act_name == "swiglu_oai":  # its gate factor, and h's slope along gate: at most 1.1 (|up| + 1)
+        act, slope = swiglu_oai(gate, up) / (up.clamp(-7, 7) + 1), 1.2 * (up.abs() + 1)
+        h = swiglu_oai(gate, up)
+    else:
+        act, slope = ACTIVATIONS[layout.act_name](gate), 1.2 * up.abs()
+        h = act * up
     out = (w2 @ h[:, :, None])[..., 0]  # [P, H]
+    if biases is not None:
+        out = out + biases[1][experts].double()
     t1 = (w13 * xs[:, None, :]).abs().amax(dim=-1).chunk(2, dim=-1)  # gate's and up's largest term a row: [P, I]
-    dh = math.sqrt(layout.hidden) * (1.2 * up.abs() * t1[0] + act.abs() * t1[1]) + h.abs()  # [P, I]
+    dh = math.sqrt(layout.hidden) * (slope * t1[0] + act.abs() * t1[1]) + h.abs()  # [P, I]
     t2 = (w2 * h[:, None, :]).abs().amax(dim=-1)  # [P, H]
     carried = (w2 * dh[:, None, :]).square().sum(dim=-1).sqrt()  # dh through the down sum (random signs)
     return out, 4 * EPS * (math.sqrt(layout.inter) * t2 + carried)
@@ -119,6 +132,24 @@ def test_every_format_matches_the_reference(pool: CpuExperts, case: str) -> None
 @pytest.mark.parametrize("case", ["Q8_0", "Q4_K_M", "bf16"])
 def test_gelu_tanh(pool: CpuExperts, case: str) -> None:
     check(pool, make_layout(case, act="gelu_pytorch_tanh"))
+
+
+@pytest.mark.parametrize("case", ["MXFP4", "bf16"])
+def test_gpt_oss_expert_biases_and_clamped_swiglu(pool: CpuExperts, case: str) -> None:
+    """gpt-oss's experts: biases by expert on gate/up (before the activation) and on down, the clamped SwiGLU with
+    inputs scaled so that gate and up pass the clamp at 7 in some rows and not in others."""
+    layout = make_layout(case, act="swiglu_oai")
+    g = torch.Generator().manual_seed(61)
+    bank = make_bank(layout, 7, g)
+    tokens, experts = make_pairs(g)
+    x = torch.randn(5, layout.hidden, generator=g) * 8
+    biases = torch.randn(7, 2 * layout.inter, generator=g) * 3, torch.randn(7, layout.hidden, generator=g)
+    out = pool.compute(bank, layout, x, tokens, experts, torch.full((len(tokens), layout.hidden), math.nan), biases)
+    ref, atol = reference(bank, layout, x, tokens, experts, biases)
+    err = (out.double() - ref).abs()
+    assert (err <= 1e-5 * ref.abs() + atol).all(), f"worst error {(err / (1e-5 * ref.abs() + atol)).max():.3g} x bound"
+    plain = pool.compute(bank, layout, x, tokens, experts, torch.empty(len(tokens), layout.hidden))
+    assert (out - plain).abs().max() > 0.1  # the job's biases were read
 
 
 def test_bank_rows_longer_than_the_layer_uses(pool: CpuExperts) -> None:
@@ -203,9 +234,17 @@ def test_inputs_it_cannot_compute_are_clear_errors(pool: CpuExperts) -> None:
     fails("cannot read experts", None, ExpertLayout(layout.hidden, layout.inter, torch.float64))
     relu = make_layout("Q8_0")
     relu.act_name = "relu"
-    fails("computes silu, gelu_pytorch_tanh, not relu", None, relu)
+    fails("computes silu, gelu_pytorch_tanh, swiglu_oai, not relu", None, relu)
+    with pytest.raises(EdgeMoEError, match="down biases: expected"):
+        pool.compute(*args, (torch.zeros(7, 2 * layout.inter), torch.zeros(7, layout.hidden + 1)))
     # 35: TQ2_0, a GGUF format it does not read
-    for field, value, match in [("gate_up_format", 35, "format"), ("down_offset", 0, "shapes"), ("act", 7, "activ")]:
+    changes = [
+        ("gate_up_format", 35, "format"),
+        ("down_offset", 0, "shapes"),
+        ("act", 7, "activ"),
+        ("gate_up_bias", bank.data_ptr(), "shapes"),
+    ]  # one bias array without the other
+    for field, value, match in changes:
         job = pool.job(*args)
         setattr(job, field, value)
         with pytest.raises(EdgeMoEError, match=match):

@@ -101,8 +101,8 @@ def test_copy_missing_moves_the_listed_rows() -> None:
         for layer, ids in enumerate(step):
             got = cache.ensure(layer, ids)
             cache.copy_missing(got, *banks[layer])
-            assert torch.equal(cache.w13[got.slots], banks[layer][0][ids])
-            assert torch.equal(cache.w2[got.slots], banks[layer][1][ids])
+            assert torch.equal(cache.pool_a[got.slots], banks[layer][0][ids])
+            assert torch.equal(cache.pool_b[got.slots], banks[layer][1][ids])
 
 
 def test_the_configured_policies_are_the_cache_s() -> None:

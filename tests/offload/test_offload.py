@@ -107,7 +107,7 @@ def test_host_banks_hold_the_checkpoint(tiny_models) -> None:
             assert not b.mlp.experts.gate_up_proj.is_pinned()  # pinned only for CUDA devices
             assert_joined(b.mlp.experts.gate_up_proj, b.mlp.experts.down_proj)
         cache = offloaded.model.layers[0].mlp.experts.cache
-        assert_joined(cache.w13, cache.w2)
+        assert_joined(cache.pool_a, cache.pool_b)
 
 
 def assert_joined(w13: torch.Tensor, w2: torch.Tensor) -> None:

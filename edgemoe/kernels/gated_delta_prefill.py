@@ -114,7 +114,7 @@ def _chunk_scan(
     S = tl.load(tile, mask=mask_s, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
     causal = r[:, None] >= r[None, :]  # s <= t
     last = r == CHUNK - 1
-    for t0 in range(start, end, CHUNK):
+    for t0 in tl.range(start, end, CHUNK, num_stages=1):  # no loads in flight across chunks: shared memory
         rows = t0 + r
         mask_r = rows < end
         mask_qk = mask_r[:, None] & mask_k[None, :]

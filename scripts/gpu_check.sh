@@ -4,9 +4,17 @@
 #   GPU_TESTS="tests/gpu/test_a.py ..." GPU_TESTS_ONLY=1 bash scripts/gpu_check.sh OUT   (some test files, no benchmarks)
 # The tests' whole log goes to OUT/gpu_tests.log as it is written (unbuffered, one line a test), so a run cut short
 # still says which tests passed and failed.
+# The engine imports llguidance (constrained decoding), which the GPU machine lacks: carry its wheel (and gguf's) in
+# .whl (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl
+# llguidance gguf`; name .whl in the device call's carry); they are installed under /tmp/site here.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/edgemoe-gpu}}
 mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import llguidance" 2>/dev/null || { echo "gpu_check: llguidance is missing: carry its wheel in .whl (see above)"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"

@@ -38,6 +38,7 @@ from edgemoe.server.chat_format import (
     render_chat,
 )
 from edgemoe.server.engine_loop import EngineLoop, RequestHandle
+from edgemoe.server.harmony import history_closing
 from edgemoe.server.http import ApiKeyGuard, add_error_handlers
 from edgemoe.server.metrics import CONTENT_TYPE, Metrics
 from edgemoe.server.protocol import (
@@ -246,7 +247,8 @@ def _remember(turns: TurnStore, plan: ChatPlan) -> OnAnswer | None:
 
     def remember(parsed: Parsed, output: RequestOutput) -> None:
         calls = [(c.id, c.name, c.arguments) for c in parsed.calls]
-        turns.remember(parsed.reasoning, parsed.content, calls, output, plan.opening)
+        closing = history_closing(bool(calls)) if plan.formats.harmony else None
+        turns.remember(parsed.reasoning, parsed.content, calls, output, plan.opening, closing)
 
     return remember
 

@@ -115,3 +115,10 @@ class HarmonyParser:
     def _emit(self, text: str, out: list) -> None:
         if text:
             out.append(Reasoning(text) if self._kind == "reasoning" else Content(text))
+
+
+def history_closing(calls: bool) -> tuple[str, str] | None:
+    """How an answer ends in a replayed history (`replay.Turn.closing`) where a template's returned message does not
+    end so: an answer that calls tools stopped on `<|call|>`, which the history keeps, where a message's text ends in
+    `<|end|>` (an answer's `<|return|>` becomes `<|end|>` there, as the template writes it)."""
+    return (END, CALL) if calls else None

@@ -115,8 +115,12 @@ def replay_marks(messages: list[dict], turns: TurnStore | None) -> tuple[list[di
 
 
 def splice(text: str, marks: dict[str, Turn]) -> Segments | None:
-    """The prompt's pieces: each sentinel and the turn header before it replaced by the answer's opening and tokens;
-    None if a sentinel is not where it can be replaced."""
+    """The prompt's pieces: each sentinel and the turn header before it replaced by the answer's opening and tokens
+    (and the template's end of the message by the turn's own, where they differ: `Turn.closing`); None if a
+    sentinel is not where it can be replaced. The header: the text right before the sentinel that the opening
+    starts with (ChatML's `<|im_start|>assistant\n`), or else the opening written whole before it with the
+    message's own header between (harmony's `<|start|>assistant` then `<|channel|>final<|message|>`, which the
+    answer's tokens hold as the model wrote them)."""
     out: Segments = []
     pos = 0
     for mark in sorted(marks, key=text.find):
@@ -125,10 +129,16 @@ def splice(text: str, marks: dict[str, Turn]) -> Segments | None:
             return None
         head = next((k for k in range(min(len(turn.opening), at - pos), 0, -1)
                      if text.endswith(turn.opening[:k], pos, at)), 0)  # fmt: skip
+        start = at - head
         if turn.opening and not head:
-            return None
-        out += [text[pos : at - head] + turn.opening, turn]
+            start = text.rfind(turn.opening, pos, at)
+            if start < 0:
+                return None
+        out += [text[pos:start] + turn.opening, turn]
         pos = at + len(mark)
+        if turn.closing is not None and text.startswith(turn.closing[0], pos):
+            out.append(turn.closing[1])
+            pos += len(turn.closing[0])
     return [*out, text[pos:]]
 
 

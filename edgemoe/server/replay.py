@@ -27,10 +27,13 @@ from edgemoe.engine.sequence import RequestOutput
 
 @dataclass(frozen=True)
 class Turn:
-    """An answer as the model generated it: the prompt's end it continued, and its tokens."""
+    """An answer as the model generated it: the prompt's end it continued, and its tokens. `closing`: where the turn
+    ends otherwise in a history than the template ends a returned message's text, (what the template writes after
+    it, what goes there instead): harmony's tool-call turns end in `<|call|>`, its text in `<|end|>`."""
 
     opening: str
     ids: array  # int32 token ids, the stop token left out
+    closing: tuple[str, str] | None = None
 
 
 def turn_key(reasoning: str | None, content: str, calls: list[tuple[str, str, object]]) -> bytes:
@@ -59,13 +62,15 @@ class TurnStore:
         self._lock = threading.Lock()
 
     def remember(
-        self, reasoning: str, content: str, calls: list[tuple[str, str, str]], output: RequestOutput, opening: str
-    ) -> None:
-        """A finished answer (`calls`: id, name, arguments as JSON text). Only answers the model ended itself (its
-        stop token) are kept: one cut by max_tokens or a stop string is not what the template ends the turn with."""
+        self, reasoning: str, content: str, calls: list[tuple[str, str, str]], output: RequestOutput, opening: str,
+        closing: tuple[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        """A finished answer (`calls`: id, name, arguments as JSON text; `closing`: as `Turn`'s). Only answers the
+        model ended itself (its stop token) are kept: one cut by max_tokens or a stop string is not what the template
+        ends the turn with."""
         if output.finish_reason != "stop" or isinstance(output.stop_reason, str) or not output.token_ids:
             return
-        turn = Turn(opening, array("i", output.token_ids[:-1]))
+        turn = Turn(opening, array("i", output.token_ids[:-1]), closing)
         parsed = [(ident, name, json.loads(arguments)) for ident, name, arguments in calls]
         keys = [turn_key(reasoning, content, parsed)]
         if parsed:  # a client that drops reasoning still sends the call ids back, which no other answer has

@@ -13,10 +13,13 @@ import openai
 import pytest
 
 from benchmarks.scripted_server import InProcessServer, make_model
+from edgemoe.engine.sequence import RequestOutput
 from edgemoe.server.chat_format import detect_formats, parse_all, render_chat
-from edgemoe.server.harmony import MARKS, HarmonyParser
+from edgemoe.server.harmony import CALL as CALL_MARK
+from edgemoe.server.harmony import MARKS, HarmonyParser, history_closing
 from edgemoe.server.protocol import ChatCompletionRequest, RequestError, parse_request
 from edgemoe.server.reasoning import Reasoning
+from edgemoe.server.replay import TurnStore
 from edgemoe.server.tool_calls import Content, ToolCall
 from edgemoe.tokenizer import Tokenizer
 from edgemoe.tools.chat_templates import HARMONY
@@ -196,3 +199,39 @@ def test_anthropic_messages(server):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "<|start|>x"}])
     assert e.value.body["type"] == "error" and "<|start|>" in e.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize("ending", ["call", "answer"])
+def test_a_returned_answer_is_replayed_as_generated(model, ending: str) -> None:
+    """An answer the server gave, returned parsed (a call's arguments as JSON, its reasoning apart): the next prompt
+    starts with the previous prompt and the answer's tokens, then how the turn ends in a history: `<|call|>` after a
+    call (where the template ends a returned message's text with `<|end|>`), `<|end|>` after a final answer (which
+    stopped on `<|return|>`). Here the model wrote what the template writes, so the replayed prompt is also the
+    template's own."""
+    tok = Tokenizer(model)
+    formats, store = detect_formats(tok), TurnStore()
+    first = render_chat(tok, formats, parse_request(ChatCompletionRequest, {"messages": USER, "tools": TOOLS}))
+    script, stop = (SCRIPT, CALL_MARK) if ending == "call" else (ANSWER.removesuffix("<|return|>"), "<|return|>")
+    answer = tok.encode(script, add_special_tokens=False)
+    stop_id = tok.encode(stop, add_special_tokens=False)[0]
+    parsed = parse_all(first.parser(), script + stop)
+    calls = [(f"call_{k}", c.name, c.arguments) for k, c in enumerate(parsed.calls)]  # ids as a writer gives them
+    output = RequestOutput("r", first.prompt_ids, answer + [stop_id], "", "stop", stop_reason=stop_id)
+    store.remember(parsed.reasoning, parsed.content, calls, output, first.opening, history_closing(bool(calls)))
+    returned = {"role": "assistant", "content": parsed.content or None, "reasoning_content": parsed.reasoning}
+    follow = [{"role": "user", "content": "And in Rome?"}]
+    if calls:
+        returned["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                                  for i, n, a in calls]  # fmt: skip
+        follow = [{"role": "tool", "tool_call_id": calls[0][0], "content": "18 C"}]
+    body = {"messages": [*USER, returned, *follow], "tools": TOOLS}
+    second = render_chat(tok, formats, parse_request(ChatCompletionRequest, body), turns=store)
+    head = len(first.prompt_ids) + len(answer)
+    assert second.prompt_ids[:head] == first.prompt_ids + answer
+    rest = tok.decode(second.prompt_ids[head:], skip_special_tokens=False)
+    assert rest.startswith(CALL_MARK + "<|start|>functions.get_weather" if calls else "<|end|><|start|>user")
+    if calls:  # without the store the template writes the same text (it keeps a call turn's analysis)
+        plain = render_chat(tok, formats, parse_request(ChatCompletionRequest, body))
+        assert tok.decode(second.prompt_ids, skip_special_tokens=False) == tok.decode(
+            plain.prompt_ids, skip_special_tokens=False
+        )

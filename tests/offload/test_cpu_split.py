@@ -222,7 +222,7 @@ def test_settings_and_lines(capfd) -> None:
 
 @pytest.mark.parametrize(
     ("miss_ms", "hit_ms", "keep"),
-    [(20.0, 10.0, True), (60.0, 10.0, False), (20.0, 30.0, False), (20.0, 20.1, True)],
+    [(20.0, 10.0, True), (60.0, 10.0, False), (20.0, 30.0, False), (20.0, 20.1, True), (49.5, 20.0, False)],
 )
 def test_check_replayed_keeps_a_split_only_if_faster(
     monkeypatch: pytest.MonkeyPatch, miss_ms: float, hit_ms: float, keep: bool, capfd
@@ -230,7 +230,8 @@ def test_check_replayed_keeps_a_split_only_if_faster(
     """`CpuSplit.check_replayed` times a step with the table as fitted and zeroed, missing every expert (the cache
     emptied first) and hitting every one (the same step again after copy-only's), here a stand-in whose duration
     follows the table and whether the cache is empty (copy-only: 50 ms missing, 20 ms hitting). It keeps the table
-    only if the split is faster missing and at most 5 % slower hitting; otherwise the device table ends all zero.
+    only if the split is at least 2 % faster missing (49.5 ms against 50 is noise: off) and at most 5 % slower hitting;
+    otherwise the device table ends all zero.
     The stand-in advances a clock of its own instead of sleeping, so that a busy machine's late wake-ups cannot
     decide: 20.1 ms hitting against copy-only's 20.0 sits 0.9 ms inside the tolerance."""
     from types import SimpleNamespace

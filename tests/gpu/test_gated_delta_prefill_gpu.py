@@ -14,12 +14,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgemoe.context import ForwardContext, set_context
+from edgemoe.context import ForwardContext
 from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.kernels.gated_delta_prefill import delta_rule_prefill
 from edgemoe.layers.kernels import select_kernels
 from tests.gpu.sync_free import host_sync_forbidden
-from tests.kernels.test_gated_delta import assert_within_bf16_channels, make_layers, states
+from tests.kernels.test_gated_delta import (
+    assert_within_bf16_channels,
+    make_layers,
+    randomize,
+    reference_then_kernels,
+    states,
+)
 from tests.kernels.test_gated_delta_prefill import chunked, cu_seqlens, prefill_inputs, run_kernel
 
 QWEN3_NEXT = (16, 32, 128, 128)  # (k_heads, v_heads, k_dim, v_dim)
@@ -122,27 +128,14 @@ def test_layer_prefills_on_the_kernel() -> None:
     layers, cache = make_layers(QWEN3_NEXT, torch.float32, False, seed=8, device="cuda", slots=SLOTS)
     layer = layers[0]
     hidden = layer.in_proj_qkv.weight.shape[1]
-    with torch.no_grad():
-        for p in layer.parameters():
-            if p is not layer.conv1d.weight:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-        layer.A.copy_(-torch.rand_like(layer.A))
+    randomize(layer)
     lens = [700, 3, 130]
     x = torch.randn(sum(lens), hidden, device="cuda")
     slots = torch.tensor([5, 0, 2], device="cuda")
-    set_context(ForwardContext(True, torch.empty(0), torch.ones(3), torch.zeros(3, 1), query_lens=lens,
-                               state_slots=slots))  # fmt: skip
-    try:
-        before = cache.pool.clone()
-        with torch.no_grad():
-            ref = layer(x, torch.zeros(len(x)))
-        ref_pool = cache.pool.clone()
-        cache.pool.copy_(before)
-        select_kernels(layer, torch.device("cuda"))
-        assert layer._prefill_kernel is delta_rule_prefill
-        with torch.no_grad():
-            out = layer(x, torch.zeros(len(x)))
-    finally:
-        set_context(None)
+    context = ForwardContext(True, torch.empty(0), torch.ones(3), torch.zeros(3, 1), query_lens=lens,
+                             state_slots=slots)  # fmt: skip
+    ref, ref_pool, out, pool = reference_then_kernels(layer, cache, x, context,
+                                                      lambda m: select_kernels(m, torch.device("cuda")))  # fmt: skip
+    assert layer._prefill_kernel is delta_rule_prefill
     torch.testing.assert_close(out, ref, **LONG)
-    torch.testing.assert_close(cache.pool.view(torch.float32), ref_pool.view(torch.float32), **LONG)
+    torch.testing.assert_close(pool.view(torch.float32), ref_pool.view(torch.float32), **LONG)

@@ -13,6 +13,8 @@ or k, so the whole step is held only to bf16's resolution there; each stage is h
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -171,32 +173,46 @@ def test_batch_invariance(dtype: torch.dtype) -> None:
         assert torch.equal(cache.pool[slots[i]], batch_pool[slots[i]])
 
 
-def test_layer_picks_the_kernel_for_decode() -> None:
-    """`use_kernels` swaps decode for the kernel; forward under a decode context then matches the reference layer."""
-    layers, cache = make_layers((2, 4, 16, 16), torch.float32, tiled=True, seed=3)
-    layer = layers[0]
+def randomize(layer: GatedDeltaNet) -> None:
+    """Fresh random weights (the convolution's aside) and decay rates, so that no stage is an identity."""
     with torch.no_grad():
         for p in layer.parameters():
             if p is not layer.conv1d.weight:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
         layer.A.copy_(-torch.rand_like(layer.A))  # a decay rate, as -exp(A_log)
-    x = torch.randn(3, 32)
-    slots = torch.tensor([3, 6, 1])
-    set_context(ForwardContext(False, torch.empty(0), torch.ones(3), torch.zeros(3, 1), state_slots=slots))
+
+
+def reference_then_kernels(layer: GatedDeltaNet, cache: StateCache, x: torch.Tensor, context: ForwardContext,
+                           choose: Callable[[GatedDeltaNet], None]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The layer's forward under `context` as it is (the references), then from the same states after `choose`
+    gave it its kernels -> (reference out, reference pool, out, pool)."""
+    set_context(context)
     try:
         before = cache.pool.clone()
         with torch.no_grad():
-            ref = layer(x, torch.zeros(3))
+            ref = layer(x, torch.zeros(len(x)))
         ref_pool = cache.pool.clone()
         cache.pool.copy_(before)
-        layer.use_kernels(torch.device("cuda"))  # what select_kernels calls on a CUDA device
-        assert layer._decode_kernel is gated_delta_decode
+        choose(layer)
         with torch.no_grad():
-            out = layer(x, torch.zeros(3))
+            out = layer(x, torch.zeros(len(x)))
     finally:
         set_context(None)
+    return ref, ref_pool, out, cache.pool
+
+
+def test_layer_picks_the_kernel_for_decode() -> None:
+    """`use_kernels` swaps decode for the kernel; forward under a decode context then matches the reference layer."""
+    layers, cache = make_layers((2, 4, 16, 16), torch.float32, tiled=True, seed=3)
+    layer = layers[0]
+    randomize(layer)
+    x, slots = torch.randn(3, 32), torch.tensor([3, 6, 1])
+    context = ForwardContext(False, torch.empty(0), torch.ones(3), torch.zeros(3, 1), state_slots=slots)
+    # use_kernels: what select_kernels calls on a CUDA device
+    ref, ref_pool, out, pool = reference_then_kernels(layer, cache, x, context, lambda m: m.use_kernels("cuda"))
+    assert layer._decode_kernel is gated_delta_decode
     torch.testing.assert_close(out, ref, **FP32)
-    torch.testing.assert_close(cache.pool.view(torch.float32), ref_pool.view(torch.float32), **FP32)
+    torch.testing.assert_close(pool.view(torch.float32), ref_pool.view(torch.float32), **FP32)
 
 
 def test_no_sequences_and_bad_arguments() -> None:

@@ -17,13 +17,21 @@ import math
 import pytest
 import torch
 
-from edgemoe.context import ForwardContext, set_context
+from edgemoe.context import ForwardContext
 from edgemoe.kernels import gated_delta_prefill
 from edgemoe.kernels.gated_delta_prefill import delta_rule_prefill
 from edgemoe.layers import linear_attention
 from edgemoe.layers.linear_attention import GatedDeltaNet, chunked_delta_rule, recurrent_step
 from tests.kernels import interpreter_only
-from tests.kernels.test_gated_delta import FP32, SLOTS, assert_half_close, make_layers, states
+from tests.kernels.test_gated_delta import (
+    FP32,
+    SLOTS,
+    assert_half_close,
+    make_layers,
+    randomize,
+    reference_then_kernels,
+    states,
+)
 
 pytestmark = interpreter_only
 
@@ -167,30 +175,16 @@ def test_layer_picks_the_kernel_for_prefill() -> None:
     then matches the reference layer: outputs and both states at the slots."""
     layers, cache = make_layers((2, 4, 16, 16), torch.float32, tiled=True, seed=3)
     layer = layers[0]
-    with torch.no_grad():
-        for p in layer.parameters():
-            if p is not layer.conv1d.weight:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-        layer.A.copy_(-torch.rand_like(layer.A))  # a decay rate, as -exp(A_log)
+    randomize(layer)
     lens = [70, 3, 12]
-    x = torch.randn(sum(lens), 32)
-    slots = torch.tensor([3, 6, 1])
-    set_context(ForwardContext(True, torch.empty(0), torch.ones(3), torch.zeros(3, 1), query_lens=lens,
-                               state_slots=slots))  # fmt: skip
-    try:
-        before = cache.pool.clone()
-        with torch.no_grad():
-            ref = layer(x, torch.zeros(len(x)))
-        ref_pool = cache.pool.clone()
-        cache.pool.copy_(before)
-        layer.use_kernels(torch.device("cuda"))  # what select_kernels calls on a CUDA device
-        assert layer._prefill_kernel is delta_rule_prefill
-        with torch.no_grad():
-            out = layer(x, torch.zeros(len(x)))
-    finally:
-        set_context(None)
+    x, slots = torch.randn(sum(lens), 32), torch.tensor([3, 6, 1])
+    context = ForwardContext(True, torch.empty(0), torch.ones(3), torch.zeros(3, 1), query_lens=lens,
+                             state_slots=slots)  # fmt: skip
+    # use_kernels: what select_kernels calls on a CUDA device
+    ref, ref_pool, out, pool = reference_then_kernels(layer, cache, x, context, lambda m: m.use_kernels("cuda"))
+    assert layer._prefill_kernel is delta_rule_prefill
     torch.testing.assert_close(out, ref, **FP32)
-    torch.testing.assert_close(cache.pool.view(torch.float32), ref_pool.view(torch.float32), **FP32)
+    torch.testing.assert_close(pool.view(torch.float32), ref_pool.view(torch.float32), **FP32)
 
 
 def test_no_tokens_and_bad_arguments() -> None:

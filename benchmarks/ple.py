@@ -1,7 +1,7 @@
 """Per-layer embeddings (Gemma-4) by backend and sync mode (#33): decode tok/s of `gpu`, `host`, `disk` + host sync
 and `disk` + wait sync through the whole engine (scheduler, sampler, graphs: the disk backend's rows need each step's
 token ids on the host, so only the engine's own loop is honest), the VRAM the table no longer takes, the share of the
-disk fill that wait sync hides, the gaps between kernels per stream for each graph-upload policy, and the `gpu` and
+disk fill that wait sync hides, the gaps between kernels per stream with and without a captured wait, and the `gpu` and
 `host` backends' steps kernel by kernel (where the host backend's time goes).
 
     python benchmarks/ple.py [--geometry gemma-4-e2b] [--tokens 64] [--folder DIR] [--profile 6] [--json OUT]
@@ -58,7 +58,6 @@ RUNS = [
     ("gpu again", "gpu", "host", False),  # drift over the runs
 ]
 PROFILED = [("disk+wait", "disk", "wait"), ("host sync", "disk", "host")]  # a wait captured; none captured
-UPLOADS = ("auto", "capture", "none")
 BACKENDS_PROFILED = [("gpu", "gpu"), ("host", "host")]  # where a host-backend step's time goes, kernel by kernel
 
 
@@ -123,10 +122,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_llm(folder: Path, device: torch.device, dtype: str, backend: str, sync_mode: str, upload: str, tokens: int):
+def make_llm(folder: Path, device: torch.device, dtype: str, backend: str, sync_mode: str, tokens: int):
     return LLM(
         str(folder), device=device.type, dtype=dtype, progress=False, max_num_seqs=1, max_model_len=tokens + 64,
-        prefix_cache=False, ple_backend=backend, ple_sync=sync_mode, graph_upload=upload,
+        prefix_cache=False, ple_backend=backend, ple_sync=sync_mode,
     )  # fmt: skip
 
 
@@ -183,7 +182,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed a run (default 64)")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
     ap.add_argument("--folder", type=Path, help="where the checkpoint is written (default: a temporary directory)")
-    ap.add_argument("--profile", type=int, default=6, help="decode steps profiled per upload policy (0: none)")
+    ap.add_argument("--profile", type=int, default=6, help="decode steps profiled per run (0: none)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     device = torch.device(a.device)
@@ -209,7 +208,7 @@ def main() -> None:
     for name, backend, sync_mode, cold in RUNS:
         sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        llm = make_llm(folder, device, dtype, backend, sync_mode, "auto", budget)
+        llm = make_llm(folder, device, dtype, backend, sync_mode, budget)
         vram = (torch.cuda.memory_allocated(device) - before) if device.type == "cuda" else 0
         if cold:
             drop_cached(folder)
@@ -233,22 +232,21 @@ def main() -> None:
     print(f"  VRAM the table no longer takes: {result['vram_saved_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
     if a.profile and device.type == "cuda":
         for name, backend, sync_mode in PROFILED:
-            for upload in UPLOADS:
-                llm = make_llm(folder, device, dtype, backend, sync_mode, upload, budget)
-                graphs = llm.engine.runner.graphs
-                uploaded = sum(bool(getattr(g, "uploaded", False)) for g in graphs.graphs.values()) if graphs else 0
-                p = {**gaps(llm, prompt, a.profile), "graphs_uploaded": uploaded}
-                result["profile"][f"{name}, upload {upload}"] = p
-                streams = " ".join(
-                    f"[{s['role']} median {s['gap_median_us']:.2f} p90 {s['gap_p90_us']:.2f} us]"
-                    for s in p.get("streams", {}).values()
-                )
-                print(f"  profile {name:>10}, upload {upload:>7}: {p.get('period_us', 0):8.1f} us a step, "
-                      f"{uploaded} graph(s) uploaded {streams}{p.get('error', '')}", file=sys.stderr)  # fmt: skip
-                del llm
-                release(device)
+            llm = make_llm(folder, device, dtype, backend, sync_mode, budget)
+            graphs = llm.engine.runner.graphs
+            uploaded = sum(bool(getattr(g, "uploaded", False)) for g in graphs.graphs.values()) if graphs else 0
+            p = {**gaps(llm, prompt, a.profile), "graphs_uploaded": uploaded}
+            result["profile"][name] = p
+            streams = " ".join(
+                f"[{s['role']} median {s['gap_median_us']:.2f} p90 {s['gap_p90_us']:.2f} us]"
+                for s in p.get("streams", {}).values()
+            )
+            print(f"  profile {name:>10}: {p.get('period_us', 0):8.1f} us a step, "
+                  f"{uploaded} graph(s) uploaded {streams}{p.get('error', '')}", file=sys.stderr)  # fmt: skip
+            del llm
+            release(device)
         for name, backend in BACKENDS_PROFILED:
-            llm = make_llm(folder, device, dtype, backend, "host", "auto", budget)
+            llm = make_llm(folder, device, dtype, backend, "host", budget)
             p = gaps(llm, prompt, a.profile)
             result["profile"][f"backend {name}"] = p
             print(f"  profile backend {name:>4}: {p.get('period_us', 0):8.1f} us a step, GPU busy "

@@ -170,7 +170,7 @@ def _add_bench_parser(sub) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="record N replayed graph steps per graph-upload policy: kernels, busy time, gaps, overlap",
+        help="record N replayed graph steps: kernels, busy time, gaps, overlap",
     )
     b.add_argument("--device", default="cuda")
     b.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")

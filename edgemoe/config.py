@@ -142,7 +142,6 @@ def check_model_path(model: str | None) -> None:
 MOE_STRATEGIES = ("resident", "offload")
 MOE_POLICIES = ("lru", "scored")  # the expert cache's eviction policies (`edgemoe.offload.policies.POLICIES`)
 EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
-GRAPH_UPLOADS = ("auto", "capture", "none")
 PLE_BACKENDS = ("gpu", "host", "disk")  # edgemoe/layers/ple.py, ple_disk.py
 PLE_SYNCS = ("host", "wait")  # edgemoe/layers/ple_wait.py
 TOOL_PARSERS = ("auto", "none", "qwen", "qwen3_coder", "mistral", "glm", "harmony")  # server/tool_calls.py, harmony.py
@@ -261,12 +260,6 @@ class EngineConfig:
         "CUDA: decode by replaying one captured graph per batch size (off: eagerly)",
         off="turn off CUDA graphs: decode eagerly, launching each kernel from Python (slower; the output is the same)",
     )
-    graph_upload: str = option(
-        "auto",
-        "CUDA graphs: upload each graph when captured (capture), on first replay (none), or only where a first "
-        "launch must not block (auto: the graphs that wait for --ple-sync wait's rows)",
-    )
-    graph_warm_replay: bool = option(False, "CUDA graphs: replay each graph once at capture time")
     warmup: bool = option(
         True,
         "CUDA: at start-up, prefill dummy prompts of a few lengths (kernels compiled, libraries loaded, memory grown), "
@@ -276,8 +269,7 @@ class EngineConfig:
     shared_expert_overlap: bool = option(
         True,
         "CUDA: the shared expert on a side stream beside the routed experts and their miss copy (off: inline)",
-        off="turn off the shared expert's side stream (CUDA): run it inline, after the routed experts (the output is "
-        "the same)",
+        cli=False,  # settled: the side stream is 2.6-3.1 % faster (RESULTS.md); `edgemoe bench` still weighs both
     )
     ple_backend: str = option(
         "gpu",
@@ -304,8 +296,6 @@ class EngineConfig:
             parse_size(self.kv_cache_memory)
             if self.kv_cache_tokens is not None:
                 raise EdgeMoEError("give one of kv_cache_memory and kv_cache_tokens")
-        if self.graph_upload not in GRAPH_UPLOADS:
-            raise EdgeMoEError(f"unknown graph_upload {self.graph_upload!r}: use {', '.join(GRAPH_UPLOADS)}")
         if self.ple_backend not in PLE_BACKENDS:
             raise EdgeMoEError(f"unknown ple_backend {self.ple_backend!r}: use {', '.join(PLE_BACKENDS)}")
         if self.ple_sync not in PLE_SYNCS:

@@ -4,12 +4,10 @@ The graphs know nothing of their users. Work a captured step enqueues that needs
 service serves the copy lists a step posts) joins the capture as a participant (`edgemoe.capture.participate`): the
 graph runs its `ReplayHook` around every replay.
 
-Upload policy (`GRAPH_UPLOADS`): `capture` uploads each graph (`cudaGraphUpload` + sync) when it is captured,
-`none` leaves the upload to the first replay, `auto` uploads only the graphs whose first launch must not block: those
-with a replay hook whose `needs_upload` is true (a graph that waits on the GPU for work its replay hook hands to a
-host thread), since the reference engine found uploads slowing replays (here the policies measured alike:
-docs/findings.md, "Graph upload policies make no difference"). `warm_replay` replays each graph once at capture time
-(its hooks included) instead.
+Upload: a graph is uploaded (`cudaGraphUpload` + sync) when it is captured only where its first launch must not
+block: a replay hook whose `needs_upload` is true (a graph that waits on the GPU for work its replay hook hands to a
+host thread). Others upload on their first replay. Uploading every graph, none, or replaying each once at capture
+measured alike (docs/findings.md, "Graph upload policies make no difference"), so this is not a setting.
 """
 
 from __future__ import annotations
@@ -22,16 +20,8 @@ from typing import TypeVar
 import torch
 
 from edgemoe.capture import ReplayHook, recording
-from edgemoe.config import GRAPH_UPLOADS
 
 T = TypeVar("T")
-
-
-def uploads_at_capture(policy: str, needs_upload: bool = False) -> bool:
-    """Whether `policy` uploads a graph at capture time (`auto`: where its replay hooks say it `needs_upload`)."""
-    if policy not in GRAPH_UPLOADS:
-        raise ValueError(f"unknown graph upload policy {policy!r}")
-    return policy == "capture" or policy == "auto" and needs_upload
 
 
 class HookedGraph(torch.cuda.CUDAGraph):
@@ -68,11 +58,10 @@ def _no_collection() -> Iterator[None]:
             gc.enable()
 
 
-def capture_graph(
-    fn: Callable[[], T], pool: tuple | None = None, upload: str = "auto", warm_replay: bool = False
-) -> tuple[HookedGraph, T]:
+def capture_graph(fn: Callable[[], T], pool: tuple | None = None, upload: bool | None = None) -> tuple[HookedGraph, T]:
     """`fn` once eagerly on a side stream (kernels compiled, allocator and caches warmed, so the captured work finds
-    the state a replay will), then captured (into `pool` when given); uploaded or replayed once per the policy.
+    the state a replay will), then captured (into `pool` when given) and uploaded where its hooks say it
+    `needs_upload` (`upload` True/False forces it: the GPU tests show what a first launch without one does).
     -> (graph, what the captured call returned: its static outputs)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -84,15 +73,12 @@ def capture_graph(
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
     graph.hooks = tuple(hooks)
-    if uploads_at_capture(upload, graph.needs_upload):
+    if graph.needs_upload if upload is None else upload:
         from edgemoe.engine.streams import upload_graph
 
         upload_graph(graph, torch.cuda.current_stream())
         torch.cuda.synchronize()
         graph.uploaded = True
-    if warm_replay:
-        graph.replay()
-        torch.cuda.synchronize()
     return graph, out
 
 
@@ -109,9 +95,8 @@ class DecodeGraphs:
     """One graph per batch size of `forward(b)`, a decode step over the first b rows of static buffers (the
     `ModelRunner`'s) returning logits; all graphs share one memory pool."""
 
-    def __init__(self, sizes: list[int], upload: str = "auto", warm_replay: bool = False) -> None:
-        uploads_at_capture(upload)  # a bad policy fails here, before any capture
-        self.sizes, self.upload, self.warm_replay = sorted(set(sizes)), upload, warm_replay
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sorted(set(sizes))
         self.graphs: dict[int, HookedGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -121,7 +106,7 @@ class DecodeGraphs:
         captured work finds the state a replay will."""
         pool = None
         for b in reversed(self.sizes):
-            graph, self.logits[b] = capture_graph(lambda b=b: forward(b), pool, self.upload, self.warm_replay)
+            graph, self.logits[b] = capture_graph(lambda b=b: forward(b), pool)
             self.graphs[b], pool = graph, graph.pool()
         torch.cuda.synchronize()
 

@@ -273,7 +273,7 @@ class LLMEngine:
 
     def _capture_graphs(self) -> None:
         sizes = default_batch_sizes(self.config.max_num_seqs)
-        self.runner.capture_graphs(sizes, self.config.graph_upload, self.config.graph_warm_replay)
+        self.runner.capture_graphs(sizes)
         split = None if self.expert_cache is None else self.expert_cache.cpu_split
         if split is not None and split.fitted:  # `auto`'s last word: the split against copy-only, replayed
             split.check_replayed(lambda: self.runner.graphs.replay(sizes[0]), self.expert_cache.reset)

@@ -141,8 +141,8 @@ class ModelRunner:
         self.routed_ids = torch.zeros(rows, dtype=torch.long, device=self.device)
         return self.routed_ids
 
-    def capture_graphs(self, sizes: list[int], upload: str = "auto", warm_replay: bool = False) -> None:
-        graphs = DecodeGraphs(sizes, upload, warm_replay)
+    def capture_graphs(self, sizes: list[int]) -> None:
+        graphs = DecodeGraphs(sizes)
         graphs.capture(self.forward_static)
         self.graphs = graphs
 

@@ -18,7 +18,7 @@ tokens.
 (warm), and their ratio.
 
 `--shared-expert-overlap off,on` runs each configuration with the shared expert inline and on the side stream;
-`--profile N` records N replayed graph steps per graph-upload policy (`edgemoe.tools.profiler`) and reports kernel
+`--profile N` records N replayed graph steps (`edgemoe.tools.profiler`) and reports kernel
 counts, busy time, inter-kernel gaps per stream and the side stream's overlap with the miss copy.
 """
 
@@ -210,7 +210,7 @@ def run_bench(a: argparse.Namespace) -> dict:
         raise EdgeMoEError("edgemoe bench --device cuda needs a CUDA GPU")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[a.dtype]
     print(f"building {a.geometry} ({a.layers or 'all'} layers, {a.dtype}) ...", file=sys.stderr)
-    per_run = a.warmup + a.steps + 2 + len(UPLOAD_VARIANTS) * (a.profile + 4)  # positions one decode() advances
+    per_run = a.warmup + a.steps + 2 + (a.profile + 4)  # positions one decode() advances
     total_steps = 2 * per_run
     resident = a.moe_strategy == "resident"
     lengths = prefill_lengths(a.prefill)
@@ -287,7 +287,7 @@ def decode_runs(result: dict, a, runner, cache, trace, slots: int, policy: str, 
             run = decode(runner, cache, trace, a, mode, slots, policy, bw, fixed_read, result["expert_bytes"])
             result["runs"].append({**run, "shared_expert_overlap": overlap})
             print(run_line(result["runs"][-1]), file=sys.stderr)
-            for line in profile_lines(run.get("profile", {})):
+            for line in profile_lines(run.get("profile")):
                 print(line, file=sys.stderr)
 
 
@@ -299,25 +299,16 @@ def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM)
     return wanted
 
 
-UPLOAD_VARIANTS = {"auto": ("auto", False), "capture": ("capture", False), "none": ("none", False)}
-UPLOAD_VARIANTS["none+warm-replay"] = ("none", True)
-
-
-def profile_uploads(step, steps: int) -> dict:
-    """Per upload policy (a fresh capture each), `steps` replays recorded and summarised. Each policy's recording
-    follows one of a single replay, discarded: the policy profiled first once read 10-15 % slower, most likely the
-    profiler's set-up slowing the copy service's driver calls (docs/findings.md, "Graph upload policies make no
-    difference"), so every policy now gets the same start."""
+def profile_steps(step, steps: int) -> dict:
+    """`steps` replays of a fresh capture of `step`, recorded and summarised. The recording follows one of a single
+    replay, discarded: a first recording once read 10-15 % slow, most likely the profiler's set-up slowing the copy
+    service's driver calls (docs/findings.md, "Graph upload policies make no difference")."""
     from edgemoe.tools.profiler import record, summarize
 
-    out = {}
-    for name, (upload, warm) in UPLOAD_VARIANTS.items():
-        graph = capture(step, upload, warm)
-        graph.replay()  # the first launch (uploads where the policy did not)
-        record(graph.replay, 1)
-        out[name] = summarize(record(graph.replay, steps), steps)
-        del graph
-    return out
+    graph = capture(step)
+    graph.replay()  # the first launch
+    record(graph.replay, 1)
+    return summarize(record(graph.replay, steps), steps)
 
 
 def decode(
@@ -368,7 +359,7 @@ def decode(
                 run["peak_vram_bytes"] = torch.cuda.max_memory_allocated(dec.device)
                 run["run_vram_bytes"] = run["peak_vram_bytes"] - before  # this run's own peak (graph pool etc.)
             if mode == "graph" and a.profile:
-                run["profile"] = profile_uploads(dec.step, a.profile)
+                run["profile"] = profile_steps(dec.step, a.profile)
     except Exception as exc:  # a capture that fails is reported, not fatal
         run["error"] = f"{type(exc).__name__}: {exc}"
         return run

@@ -72,9 +72,9 @@ def settled(result: dict, device: torch.device, row_bytes: int) -> dict:
     return result
 
 
-def capture(step: Callable[[], object], upload: str = "auto", warm_replay: bool = False) -> HookedGraph:
+def capture(step: Callable[[], object]) -> HookedGraph:
     """One decode step (or any work) as a CUDA graph, as the engine captures it."""
-    return capture_graph(step, None, upload, warm_replay)[0]
+    return capture_graph(step)[0]
 
 
 def set_bound(run: dict, bw: dict) -> None:
@@ -128,20 +128,19 @@ def run_line(r: dict) -> str:
     )
 
 
-def profile_lines(profile: dict) -> list[str]:
-    """`--profile`'s figures as text: a line per upload policy, then the default policy's copy lists (offloaded
-    graph replays: `edgemoe.tools.profiler._copy_lists`) and costliest kernels, each with what it adds to its stream's
-    timeline per step (under PDL its own duration counts its wait)."""
-    lines = []
-    for name, p in profile.items():
-        main = next((s for s in p["streams"].values() if s["role"] == "main"), {"gap_median_us": 0.0})
-        lines.append(
-            f"  profile, upload {name}: {p['period_us']:.0f} us a step, {p['kernels']:.0f} kernels, median gap "
-            f"{main['gap_median_us']:.2f} us on the main stream"
-        )
-    first = next(iter(profile.values()), None)
-    if first and "copy_lists" in first:
-        c = first["copy_lists"]
+def profile_lines(profile: dict | None) -> list[str]:
+    """`--profile`'s figures as text (`profiler.summarize`'s summary; None: none): the step, then the copy lists
+    (offloaded graph replays: `edgemoe.tools.profiler._copy_lists`) and the costliest kernels, each with what it adds
+    to its stream's timeline per step (under PDL its own duration counts its wait)."""
+    if not profile:
+        return []
+    main = next((s for s in profile["streams"].values() if s["role"] == "main"), {"gap_median_us": 0.0})
+    lines = [
+        f"  profile: {profile['period_us']:.0f} us a step, {profile['kernels']:.0f} kernels, median gap "
+        f"{main['gap_median_us']:.2f} us on the main stream"
+    ]
+    if "copy_lists" in profile:
+        c = profile["copy_lists"]
         tail = "-" if c["tail_us"] is None else f"{c['tail_us']:.1f}"
         up = "-" if c["up_tail_us"] is None else f"{c['up_tail_us']:.1f}"
         rate = "" if c["gbs"] is None else f", {c['gbs']:.1f} GB/s while copying"
@@ -151,12 +150,9 @@ def profile_lines(profile: dict) -> list[str]:
             f"{c['gaps_us']:.1f} us idle between them; {tail} us from the last byte to down's end ({up} to up's); "
             f"link busy {c['link_busy_us']:.0f} us, idle {c['link_idle_us']:.0f} us a step{rate}"
         )
-    if first:
-        lines.append(f"    {'kernel':<44}{'calls':>7}{'us/call':>10}{'adds us/step':>14}")
-        for t in first["top"]:
-            lines.append(
-                f"    {t['name'][:44]:<44}{t['count']:>7.0f}{t['us'] / t['count']:>10.2f}{t['extends_us']:>14.1f}"
-            )
+    lines.append(f"    {'kernel':<44}{'calls':>7}{'us/call':>10}{'adds us/step':>14}")
+    for t in profile["top"]:
+        lines.append(f"    {t['name'][:44]:<44}{t['count']:>7.0f}{t['us'] / t['count']:>10.2f}{t['extends_us']:>14.1f}")
     return lines
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.engine.cuda_graphs import DecodeGraphs, default_batch_sizes, uploads_at_capture
-from edgemoe.errors import EdgeMoEError
+from edgemoe.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 
 PROMPTS = ["ROMEO.\n", "Of Man's first disobedience", "To be, or not to be, that is the question:", "KING."]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -46,14 +45,6 @@ def test_default_batch_sizes() -> None:
     assert (
         default_batch_sizes(1) == [1] and default_batch_sizes(4) == [1, 2, 4] and default_batch_sizes(6) == [1, 2, 4, 6]
     )
-
-
-def test_upload_policies() -> None:
-    assert uploads_at_capture("capture") and not uploads_at_capture("none")
-    assert not uploads_at_capture("auto") and uploads_at_capture("auto", needs_upload=True)
-    assert not uploads_at_capture("none", needs_upload=True)
-    with pytest.raises(EdgeMoEError, match="unknown graph_upload 'eager'"):
-        LLM(progress=False, graph_upload="eager")
 
 
 @pytest.mark.parametrize("n", [1, 3])

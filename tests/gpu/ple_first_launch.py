@@ -2,8 +2,9 @@
 returns would otherwise hang the test run): `python -m tests.gpu.ple_first_launch UPLOAD WARM MODE`.
 
 The graph: a matmul (work before the wait), the wait on the flag (`WaitSync.capture`) and its reset, then a kernel
-reading a staged row from pinned host memory. Captured by `capture_graph` with the upload policy UPLOAD (`auto`
-uploads it: its replay hook needs an upload) and, with WARM=1, one warm replay (released by its hook's fill thread).
+reading a staged row from pinned host memory. Captured by `capture_graph` with UPLOAD `auto` (as the engine does: it
+uploads the graph, whose replay hook needs an upload), `capture` (uploaded regardless) or `none` (not uploaded) and,
+with WARM=1, one warm replay through its hooks (released by its hook's fill thread).
 MODE `bare`: the row is staged, then the graph launched without its hooks (`torch.cuda.CUDAGraph.replay`), the flag
 released only after the launch returns, or after 3 s by a watchdog thread if the launch blocks. MODE `hooked`: the
 engine's order (`HookedGraph.replay`: the fill handed to a thread before the launch). Prints one JSON line."""
@@ -42,7 +43,10 @@ def main(upload: str, warm: bool, mode: str) -> dict:
             sync.capture()
         return y[0, :256] * 0 + gather_rows(table, idx)[0]
 
-    graph, out = capture_graph(step, upload=upload, warm_replay=warm)
+    graph, out = capture_graph(step, upload={"auto": None, "capture": True, "none": False}[upload])
+    if warm:
+        graph.replay()
+        torch.cuda.synchronize()
     value["row"] = 7.0
     released_by, start = "host", time.monotonic()
     if mode == "hooked":

@@ -81,14 +81,6 @@ def test_backends_replay_the_gpu_backends_logits(folder: Path, oracle, backend: 
         assert not any(g.uploaded for g in graphs.values())
 
 
-@pytest.mark.parametrize(("upload", "warm"), [("none", False), ("none", True), ("capture", False)])
-def test_wait_sync_tokens_under_every_upload_policy(folder: Path, oracle, upload: str, warm: bool) -> None:
-    outs, _, llm = run(folder, ple_backend="disk", ple_sync="wait", graph_upload=upload, graph_warm_replay=warm)
-    assert outs == oracle[0]
-    graphs = llm.engine.runner.graphs.graphs.values()
-    assert all(g.uploaded == (upload == "capture") for g in graphs)
-
-
 def first_launch(upload: str, warm: bool, mode: str, timeout: float = 60.0) -> dict:
     """tests/gpu/ple_first_launch.py in a child process; {"outcome": "deadlocked"} when it outlives `timeout` (its
     watchdog thread could not release the flag: the blocked launch held the interpreter)."""

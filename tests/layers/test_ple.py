@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgemoe.engine.cuda_graphs import HookedGraph, uploads_at_capture
+from edgemoe.engine.cuda_graphs import HookedGraph
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers import ple_disk
 from edgemoe.layers.ple import HostPerLayerEmbeddings, PerLayerEmbeddings
@@ -162,4 +162,3 @@ def test_graphs_need_upload_where_a_replay_hook_says_so() -> None:
     plain, waiting = SimpleNamespace(), SimpleNamespace(needs_upload=True)
     needs = HookedGraph.needs_upload.fget
     assert not needs(SimpleNamespace(hooks=(plain,))) and needs(SimpleNamespace(hooks=(plain, waiting)))
-    assert uploads_at_capture("auto", needs(SimpleNamespace(hooks=(waiting,))))

@@ -51,6 +51,8 @@ def tokenizers(tmp_path_factory):
         "qwen3_coder": Tokenizer(make_model(root / "coder", CODER_TEMPLATE, ["<tool_call>", "</tool_call>"])),
         "mistral": Tokenizer(make_model(root / "mistral", MISTRAL_TEMPLATE, MISTRAL_TOKENS, special=True)),
         "glm": Tokenizer(make_model(root / "glm", GLM.strip(), GLM_TOKENS)),
+        # Mistral's v11 tokenizers (Mistral-Small-3.2, Devstral, Magistral) have an [ARGS] token: NAME[ARGS]{...} calls
+        "mistral_v11": Tokenizer(make_model(root / "v11", MISTRAL_TEMPLATE, [*MISTRAL_TOKENS, "[ARGS]"], special=True)),
     }
 
 
@@ -77,6 +79,31 @@ def test_each_format_takes_a_call_and_refuses_the_rest(tokenizers, fmt):
         assert accepts(tok, required, two) and not accepts(tok, grammar(tok, formats, TOOLS, "required", None,
                                                                         False, False), two)  # fmt: skip
         assert accepts(tok, required, f"<think>\nRome, then.\n</think>\n\n{CALLS[fmt]}")
+
+
+def test_mistral_v11_calls_name_then_args(tokenizers):
+    """v11: one `[TOOL_CALLS]NAME[ARGS]{...}` per call, no JSON list; the grammar takes exactly that, and the parser
+    reads back what it took."""
+    tok = tokenizers["mistral_v11"]
+    formats = detect_formats(tok)
+    assert formats.tool_parser == "mistral" and formats.mistral_v11
+    assert not detect_formats(tokenizers["mistral"]).mistral_v11
+    one = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'
+    two = f'{one}[TOOL_CALLS]forecast[ARGS]{{"days": 3}}'
+    required = grammar(tok, formats, TOOLS, "required", None, True, False)
+    single = grammar(tok, formats, TOOLS, "required", None, False, False)
+    named = grammar(tok, formats, TOOLS, "forecast", None, True, False)
+    assert accepts(tok, required, one) and accepts(tok, required, two)
+    assert accepts(tok, single, one) and not accepts(tok, single, two)
+    assert not accepts(tok, named, one) and accepts(tok, named, '[TOOL_CALLS]forecast[ARGS]{"days": 3}')
+    for bad in (CALLS["mistral"], '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', "[TOOL_CALLS]get_weather{}",
+                '[TOOL_CALLS]forecast[ARGS]{"days": 0}', one[:-2]):  # fmt: skip
+        assert not accepts(tok, required, bad), bad
+    parsed = parse_all(OutputParser(None, TOOL_PARSERS["mistral"](TOOLS)), two)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("get_weather", {"city": "Rome"}),
+        ("forecast", {"days": 3}),
+    ]
 
 
 def test_json_and_either(tokenizers):

@@ -46,7 +46,7 @@ GEOMETRIES = {
 
 class Problem:
     """`layers` Gated DeltaNet layers sharing a state pool, `batch` sequences on shuffled slots, random states and
-    step inputs (the projections' outputs, beta, g)."""
+    step inputs (the projections' outputs)."""
 
     def __init__(self, geometry: tuple, batch: int, dtype: torch.dtype) -> None:
         k_heads, v_heads, k_dim, v_dim, kernel, tiled = geometry
@@ -66,18 +66,22 @@ class Problem:
             layer.recurrent_state.copy_(0.5 * torch.randn(layer.recurrent_state.shape, device=DEV))
         self.slots = torch.randperm(slots, device=DEV)[:batch]
         self.mixed = torch.randn(self.layers, batch, self.channels, device=DEV).to(dtype)
-        self.beta = torch.sigmoid(torch.randn(self.layers, batch, v_heads, device=DEV)).to(dtype)
-        self.g = -2 * torch.rand(self.layers, batch, v_heads, device=DEV)
+        self.b = torch.randn(self.layers, batch, v_heads, device=DEV).to(dtype)  # the gate projections' rows
+        self.a = torch.randn(self.layers, batch, v_heads, device=DEV).to(dtype)
+        for layer in self.model:
+            layer.A.data = -torch.rand(v_heads, device=DEV)
+            layer.dt_bias.data.normal_()
 
     def kernel(self, i: int) -> torch.Tensor:
         m = self.model[i]
         return gated_delta_decode(
-            self.mixed[i], self.beta[i], self.g[i], self.slots, m.conv1d.weight, m.conv_state, m.recurrent_state,
-            m.k_heads, m.tiled,
+            self.mixed[i], self.b[i], self.a[i], m.A, m.dt_bias, self.slots, m.conv1d.weight, m.conv_state,
+            m.recurrent_state, m.k_heads, m.tiled,
         )  # fmt: skip
 
     def reference(self, i: int) -> torch.Tensor:
-        return self.model[i]._decode(self.mixed[i], self.beta[i], self.g[i], self.slots)
+        m = self.model[i]
+        return m._decode(self.mixed[i], *m.gates(self.b[i], self.a[i]), self.slots)  # the gates: 5 launches
 
 
 def graph_seconds(call: Callable[[int], object], layers: int, reps: int = 10) -> float:

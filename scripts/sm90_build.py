@@ -49,6 +49,8 @@ def shared_bytes(kernel, args: dict, options: dict) -> int:  # noqa: ANN001
     constexprs, signature = {}, {}
     for i, param in enumerate(kernel.params):
         value = args[param.name]
+        if param.name == "RNE_BY_HAND":  # True for the recorded CPU launch; a GPU launch rounds in hardware and
+            value = False  # takes the libdevice branches, so build those
         if param.is_constexpr or value is None or isinstance(value, (str, bool)):
             constexprs[(i,)], signature[param.name] = value, "constexpr"
         elif isinstance(value, torch.Tensor):
@@ -117,9 +119,11 @@ def experts() -> bool:
 
 
 def gated_delta() -> bool:
-    """Qwen3-Next's linear attention (16 q/k heads, 32 value heads of 128): decode and prefill, fp32 and bf16."""
+    """Qwen3-Next's linear attention (16 q/k heads, 32 value heads of 128): decode, its gated norm and prefill, fp32
+    and bf16."""
     from edgemoe.kernels import gated_delta as decode
     from edgemoe.kernels import gated_delta_prefill as prefill
+    from edgemoe.kernels import norm_rope
 
     kh, vh, kd, vd = 16, 32, 128, 128
     channels = 2 * kh * kd + vh * vd
@@ -127,8 +131,11 @@ def gated_delta() -> bool:
     for dtype in (torch.bfloat16, torch.float32):
         ok &= build(f"gated_delta decode {dtype}", decode, ["_conv_decode", "_delta_rule_decode"],
                     decode.gated_delta_decode, torch.randn(4, channels).to(dtype), torch.rand(4, vh).to(dtype),
-                    -torch.rand(4, vh), torch.arange(4), torch.randn(channels, 1, 4).to(dtype),
+                    torch.rand(4, vh).to(dtype), -torch.rand(vh), torch.rand(vh).to(dtype), torch.arange(4),
+                    torch.randn(channels, 1, 4).to(dtype),
                     torch.zeros(5, channels, 3).to(dtype), torch.zeros(5, vh, kd, vd), kh, False)  # fmt: skip
+        ok &= build(f"gated norm {dtype}", norm_rope, ["_gated_rms_norm"], norm_rope.gated_rms_norm,
+                    torch.randn(4, vh, vd).to(dtype), torch.randn(4, vh, vd).to(dtype), torch.ones(vd).to(dtype), 1e-6)  # fmt: skip
         ok &= build(f"gated_delta prefill {dtype}", prefill, ["_chunk_inverse", "_chunk_scan"],
                     prefill.delta_rule_prefill, torch.randn(300, channels).to(dtype), torch.rand(300, vh).to(dtype),
                     -torch.rand(300, vh), torch.zeros(5, vh, kd, vd), torch.tensor([1, 3]),

@@ -5,9 +5,11 @@ gathered copies). References: `conv_step` and `recurrent_step` (`edgemoe.layers.
 - `conv_decode`, program per (sequence, block of channels): the causal depthwise convolution's update and SiLU; the
   slot's convolution state shifted by one input in place. Products of 16-bit operands are exact in fp32; their sum
   (kernel taps, in order) is rounded to the model's dtype, then SiLU's, where torch rounds.
-- `delta_rule_decode`, program per (sequence, value head, block of value dims): q and k L2-normalised in fp32 (q also
-  divided by sqrt(k_dim)), the state's [k_dim, block] tile decayed by exp(g), corrected along k (the delta rule) and
-  read along q; the tile written back in place. Sums run over k_dim within one program in a fixed order, so a
+- `delta_rule_decode`, program per (sequence, value head, block of value dims): the head's gates from the raw
+  projections (`GatedDeltaNet.gates`: beta = sigmoid(b) rounded to b's dtype, the log decay g = A * softplus(a +
+  dt_bias) in fp32; five launches in torch), q and k L2-normalised in fp32 (q also divided by sqrt(k_dim)), the
+  state's [k_dim, block] tile decayed by exp(g), corrected along k (the delta rule) and read along q; the tile written
+  back in place. Sums run over k_dim within one program in a fixed order, so a
   sequence's result does not depend on the batch it runs in.
 
 Two launches, not one: several programs read a q/k head's channels (every value head it serves, every block of value
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from edgemoe.kernels.norm_rope import _DTYPES, _round
 from edgemoe.kernels.pdl import launch_args, wait_for_inputs
@@ -98,10 +101,26 @@ def _l2_normalized(ptr, offs, mask):
 
 
 @triton.jit
+def _gates(b_raw, a_raw, A, dt_bias, B_TY: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One head's beta (sigmoid(b) rounded to b's dtype, as fp32) and log decay g = A * softplus(a + dt_bias) (fp32;
+    softplus as torch's: x above 20 kept, else log1p(exp(x))). On the GPU libdevice's expf and log1pf, as torch's
+    CUDA ops; the interpreter has no libdevice: numpy's exp and log(1 + x)."""
+    x = a_raw + dt_bias
+    if INTERPRETED:
+        e_b = tl.exp(-b_raw)
+        soft = tl.log(1.0 + tl.exp(x))
+    else:
+        e_b = libdevice.exp(-b_raw)
+        soft = libdevice.log1p(libdevice.exp(x))
+    beta = _round(tl.math.div_rn(tl.zeros_like(e_b) + 1.0, 1.0 + e_b), B_TY, INTERPRETED)
+    return beta, A * tl.where(x > 20.0, x, soft)
+
+
+@triton.jit
 def _delta_rule_decode(
-    ch, beta, g, slots, state, out, k_heads, v_heads, k_dim, v_dim, k_scale, stride_cs, stride_bs, stride_bh,
-    stride_gs, stride_gh, stride_ss, stride_sh, stride_sk, TILED: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, RNE_BY_HAND: tl.constexpr, PDL: tl.constexpr,
+    ch, b_raw, a_raw, A, dt_bias, slots, state, out, k_heads, v_heads, k_dim, v_dim, k_scale, stride_cs, stride_bs,
+    stride_bh, stride_as, stride_ah, stride_ss, stride_sh, stride_sk, B_TY: tl.constexpr, TILED: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, RNE_BY_HAND: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     s, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
@@ -120,8 +139,12 @@ def _delta_rule_decode(
     q = tl.math.div_rn(q, tl.zeros_like(q) + k_scale)  # torch divides by sqrt(k_dim), rounding to nearest
     k = _l2_normalized(row + (k_heads + kh) * k_dim, offs_k, mask_k)
     v = tl.load(row + 2 * k_heads * k_dim + h * v_dim + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    b = tl.load(beta + s * stride_bs + h * stride_bh).to(tl.float32)
-    decay = tl.exp(tl.load(g + s * stride_gs + h * stride_gh).to(tl.float32))
+    b, g = _gates(
+        tl.load(b_raw + s * stride_bs + h * stride_bh).to(tl.float32),
+        tl.load(a_raw + s * stride_as + h * stride_ah).to(tl.float32),
+        tl.load(A + h).to(tl.float32), tl.load(dt_bias + h).to(tl.float32), B_TY, RNE_BY_HAND,
+    )  # fmt: skip
+    decay = tl.exp(g)
     S = tl.load(tile, mask=mask, other=0.0) * decay  # [BLOCK_K, BLOCK_V] fp32
     predicted = tl.sum(S * k[:, None], axis=0)  # k^T S
     delta = (v - predicted) * b
@@ -134,25 +157,30 @@ def _delta_rule_decode(
 
 def delta_rule_decode(
     channels: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    A: torch.Tensor,
+    dt_bias: torch.Tensor,
     recurrent_state: torch.Tensor,
     slots: torch.Tensor,
     k_heads: int,
     tiled: bool,
 ) -> torch.Tensor:
-    """`recurrent_step` on the convolved channels [seqs, channels] (q heads, k heads, value heads: `_heads`' split;
-    unit stride over channels), beta and g [seqs, v_heads] (any float dtype; g the log decay), the slots' states
-    recurrent_state [slots, v_heads, k_dim, v_dim] fp32 (any slot stride, unit stride over v_dim) updated in place
-    -> out [seqs, v_heads, v_dim] in channels' dtype. k_dim, v_dim up to 256, any size (masked tiles)."""
+    """`recurrent_step` with `GatedDeltaNet.gates(b, a)` on the convolved channels [seqs, channels] (q heads, k
+    heads, value heads: `_heads`' split; unit stride over channels), b and a [seqs, v_heads] (the projections' rows,
+    any float dtype and strides), A and dt_bias [v_heads], the slots' states recurrent_state [slots, v_heads, k_dim,
+    v_dim] fp32 (any slot stride, unit stride over v_dim) updated in place -> out [seqs, v_heads, v_dim] in channels'
+    dtype. k_dim, v_dim up to 256, any size (masked tiles)."""
     seqs = channels.shape[0]
     v_heads, k_dim, v_dim = recurrent_state.shape[1:]
     if recurrent_state.dtype != torch.float32 or recurrent_state.stride(3) != 1:
         raise ValueError(f"recurrent_state must be float32 with unit stride over v_dim, got {recurrent_state.dtype}")
     if v_heads % k_heads or channels.shape[1] != 2 * k_heads * k_dim + v_heads * v_dim or channels.stride(1) != 1:
         raise ValueError(f"channels {list(channels.shape)} do not hold {k_heads} q/k heads of the state's heads")
-    if beta.shape != (seqs, v_heads) or g.shape != (seqs, v_heads) or slots.shape != (seqs,):
-        raise ValueError(f"beta {list(beta.shape)}, g {list(g.shape)} must be [{seqs}, {v_heads}], slots [{seqs}]")
+    if b.shape != (seqs, v_heads) or a.shape != (seqs, v_heads) or slots.shape != (seqs,):
+        raise ValueError(f"b {list(b.shape)}, a {list(a.shape)} must be [{seqs}, {v_heads}], slots [{seqs}]")
+    if A.shape != (v_heads,) or dt_bias.shape != (v_heads,) or b.dtype not in _DTYPES:
+        raise ValueError(f"A {list(A.shape)}, dt_bias {list(dt_bias.shape)} must be [{v_heads}]; b a float tensor")
     if max(k_dim, v_dim) > 256:  # a [k_dim, BLOCK_V] tile in registers
         raise ValueError(f"delta_rule_decode holds k_dim and v_dim up to 256, got {k_dim}, {v_dim}")
     out = torch.empty(seqs, v_heads, v_dim, dtype=channels.dtype, device=channels.device)
@@ -160,17 +188,20 @@ def delta_rule_decode(
         return out
     block_v = min(BLOCK_V, triton.next_power_of_2(v_dim))
     _delta_rule_decode[(seqs, v_heads, triton.cdiv(v_dim, block_v))](
-        channels, beta, g, slots, recurrent_state, out, k_heads, v_heads, k_dim, v_dim, k_dim**0.5, channels.stride(0),
-        *beta.stride(), *g.stride(), *recurrent_state.stride()[:3], tiled, triton.next_power_of_2(k_dim), block_v,
-        not channels.is_cuda, num_warps=WARPS, enable_fp_fusion=False, **launch_args(channels.device),
+        channels, b, a, A.contiguous(), dt_bias.contiguous(), slots, recurrent_state, out, k_heads, v_heads, k_dim,
+        v_dim, k_dim**0.5, channels.stride(0), *b.stride(), *a.stride(), *recurrent_state.stride()[:3],
+        _DTYPES[b.dtype], tiled, triton.next_power_of_2(k_dim), block_v, not channels.is_cuda, num_warps=WARPS,
+        enable_fp_fusion=False, **launch_args(channels.device),
     )  # fmt: skip
     return out
 
 
 def gated_delta_decode(
     mixed: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    A: torch.Tensor,
+    dt_bias: torch.Tensor,
     slots: torch.Tensor,
     weight: torch.Tensor,
     conv_state: torch.Tensor,
@@ -178,9 +209,10 @@ def gated_delta_decode(
     k_heads: int,
     tiled: bool,
 ) -> torch.Tensor:
-    """`GatedDeltaNet._decode`: mixed [seqs, channels] (in_proj_qkv's output), beta and g [seqs, v_heads], slots
-    [seqs], the conv1d weight [channels, 1, kernel] and the layer's two state pools (`bind_state`'s views), updated in
-    place at the slots -> out [seqs, v_heads, v_dim] in mixed's dtype. The value heads' order (`tiled`) as the
-    layer's; shapes as `conv_decode` and `delta_rule_decode` take them."""
+    """`GatedDeltaNet._decode` of `gates(b, a)`: mixed [seqs, channels] (in_proj_qkv's output), b and a [seqs, v_heads]
+    (the gate projections' rows), A and dt_bias [v_heads], slots [seqs], the conv1d weight [channels, 1, kernel] and
+    the layer's two state pools (`bind_state`'s views), updated in place at the slots -> out [seqs, v_heads, v_dim] in
+    mixed's dtype. The value heads' order (`tiled`) as the layer's; shapes as `conv_decode` and `delta_rule_decode`
+    take them."""
     channels = conv_decode(mixed, weight, conv_state, slots)
-    return delta_rule_decode(channels, beta, g, recurrent_state, slots, k_heads, tiled)
+    return delta_rule_decode(channels, b, a, A, dt_bias, recurrent_state, slots, k_heads, tiled)

@@ -9,6 +9,8 @@ rounds:
   dtype. Only the order of the sum differs from torch, so results agree to an ulp or so, mostly bitwise.
 - `add_rms_norm`, the residual add of a pre-norm block fused into the next norm: x + residual in fp32 rounded once
   (torch's add, bitwise), stored, then `rms_norm`'s arithmetic on it: bitwise equal to rms_norm(x + residual).
+- `gated_rms_norm`, the Gated DeltaNet's output norm (`GatedRMSNorm.reference`, `edgemoe.layers.linear_attention`):
+  `rms_norm`'s arithmetic per value head, then times SiLU(z) in fp32, rounded once to x's dtype (one launch for ~12).
 - `attention_prologue`, program per (token, head) over q's heads, k's, then v's: `rms_norm`'s arithmetic through
   the same helpers (the norm's values at a head's rotate_half partners are recomputed, not exchanged), then rotary
   with the fp32 cos/sin row rounded to q's dtype and each product and the sum rounded as torch's separate ops do;
@@ -144,6 +146,48 @@ def add_rms_norm(
         num_warps=_norm_warps(block), enable_fp_fusion=False, **launch_args(x.device),
     )  # fmt: skip
     return out, h
+
+
+@triton.jit
+def _gated_rms_norm(
+    x, z, w, out, dim, stride_x, stride_z, inv_dim, eps, X_TY: tl.constexpr, BLOCK: tl.constexpr,
+    RNE_BY_HAND: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < dim
+    xf = tl.load(x + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = _inv_rms(xf, inv_dim, eps)
+    wf = tl.load(w + offs, mask=mask, other=0.0).to(tl.float32)
+    h = _normalize(xf, wf, r, X_TY, X_TY, RNE_BY_HAND)  # weight * norm(x), in x's dtype
+    zf = tl.load(z + row * stride_z + offs, mask=mask, other=0.0).to(tl.float32)
+    o = _round(h * (zf / (1.0 + tl.exp(-zf))), X_TY, RNE_BY_HAND)  # torch: h * silu(z.float()), then .to(dtype)
+    tl.store(out + row * dim + offs, o.to(X_TY), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, z: [..., dim] of one shape and dtype; weight: [dim] of x's dtype -> weight * rms_norm(x) * SiLU(z) in x's
+    shape and dtype, contiguous (`GatedRMSNorm.reference`). Dtypes float32, bfloat16, float16; dim up to 65536."""
+    dim = x.shape[-1]
+    if x.dtype not in _DTYPES or z.dtype != x.dtype or weight.dtype != x.dtype:
+        raise ValueError(f"gated_rms_norm takes x, z and weight of one float dtype, got {x.dtype}, {z.dtype}, "
+                         f"{weight.dtype}")  # fmt: skip
+    if z.shape != x.shape or weight.shape != (dim,):
+        raise ValueError(f"x {list(x.shape)}, z {list(z.shape)}, weight {list(weight.shape)} differ")
+    block = triton.next_power_of_2(dim)
+    if block > 65536:
+        raise ValueError(f"gated_rms_norm holds a row in one block: dim {dim} is too large")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    x2, z2 = ((t if t.stride(-1) == 1 else t.contiguous()).reshape(-1, dim) for t in (x, z))
+    weight = weight if weight.stride(0) == 1 else weight.contiguous()
+    _gated_rms_norm[(x2.shape[0],)](
+        x2, z2, weight, out, dim, x2.stride(0), z2.stride(0), 1.0 / dim, eps, _DTYPES[x.dtype], block, not x.is_cuda,
+        num_warps=_norm_warps(block), enable_fp_fusion=False, **launch_args(x.device),
+    )  # fmt: skip
+    return out
 
 
 @triton.jit

@@ -101,7 +101,7 @@ class GatedDeltaNet(nn.Module):
             from edgemoe.kernels.gated_delta import gated_delta_decode
             from edgemoe.kernels.gated_delta_prefill import delta_rule_prefill
 
-            self._decode_kernel = gated_delta_decode  # 2 launches, the states updated in place, instead of ~40
+            self._decode_kernel = gated_delta_decode  # 2 launches, the states updated in place, instead of ~45
             self._prefill_kernel = delta_rule_prefill  # 2 launches a batch instead of ~10 a chunk of each sequence
 
     def fuses_norm(self, *args) -> bool:
@@ -114,19 +114,21 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x)
         b, a = self._ba(x)
-        beta = torch.sigmoid(b)
-        g = self.A * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
         if ctx.is_prefill:
-            out = self._prefill(mixed, beta, g, ctx)
-        elif self._decode_kernel is not None:
+            out = self._prefill(mixed, *self.gates(b, a), ctx)
+        elif self._decode_kernel is not None:  # the gates computed inside
             out = self._decode_kernel(
-                mixed, beta, g, ctx.state_slots, self.conv1d.weight, self.conv_state, self.recurrent_state,
-                self.k_heads, self.tiled,
+                mixed, b, a, self.A, self.dt_bias, ctx.state_slots, self.conv1d.weight, self.conv_state,
+                self.recurrent_state, self.k_heads, self.tiled,
             )  # fmt: skip
         else:
-            out = self._decode(mixed, beta, g, ctx.state_slots)
+            out = self._decode(mixed, *self.gates(b, a), ctx.state_slots)
         out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return self.out_proj(out.reshape(x.shape[0], -1))
+
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projections' b, a [tokens, v_heads] -> beta (sigmoid, b's dtype) and the log decay g (fp32, <= 0)."""
+        return torch.sigmoid(b), self.A * F.softplus(a.float() + self.dt_bias)
 
     def _ba(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> b, a [tokens, v_heads]: two projections, or one whose rows are per q/k head its value
@@ -196,8 +198,20 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self._kernel = None  # `edgemoe.kernels.norm_rope.gated_rms_norm`, once `use_kernels` chose it
+
+    def use_kernels(self, device: torch.device) -> None:
+        from edgemoe.kernels.norm_rope import gated_rms_norm
+
+        self._kernel = gated_rms_norm  # one launch instead of ~12
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            return self._kernel(x, z, self.weight, self.eps)
+        return self.reference(x, z)
+
+    def reference(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """`forward` in plain torch, whatever kernel was chosen: the kernel's oracle."""
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

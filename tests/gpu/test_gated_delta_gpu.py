@@ -61,14 +61,16 @@ def test_bfloat16_stages_match_references(geometry, tiled: bool, batch: int) -> 
     layers, _ = make_layers(geometry, torch.bfloat16, tiled, seed=100 + batch, device="cuda", slots=SLOTS)
     layer = layers[0]
     slots = torch.randperm(SLOTS, device="cuda")[:batch]
-    mixed, beta, g = step_inputs(layer, batch, torch.bfloat16)
+    mixed, b, a = step_inputs(layer, batch, torch.bfloat16)
+    with torch.no_grad():
+        beta, g = layer.gates(b, a)
     conv, rec = layer.conv_state[slots].clone(), layer.recurrent_state[slots].clone()
     weight = layer.conv1d.weight.detach()
     channels = conv_decode(mixed, weight, layer.conv_state, slots)
     ref_channels, ref_conv = conv_step(mixed, conv, weight)
     assert torch.equal(layer.conv_state[slots], ref_conv)
     assert_half_close(channels, ref_channels)
-    out = delta_rule_decode(channels, beta, g, layer.recurrent_state, slots, layer.k_heads, tiled)
+    out = delta_rule_decode(channels, b, a, layer.A, layer.dt_bias, layer.recurrent_state, slots, layer.k_heads, tiled)
     ref_out, ref_rec = recurrent_step(*layer._heads(channels), g, beta, rec)
     torch.testing.assert_close(layer.recurrent_state[slots], ref_rec, **FP32)
     assert_half_close(out, ref_out)
@@ -90,16 +92,16 @@ def test_batch_invariance(dtype: torch.dtype) -> None:
     """A sequence's output and states are bitwise the same alone and in a batch of 4 (and of 8)."""
     layers, cache = make_layers(GEOMETRIES["qwen3-next"], dtype, False, seed=5, device="cuda", slots=SLOTS)
     layer = layers[0]
-    mixed, beta, g = step_inputs(layer, 8, dtype)
+    mixed, b, a = step_inputs(layer, 8, dtype)
     slots = torch.randperm(SLOTS, device="cuda")[:8]
     before = cache.pool.clone()
     for batch in (4, 8):
         cache.pool.copy_(before)
-        together = kernel_step(layer, mixed[:batch], beta[:batch], g[:batch], slots[:batch])
+        together = kernel_step(layer, mixed[:batch], b[:batch], a[:batch], slots[:batch])
         together_pool = cache.pool.clone()
         for i in range(batch):
             cache.pool.copy_(before)
-            alone = kernel_step(layer, mixed[i : i + 1], beta[i : i + 1], g[i : i + 1], slots[i : i + 1])
+            alone = kernel_step(layer, mixed[i : i + 1], b[i : i + 1], a[i : i + 1], slots[i : i + 1])
             assert torch.equal(alone[0], together[i])
             assert torch.equal(cache.pool[slots[i]], together_pool[slots[i]])
 
@@ -107,16 +109,16 @@ def test_batch_invariance(dtype: torch.dtype) -> None:
 def test_no_host_sync_once_compiled() -> None:
     layers, _ = make_layers(GEOMETRIES["qwen3-next"], torch.bfloat16, False, seed=6, device="cuda", slots=SLOTS)
     layer = layers[0]
-    mixed, beta, g = step_inputs(layer, 2, torch.bfloat16)
+    mixed, b, a = step_inputs(layer, 2, torch.bfloat16)
     slots = torch.tensor([3, 9], device="cuda")
-    kernel_step(layer, mixed, beta, g, slots)  # compiles (may sync)
+    kernel_step(layer, mixed, b, a, slots)  # compiles (may sync)
     with torch.cuda.device(mixed.device), host_sync_forbidden():
-        kernel_step(layer, mixed, beta, g, slots)
+        kernel_step(layer, mixed, b, a, slots)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
-    """The step captured once over static buffers (the projections' outputs, beta, g, the slots), replayed twice
+    """The step captured once over static buffers (the projections' outputs, the slots), replayed twice
     with new inputs copied in: bitwise the eager kernel from the same states, and within tolerance of the reference;
     the layer chooses the kernel through `select_kernels`."""
     layers, cache = make_layers(GEOMETRIES["qwen3-next"], dtype, True, seed=7, device="cuda", slots=SLOTS)
@@ -124,20 +126,21 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
     select_kernels(layer, torch.device("cuda"))
     assert layer._decode_kernel is not None
     batch = 4
-    mixed, beta, g = step_inputs(layer, batch, dtype)
+    mixed, b, a = step_inputs(layer, batch, dtype)
     slots = torch.tensor([1, 12, 5, 8], device="cuda")
     weight = layer.conv1d.weight.detach()
 
     def step() -> torch.Tensor:
         return layer._decode_kernel(
-            mixed, beta, g, slots, weight, layer.conv_state, layer.recurrent_state, layer.k_heads, layer.tiled
-        )
+            mixed, b, a, layer.A, layer.dt_bias, slots, weight, layer.conv_state, layer.recurrent_state,
+            layer.k_heads, layer.tiled,
+        )  # fmt: skip
 
     graph, out = capture_graph(step)
     for seed in (1, 2):
         torch.manual_seed(seed)
         new = step_inputs(layer, batch, dtype)
-        for buffer, value in zip((mixed, beta, g), new):
+        for buffer, value in zip((mixed, b, a), new):
             buffer.copy_(value)
         slots.copy_(torch.randperm(SLOTS, device="cuda")[:batch])
         before = cache.pool.clone()
@@ -149,7 +152,7 @@ def test_cuda_graph_replays_new_inputs(dtype: torch.dtype) -> None:
         assert torch.equal(replayed, eager) and torch.equal(replayed_pool, cache.pool)
         cache.pool.copy_(before)
         with torch.no_grad():
-            ref = layer._decode(mixed, beta, g, slots)
+            ref = layer._decode(mixed, *layer.gates(b, a), slots)
         if dtype == torch.float32:
             torch.testing.assert_close(replayed, ref, **FP32)
         else:

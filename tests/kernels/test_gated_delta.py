@@ -24,6 +24,7 @@ from edgemoe.engine.state_cache import StateCache
 from edgemoe.kernels import gated_delta
 from edgemoe.kernels.gated_delta import conv_decode, delta_rule_decode, gated_delta_decode
 from edgemoe.kernels.gated_delta_prefill import delta_rule_prefill
+from edgemoe.kernels.norm_rope import gated_rms_norm
 from edgemoe.layers import linear_attention
 from edgemoe.layers.linear_attention import GatedDeltaNet, conv_step, recurrent_step
 from tests.kernels import interpreter_only
@@ -55,18 +56,23 @@ def make_layers(
 
 
 def step_inputs(layer: GatedDeltaNet, seqs: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """in_proj_qkv's output, beta (sigmoid: the model's dtype) and the log decay g (fp32, <= 0) of one decode step."""
+    """in_proj_qkv's output and the gate projections' b and a (the model's dtype) of one decode step; the layer's
+    decay rates A and dt_bias drawn afresh (a few a's past softplus' threshold of 20)."""
     device = layer.conv1d.weight.device
     mixed = torch.randn(seqs, layer.channels, device=device).to(dtype)
-    beta = torch.sigmoid(torch.randn(seqs, layer.v_heads, device=device)).to(dtype)
-    g = -2 * torch.rand(seqs, layer.v_heads, device=device)
-    return mixed, beta, g
+    b = (2 * torch.randn(seqs, layer.v_heads, device=device)).to(dtype)
+    a = (3 * torch.randn(seqs, layer.v_heads, device=device)).to(dtype)
+    a[0, 0] = 24.0
+    with torch.no_grad():
+        layer.A.copy_(-torch.rand(layer.v_heads, device=device))  # fp32, as -exp(A_log)
+        layer.dt_bias.copy_(torch.randn(layer.v_heads, device=device))
+    return mixed, b, a
 
 
-def kernel_step(layer: GatedDeltaNet, mixed, beta, g, slots) -> torch.Tensor:
+def kernel_step(layer: GatedDeltaNet, mixed, b, a, slots) -> torch.Tensor:
     return gated_delta_decode(
-        mixed, beta, g, slots, layer.conv1d.weight.detach(), layer.conv_state, layer.recurrent_state, layer.k_heads,
-        layer.tiled,
+        mixed, b, a, layer.A.detach(), layer.dt_bias.detach(), slots, layer.conv1d.weight.detach(), layer.conv_state,
+        layer.recurrent_state, layer.k_heads, layer.tiled,
     )  # fmt: skip
 
 
@@ -74,13 +80,13 @@ def run_both(layers: nn.ModuleList, cache: StateCache, slots: torch.Tensor, dtyp
     """One decode step of layers[0] from the same pool by the reference and by the kernel -> (pool before, ref out,
     ref pool, kernel out, kernel pool)."""
     layer = layers[0]
-    mixed, beta, g = step_inputs(layer, slots.shape[0], dtype)
+    mixed, b, a = step_inputs(layer, slots.shape[0], dtype)
     before = cache.pool.clone()
     with torch.no_grad():
-        ref = layer._decode(mixed, beta, g, slots.long())
+        ref = layer._decode(mixed, *layer.gates(b, a), slots.long())
     ref_pool = cache.pool.clone()
     cache.pool.copy_(before)
-    out = kernel_step(layer, mixed, beta, g, slots)
+    out = kernel_step(layer, mixed, b, a, slots)
     return before, ref, ref_pool, out, cache.pool.clone()
 
 
@@ -134,7 +140,9 @@ def test_decode_step_bfloat16_matches_reference(geometry, tiled: bool) -> None:
     layers, cache = make_layers(geometry, torch.bfloat16, tiled, seed=7 + sum(geometry))
     layer, before = layers[0], cache.pool.clone()
     slots = torch.tensor([6, 1, 2, 4])
-    mixed, beta, g = step_inputs(layer, 4, torch.bfloat16)
+    mixed, b, a = step_inputs(layer, 4, torch.bfloat16)
+    with torch.no_grad():
+        beta, g = layer.gates(b, a)
     conv, rec = layer.conv_state[slots].clone(), layer.recurrent_state[slots].clone()
     weight = layer.conv1d.weight.detach()
     # the convolution: its state bitwise, its channels rounded as torch's (an ulp off, rarely)
@@ -143,7 +151,7 @@ def test_decode_step_bfloat16_matches_reference(geometry, tiled: bool) -> None:
     assert torch.equal(layer.conv_state[slots], ref_conv)
     assert_half_close(channels, ref_channels)
     # the delta rule on those channels: fp32 states within 1e-5, outputs rounded once
-    out = delta_rule_decode(channels, beta, g, layer.recurrent_state, slots, layer.k_heads, tiled)
+    out = delta_rule_decode(channels, b, a, layer.A, layer.dt_bias, layer.recurrent_state, slots, layer.k_heads, tiled)
     ref_out, ref_rec = recurrent_step(*layer._heads(channels), g, beta, rec)
     torch.testing.assert_close(layer.recurrent_state[slots], ref_rec, **FP32)
     assert_half_close(out, ref_out)
@@ -161,14 +169,14 @@ def test_batch_invariance(dtype: torch.dtype) -> None:
     """A sequence's output and states are bitwise the same alone and at any row of a batch of 4."""
     layers, cache = make_layers((2, 4, 32, 48), dtype, tiled=False, seed=11)
     layer = layers[0]
-    mixed, beta, g = step_inputs(layer, 4, dtype)
+    mixed, b, a = step_inputs(layer, 4, dtype)
     slots = torch.tensor([7, 2, 4, 0])
     before = cache.pool.clone()
-    batch = kernel_step(layer, mixed, beta, g, slots)
+    batch = kernel_step(layer, mixed, b, a, slots)
     batch_pool = cache.pool.clone()
     for i in range(4):
         cache.pool.copy_(before)
-        one = kernel_step(layer, mixed[i : i + 1], beta[i : i + 1], g[i : i + 1], slots[i : i + 1])
+        one = kernel_step(layer, mixed[i : i + 1], b[i : i + 1], a[i : i + 1], slots[i : i + 1])
         assert torch.equal(one[0], batch[i])
         assert torch.equal(cache.pool[slots[i]], batch_pool[slots[i]])
 
@@ -219,10 +227,10 @@ def test_no_sequences_and_bad_arguments() -> None:
     assert gated_delta.L2_EPS == linear_attention.L2_EPS  # written twice: a kernel imports no layer
     layers, _ = make_layers((2, 4, 16, 16), torch.float32, tiled=False, seed=5)
     layer = layers[0]
-    mixed, beta, g = step_inputs(layer, 2, torch.float32)
+    mixed, b, a = step_inputs(layer, 2, torch.float32)
     slots = torch.tensor([0, 1])
     before = layer.recurrent_state.clone()
-    out = kernel_step(layer, mixed[:0], beta[:0], g[:0], slots[:0])
+    out = kernel_step(layer, mixed[:0], b[:0], a[:0], slots[:0])
     assert out.shape == (0, 4, 16) and torch.equal(layer.recurrent_state, before)
     weight = layer.conv1d.weight.detach()
     with pytest.raises(ValueError, match="weight"):
@@ -230,13 +238,15 @@ def test_no_sequences_and_bad_arguments() -> None:
     with pytest.raises(ValueError, match="conv_state"):
         conv_decode(mixed, weight, layer.conv_state[:, :-1], slots)
     with pytest.raises(ValueError, match="q/k heads"):
-        delta_rule_decode(mixed, beta, g, layer.recurrent_state, slots, 3, False)
+        delta_rule_decode(mixed, b, a, layer.A, layer.dt_bias, layer.recurrent_state, slots, 3, False)
     with pytest.raises(ValueError, match="float32"):
-        delta_rule_decode(mixed, beta, g, layer.recurrent_state.bfloat16(), slots, 2, False)
+        delta_rule_decode(mixed, b, a, layer.A, layer.dt_bias, layer.recurrent_state.bfloat16(), slots, 2, False)
+    with pytest.raises(ValueError, match="dt_bias"):
+        delta_rule_decode(mixed, b, a, layer.A, layer.dt_bias[:-1], layer.recurrent_state, slots, 2, False)
     wide = torch.zeros(3, 4, 512, 16)  # k_dim 512: a tile too large for registers
     channels = torch.zeros(2, 2 * 2 * 512 + 4 * 16)
     with pytest.raises(ValueError, match="up to 256"):
-        delta_rule_decode(channels, beta, g, wide, slots, 2, False)
+        delta_rule_decode(channels, b, a, layer.A, layer.dt_bias, wide, slots, 2, False)
     big = GatedDeltaNet(32, 2, 4, 512, 16, 4, 1e-6)
     big.use_kernels(torch.device("cuda"))
     assert big._decode_kernel is None  # the layer keeps its reference
@@ -244,8 +254,9 @@ def test_no_sequences_and_bad_arguments() -> None:
 
 def test_engine_runs_on_the_kernels_as_transformers(tiny_checkpoint) -> None:
     """The tiny Qwen3-Next through the engine with its Gated DeltaNet layers' decode and prefill on the kernels
-    (`gated_delta_decode`, `delta_rule_prefill`; under the interpreter; only these layers swapped): greedy tokens
-    identical to transformers', batched, each sequence decoding from the state its prefill left."""
+    (`gated_delta_decode`, `delta_rule_prefill`) and output norms (`gated_rms_norm`) on the kernels, under the
+    interpreter (only these layers swapped): greedy tokens identical to transformers', batched, each sequence
+    decoding from the state its prefill left."""
     from edgemoe import LLM, SamplingParams
 
     folder, hf = tiny_checkpoint("qwen3next-dense", "per-expert")
@@ -253,7 +264,9 @@ def test_engine_runs_on_the_kernels_as_transformers(tiny_checkpoint) -> None:
     swapped = [m for m in llm.engine.runner.model.modules() if isinstance(m, GatedDeltaNet)]
     for m in swapped:
         m.use_kernels(torch.device("cuda"))
+        m.norm.use_kernels(torch.device("cuda"))
     assert len(swapped) == 3 and all(m._decode_kernel is gated_delta_decode for m in swapped)
+    assert all(m.norm._kernel is gated_rms_norm for m in swapped)
     assert all(m._prefill_kernel is delta_rule_prefill for m in swapped)
     g = torch.Generator().manual_seed(2)
     batch = [torch.randint(3, 6000, (n,), generator=g).tolist() for n in (5, 17, 9)]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgemoe.kernels.norm_rope import attention_prologue, rms_norm
+from edgemoe.kernels.norm_rope import attention_prologue, gated_rms_norm, rms_norm
+from edgemoe.layers.linear_attention import GatedRMSNorm
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
 from tests.kernels import interpreter_only
@@ -157,6 +158,38 @@ def prologue_case(
 
 def test_rms_norm_no_rows() -> None:
     assert rms_norm(torch.randn(0, 96), torch.randn(96), EPS).shape == (0, 96)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("shape", [(3, 8, 128), (5, 96), (2, 4, 200)], ids=str)
+def test_gated_rms_norm_matches_reference(shape, dtype) -> None:
+    """The Gated DeltaNet's output norm: weight * norm(x) * SiLU(z), per value head. The gate's exp is Triton's and
+    the sum's order the kernel's, so 16-bit results may flip a rounding (2.5 ulps), rarely; fp32 to 1e-5."""
+    x, z = (3 * torch.randn(*shape)).to(dtype), (2 * torch.randn(*shape)).to(dtype)
+    norm = GatedRMSNorm(shape[-1], EPS)
+    norm.weight.data = random_weight(shape[-1], dtype)
+    out, ref = gated_rms_norm(x, z, norm.weight, EPS), norm.reference(x, z)
+    assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(out, ref, rtol=2.5 * torch.finfo(dtype).eps, atol=1e-5)
+        assert (out == ref).float().mean() >= 0.97
+    assert not torch.equal(out, norm.reference(x, -z)), "the gate is read"
+    norm.use_kernels(torch.device("cpu"))  # the layer's forward runs the kernel once chosen
+    assert torch.equal(norm(x, z), out)
+
+
+def test_gated_rms_norm_strided_views_and_bad_arguments() -> None:
+    both = torch.randn(4, 2 * 64).to(torch.bfloat16)  # x and z: halves of one projection's rows
+    x, z = both[:, :64], both[:, 64:]
+    weight = random_weight(64, torch.bfloat16)
+    assert torch.equal(gated_rms_norm(x, z, weight, EPS), gated_rms_norm(x.contiguous(), z.contiguous(), weight, EPS))
+    assert gated_rms_norm(x[:0], z[:0], weight, EPS).shape == (0, 64)
+    with pytest.raises(ValueError, match="one float dtype"):
+        gated_rms_norm(x, z.float(), weight, EPS)
+    with pytest.raises(ValueError, match="differ"):
+        gated_rms_norm(x, z[:, :32], weight, EPS)
 
 
 def test_prologue_random_table_and_int32_positions() -> None:

@@ -134,11 +134,13 @@ class ScriptedOutput:
         self._queue: collections.deque[list[int]] = collections.deque()
         self._scripts: dict[int, list[int]] = {}  # seq_id -> its script's ids (engine thread only)
 
-    def push(self, *texts: str) -> None:
-        """Script the next len(texts) sequences (a request with n choices takes n)."""
+    def push(self, *texts: str | list[int]) -> None:
+        """Script the next len(texts) sequences (a request with n choices takes n). A text is drawn as the tokenizer
+        cuts it; a list of ids as given (a cut the tokenizer would not choose, as a sampled answer may be)."""
         for text in texts:
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            assert self.tokenizer.decode(ids, skip_special_tokens=False) == text, "the script must round-trip"
+            ids = list(text) if isinstance(text, list) else self.tokenizer.encode(text, add_special_tokens=False)
+            if not isinstance(text, list):
+                assert self.tokenizer.decode(ids, skip_special_tokens=False) == text, "the script must round-trip"
             self._queue.append(ids)
 
     def pending(self) -> int:

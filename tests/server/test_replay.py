@@ -68,6 +68,29 @@ def test_openai_chat(tool_server, log):
     check(tool_server, log, [CALL, ANSWER], [r.usage.prompt_tokens_details.cached_tokens for r in (two, three)])
 
 
+def test_a_sampled_cut_replays_as_sampled(tool_server, log):
+    """A model may sample a text in tokens its tokenizer would not choose ("Checking" letter by letter here); the next
+    turn's prompt holds those tokens, not the text tokenized again, so the prefix cache still serves the answer."""
+    tok = tool_server.script.tokenizer
+    head, word, tail = CALL.partition("Checking")
+    cut = [head, *word, tail]  # the word a letter a token
+    ids = [i for piece in cut for i in tok.encode(piece, add_special_tokens=False)]
+    assert tok.decode(ids, skip_special_tokens=False) == CALL and ids != tok.encode(CALL, add_special_tokens=False)
+    client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key=tool_server.api_key, max_retries=0, timeout=60)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    messages = [{"role": "system", "content": system("a sampled cut")}, {"role": "user", "content": QUESTION}]
+    tool_server.script.push(ids, ANSWER)
+    one = client.chat.completions.create(model=MODEL, messages=messages, tools=tools)
+    call = one.choices[0].message
+    messages += [call.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "18 C"}]  # fmt: skip
+    two = client.chat.completions.create(model=MODEL, messages=messages, tools=tools)
+    before, prompt = log.last(2)
+    assert prompt[: len(before) + len(ids) + 1] == before + ids + [tool_server.script.end]
+    block = tool_server.engine_loop.engine.kv.block_size
+    assert two.usage.prompt_tokens_details.cached_tokens >= (len(before) + len(ids)) // block * block
+
+
 def test_anthropic(tool_server, log):
     client = anthropic.Anthropic(base_url=tool_server.url, api_key=tool_server.api_key, max_retries=0, timeout=60)
     kw = dict(model=MODEL, max_tokens=256, system=system("anthropic"),

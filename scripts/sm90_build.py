@@ -6,7 +6,8 @@ first build of the Gated DeltaNet prefill scan asked for 255,232 bytes in fp32.
 
     python scripts/sm90_build.py [--only moe,gated_delta]      (repository root; needs no GPU, ~2 minutes)
 
-Shapes are the real models' (gpt-oss's experts with biases and the clamped SwiGLU, Qwen3-Next's linear attention).
+Shapes are the real models' (gpt-oss's experts with biases and the clamped SwiGLU, Qwen3-Next's linear attention,
+GLM-4.5's router).
 """
 
 from __future__ import annotations
@@ -143,7 +144,19 @@ def gated_delta() -> bool:
     return ok
 
 
-GROUPS = {"moe": experts, "gated_delta": gated_delta}
+def routers() -> bool:
+    """GLM-4.5's grouped sigmoid router (fp32 gate over bf16 activations, 160 experts; DeepSeek-style 8 groups)."""
+    from edgemoe.kernels import router
+
+    ok = True
+    for E, n_group, topk_group in ((160, 1, 1), (256, 8, 4)):
+        ok &= build(f"grouped router {E} experts, {n_group} groups", router, ["_gate_gemv", "_route_grouped"],
+                    router.grouped_route, torch.randn(4, 4096).to(torch.bfloat16), torch.randn(E, 4096),
+                    torch.randn(E), 8, n_group, topk_group, True, 2.5, torch.ones(4, dtype=torch.bool))  # fmt: skip
+    return ok
+
+
+GROUPS = {"moe": experts, "gated_delta": gated_delta, "routers": routers}
 
 
 def main() -> None:

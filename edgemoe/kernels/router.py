@@ -17,6 +17,13 @@ top-k, renormalisation, cast, padding-row substitution). Its reference is `edgem
   - optional renormalisation: the k weights summed in order from 0, IEEE division; cast to x's dtype.
   - a padding row routes row 0's logits for its ids (the same logits row 0 routes: the same ids).
 
+`grouped_route` is GLM-4.5's (DeepSeek-V3's) routing, `edgemoe.moe.router.route_grouped`, in the same two launches:
+the gate GEMV in fp32 (its weight is kept fp32), then a program per token: sigmoid scores (libdevice expf, IEEE
+division), plus the correction bias to choose; with group limits each group's worth is its two best biased scores
+and the `topk_group` best groups (ties to the lower group) stay; the top k biased scores (ties to the lower expert);
+their plain scores summed in order, divided by the sum + 1e-20 where normalised, times the scaling factor, cast to
+x's dtype.
+
 `fused_route` is the two in turn. `norm_route` also takes the block's residual add and RMSNorm into the gate GEMV
 (decode's MoE layers: one launch fewer a layer; each gate program normalises its token's row). No host sync and
 only torch.empty outputs: CUDA-graph capturable once compiled. Under Triton's interpreter (CPU tests) exp is numpy's
@@ -78,14 +85,14 @@ def _top_k(probs, e, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr
         ids = tl.where(j == i, at, ids)
         values = tl.where(j == i, top, values)
         total += top
-        probs = tl.where(e == at, -1.0, probs)
+        probs = tl.where(e == at, float("-inf"), probs)
     return ids, values, total
 
 
 @triton.jit
 def _gate_gemv(x, w, out, res, norm_w, xn_out, h_out, H, E, stride_x, stride_w, stride_r, inv_dim, eps,
                BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr, NORM: tl.constexpr,
-               X_TY: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+               X_TY: tl.constexpr, L_TY: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     in_e = e < E
@@ -117,8 +124,8 @@ def _gate_gemv(x, w, out, res, norm_w, xn_out, h_out, H, E, stride_x, stride_w, 
                 wk = tl.load(w_ptr + h0, mask=in_e[:, None] & cols[None, :], other=0.0)
                 xk = tl.load(x_ptr + h0, mask=cols, other=0.0)
             acc += wk.to(tl.float32) * xk.to(tl.float32)[None, :]
-    logits = _round(tl.sum(acc, 1), X_TY, INTERPRETED)  # self.gate(x) returns x's dtype
-    tl.store(out + t * E + e, logits.to(X_TY), mask=in_e)
+    logits = _round(tl.sum(acc, 1), L_TY, INTERPRETED)  # self.gate(x)'s dtype: x's, or fp32 for an fp32 gate
+    tl.store(out + t * E + e, logits.to(L_TY), mask=in_e)
 
 
 @triton.jit
@@ -165,14 +172,15 @@ def gate_logits(
     x: torch.Tensor, gate_weight: torch.Tensor, out: torch.Tensor | None = None, block_e: int | None = None
 ) -> torch.Tensor:
     """x [T, H] @ gate_weight [E, H].T with fp32 accumulation, rounded to x's dtype: `F.linear(x, gate_weight)` up to
-    the order of the sum. `out`: [T, E] contiguous in x's dtype, else a new one. `block_e` (a power of two; for
-    benchmarks and tests) overrides the experts per program."""
+    the order of the sum; an fp32 gate (GLM's) gives fp32 logits, `F.linear(x.float(), gate_weight)`. `out`: [T, E]
+    contiguous in the logits' dtype, else a new one. `block_e` (a power of two; for benchmarks and tests) overrides
+    the experts per program."""
     (T, H), E = x.shape, gate_weight.shape[0]
     if x.dtype not in _DTYPES:
         raise ValueError(f"the router takes float32, bfloat16 or float16, got {x.dtype}")
-    if gate_weight.shape != (E, H) or gate_weight.dtype != x.dtype:
+    if gate_weight.shape != (E, H) or gate_weight.dtype not in (x.dtype, torch.float32):
         raise ValueError(f"gate weight {gate_weight.dtype} {list(gate_weight.shape)} does not fit x {x.dtype} {[T, H]}")
-    out = _logits_out(T, E, x, out)
+    out = _logits_out(T, E, x, out, gate_weight.dtype)
     if T == 0 or E == 0:
         return out
     _launch_gate(x, gate_weight, out, block_e)
@@ -213,11 +221,14 @@ def norm_route(
     return (xn, h, *_launch_route(logits, top_k, normalize, valid))
 
 
-def _logits_out(T: int, E: int, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _logits_out(
+    T: int, E: int, x: torch.Tensor, out: torch.Tensor | None, gate: torch.dtype | None = None
+) -> torch.Tensor:
+    dtype = torch.promote_types(x.dtype, gate or x.dtype)
     if out is None:
-        return torch.empty(T, E, dtype=x.dtype, device=x.device)
-    if out.shape != (T, E) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"logits out: need contiguous [{T}, {E}] {x.dtype}, got {out.dtype} {list(out.shape)}")
+        return torch.empty(T, E, dtype=dtype, device=x.device)
+    if out.shape != (T, E) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"logits out: need contiguous [{T}, {E}] {dtype}, got {out.dtype} {list(out.shape)}")
     return out
 
 
@@ -244,7 +255,8 @@ def _launch_gate(
         stride_r, block_h, warps = res.stride(0), width, _norm_warps(width)
     _gate_gemv[(T, triton.cdiv(E, block_e))](
         x, gate_weight, out, res, norm_w, xn, h, H, E, x.stride(0), gate_weight.stride(0), stride_r, 1.0 / H, eps,
-        block_e, block_h, H % block_h == 0, norm is not None, _DTYPES[x.dtype], not x.is_cuda, num_warps=warps,
+        block_e, block_h, H % block_h == 0, norm is not None, _DTYPES[x.dtype], _DTYPES[out.dtype], not x.is_cuda,
+        num_warps=warps,
         enable_fp_fusion=norm is None, **launch_args(x.device),  # the norm as add_rms_norm: no FMA in its sums
     )  # fmt: skip
 
@@ -286,5 +298,106 @@ def _launch_route(
         valid is not None, block_e, warp, warp.bit_length() - 1, _DTYPES[logits.dtype], not logits.is_cuda,
         num_warps=min(4, max(1, block_e // 256)),  # one warp up to 256 experts: reductions stay in shuffles
         **launch_args(logits.device),
+    )  # fmt: skip
+    return ids, weights
+
+
+@triton.jit
+def _route_grouped(logits, bias, ids_out, weights_out, valid, E, stride_l, group_size, scale, K: tl.constexpr,
+                   K_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
+                   HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, W_TY: tl.constexpr, INTERPRETED: tl.constexpr,
+                   PDL: tl.constexpr):  # fmt: skip
+    wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    in_e = e < E
+    b = tl.load(bias + e, mask=in_e, other=0.0).to(tl.float32)  # a fixed weight
+    lg = tl.load(logits + t * stride_l + e, mask=in_e, other=0.0).to(tl.float32)
+    scores = tl.div_rn(tl.zeros_like(lg) + 1.0, 1.0 + _exp(-lg, INTERPRETED))  # torch's sigmoid: 1 / (1 + exp(-x))
+    ids = _grouped_top_k(scores + b, e, in_e, group_size, K, K_PAD, N_GROUP, TOPK_GROUP, BLOCK_E)
+    j = tl.arange(0, K_PAD)
+    values = tl.zeros([K_PAD], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for i in tl.static_range(K):  # the chosen experts' plain scores (scores.gather), summed in order
+        id_i = tl.sum(tl.where(j == i, ids, 0), 0)
+        v = tl.sum(tl.where(e == id_i, scores, 0.0), 0)
+        values = tl.where(j == i, v, values)
+        total += v
+    if NORMALIZE:
+        values = tl.div_rn(values, tl.zeros_like(values) + (total + 1e-20))
+    values = values * scale
+    if HAS_VALID:
+        if tl.load(valid + t) == 0:  # a CUDA-graph padding row: row 0's experts (no extra fetches or counts)
+            first = tl.load(logits + e, mask=in_e, other=0.0).to(tl.float32)
+            first = tl.div_rn(tl.zeros_like(first) + 1.0, 1.0 + _exp(-first, INTERPRETED))
+            ids = _grouped_top_k(first + b, e, in_e, group_size, K, K_PAD, N_GROUP, TOPK_GROUP, BLOCK_E)  # own weights
+    tl.store(ids_out + t * K + j, ids.to(tl.int64), mask=j < K)
+    tl.store(weights_out + t * K + j, _round(values, W_TY, INTERPRETED).to(W_TY), mask=j < K)
+
+
+@triton.jit
+def _grouped_top_k(choice, e, in_e, group_size, K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+                   TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """The K experts of the best biased scores `choice` [BLOCK_E] among the TOPK_GROUP best of N_GROUP groups of
+    `group_size` consecutive experts (a group's worth: its two best scores), ties to the lower group and expert."""
+    choice = tl.where(in_e, choice, float("-inf"))
+    if TOPK_GROUP < N_GROUP:
+        group = e // group_size
+        g = tl.arange(0, N_GROUP)
+        worth = tl.zeros([N_GROUP], tl.float32)
+        for gi in tl.static_range(N_GROUP):
+            mine = tl.where(group == gi, choice, float("-inf"))
+            best = tl.max(mine, 0)
+            at = tl.min(tl.where(mine == best, e, BLOCK_E), 0)
+            second = tl.max(tl.where(e == at, float("-inf"), mine), 0)
+            worth = tl.where(g == gi, best + second, worth)
+        kept = tl.zeros([BLOCK_E], tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.max(worth, 0)
+            at = tl.min(tl.where(worth == top, g, N_GROUP), 0)
+            kept = tl.where(group == at, 1, kept)
+            worth = tl.where(g == at, float("-inf"), worth)
+        choice = tl.where(kept == 1, choice, float("-inf"))
+    return _top_k(choice, e, K, K_PAD, BLOCK_E)[0]
+
+
+def grouped_route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scale: float,
+    valid: torch.Tensor | None = None,
+    *,
+    logits_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_grouped(F.linear(x.float(), gate_weight), bias, ...)` with the weights cast to x's dtype and padding
+    rows (`valid` False) on row 0's experts, in two launches. x: [T, H]; gate_weight [E, H] and bias [E] fp32 (as the
+    family keeps them); n_group divides E, topk_group <= n_group <= 32 -> (ids [T, top_k] int64, weights [T, top_k] in
+    x's dtype). `logits_out` ([T, E] fp32 contiguous; for tests) receives the logits."""
+    T, E = x.shape[0], gate_weight.shape[0]
+    _check_routing(T, E, top_k, x.dtype, valid)
+    if gate_weight.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (E,):
+        raise ValueError(f"grouped_route takes an fp32 gate [E, H] and bias [E], got {gate_weight.dtype}, {bias.dtype} "
+                         f"{list(bias.shape)}")  # fmt: skip
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group <= 32 or n_group & (n_group - 1):
+        raise ValueError(f"grouped_route: {n_group} groups (a power of two up to 32 dividing {E} experts), "
+                         f"{topk_group} kept")  # fmt: skip
+    if top_k > topk_group * (E // n_group):
+        raise ValueError(f"top_k {top_k} > the {topk_group * (E // n_group)} experts of the kept groups")
+    logits = gate_logits(x, gate_weight, logits_out)
+    ids = torch.empty(T, top_k, dtype=torch.long, device=x.device)
+    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return ids, weights
+    block_e = triton.next_power_of_2(E)
+    flags = valid.contiguous().view(torch.uint8) if valid is not None else None
+    _route_grouped[(T,)](
+        logits, bias.contiguous(), ids, weights, flags, E, logits.stride(0), E // n_group, float(scale), top_k,
+        triton.next_power_of_2(top_k), n_group, topk_group, normalize, valid is not None, block_e, _DTYPES[x.dtype],
+        not x.is_cuda, num_warps=min(4, max(1, block_e // 256)), **launch_args(x.device),
     )  # fmt: skip
     return ids, weights

@@ -135,8 +135,9 @@ def gated_delta() -> bool:
                     torch.rand(4, vh).to(dtype), -torch.rand(vh), torch.rand(vh).to(dtype), torch.arange(4),
                     torch.randn(channels, 1, 4).to(dtype),
                     torch.zeros(5, channels, 3).to(dtype), torch.zeros(5, vh, kd, vd), kh, False)  # fmt: skip
-        ok &= build(f"gated norm {dtype}", norm_rope, ["_gated_rms_norm"], norm_rope.gated_rms_norm,
-                    torch.randn(4, vh, vd).to(dtype), torch.randn(4, vh, vd).to(dtype), torch.ones(vd).to(dtype), 1e-6)  # fmt: skip
+        x, z = torch.randn(4, vh, vd).to(dtype), torch.randn(4, vh, vd).to(dtype)
+        ok &= build(f"gated norm {dtype}", norm_rope, ["_gated_rms_norm"], norm_rope.gated_rms_norm, x, z,
+                    torch.ones(vd).to(dtype), 1e-6)  # fmt: skip
         ok &= build(f"gated_delta prefill {dtype}", prefill, ["_chunk_inverse", "_chunk_scan"],
                     prefill.delta_rule_prefill, torch.randn(300, channels).to(dtype), torch.rand(300, vh).to(dtype),
                     -torch.rand(300, vh), torch.zeros(5, vh, kd, vd), torch.tensor([1, 3]),

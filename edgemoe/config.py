@@ -142,6 +142,7 @@ def check_model_path(model: str | None) -> None:
 MOE_STRATEGIES = ("resident", "offload")
 MOE_POLICIES = ("lru", "scored")  # the expert cache's eviction policies (`edgemoe.offload.policies.POLICIES`)
 EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
+SPECULATIVE = ("off", "ngram")  # edgemoe/engine/speculative.py
 PLE_BACKENDS = ("gpu", "host", "disk")  # edgemoe/layers/ple.py, ple_disk.py
 PLE_SYNCS = ("host", "wait")  # edgemoe/layers/ple_wait.py
 TOOL_PARSERS = ("auto", "none", "qwen", "qwen3_coder", "mistral", "glm", "harmony")  # server/tool_calls.py, harmony.py
@@ -251,6 +252,13 @@ class EngineConfig:
         "prefill one sequence a step, so that a sequence's KV and logits do not depend on the requests beside it "
         "(decode is batch-invariant always); costs prefill throughput when many prompts arrive together",
     )
+    speculative: str = option(
+        "off",
+        "speculative decoding: off, or ngram (prompt lookup: a greedy sequence whose last tokens occurred earlier in "
+        "it drafts what followed them, and one step verifies the drafts; the output is unchanged)",
+    )
+    speculative_tokens: int = option(4, "speculative: tokens drafted a step at most")
+    speculative_ngram: int = option(3, "speculative ngram: the longest tail matched (down to one token)")
     seed: int | None = option(
         None, "seed of the seeds of requests that give none (None: a fresh one per engine)", cli=False
     )
@@ -285,7 +293,8 @@ class EngineConfig:
     moe: ExpertCacheConfig = field(default_factory=ExpertCacheConfig)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens"):
+        names = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens")
+        for name in (*names, "speculative_tokens", "speculative_ngram"):
             value = getattr(self, name)
             optional = ("max_num_batched_tokens", "max_model_len", "kv_cache_tokens")
             if (value is not None or name not in optional) and not _count(value):
@@ -296,6 +305,9 @@ class EngineConfig:
             parse_size(self.kv_cache_memory)
             if self.kv_cache_tokens is not None:
                 raise EdgeMoEError("give one of kv_cache_memory and kv_cache_tokens")
+        if self.speculative not in SPECULATIVE:
+            choices = " or ".join(SPECULATIVE)
+            raise EdgeMoEError(f"unknown speculative {self.speculative!r}: use {choices} (MTP drafts: not yet)")
         if self.ple_backend not in PLE_BACKENDS:
             raise EdgeMoEError(f"unknown ple_backend {self.ple_backend!r}: use {', '.join(PLE_BACKENDS)}")
         if self.ple_sync not in PLE_SYNCS:

@@ -29,6 +29,7 @@ from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
+from edgemoe.engine.speculative import SpeculativeStats, ngram_draft
 from edgemoe.engine.state_cache import StateCache, bytes_per_slot
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
@@ -109,7 +110,16 @@ class LLMEngine:
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at start-up: placement onwards
         self.expert_cache = self._place(moe)
         seqs, invariant = config.max_num_seqs, config.batch_invariant
-        self.scheduler = Scheduler(self.kv, seqs, self.max_num_batched_tokens, invariant, self.states)
+        drafter = None
+        if config.speculative == "ngram":
+            if self.states is not None:  # a rejected draft would have to be taken out of the recurrent state
+                raise EdgeMoEError(
+                    f"speculative ngram: not yet for {self.model_config.model_type} models, whose linear-attention "
+                    "layers keep a recurrent state per sequence"
+                )
+            drafter = self._draft
+        self.speculative = SpeculativeStats()
+        self.scheduler = Scheduler(self.kv, seqs, self.max_num_batched_tokens, invariant, self.states, drafter)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.device, seqs, max_blocks, self.states)
         # Callables (sequences due a token, their logits [due, vocab]) -> logits, run in order before the sampler:
@@ -379,14 +389,24 @@ class LLMEngine:
             return []
         if self.recorder:
             self.recorder.begin(batch)
-        tokens = self.runner.run(batch)
+        if batch.verify:
+            tokens = self.runner.verify(batch)
+        else:
+            tokens = [None if t is None else [t] for t in self.runner.run(batch)]
         outputs = []
-        for seq, n, token in zip(batch.seqs, batch.num_new, tokens):
+        for seq, n, new in zip(batch.seqs, batch.num_new, tokens):
+            if seq.draft:  # its next token and the accepted drafts are computed; the positions after, not
+                accepted = len(new) - 1
+                self.speculative.add(len(seq.draft), accepted)
+                n, seq.draft = 1 + accepted, []
             seq.num_computed += n
             self.scheduler.commit(seq)
-            if token is None:
+            if new is None:
                 continue
-            self._append(seq, token)
+            for token in new:
+                self._append(seq, token)
+                if seq.finish_reason:
+                    break
             if seq.finish_reason:
                 self.scheduler.finish(seq)
                 self._seqs.pop(seq.request_id, None)
@@ -394,6 +414,16 @@ class LLMEngine:
         if self.recorder:
             self.recorder.end(batch)
         return outputs
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """The scheduler's drafter: prompt lookup for a greedy sequence, within its max_tokens and the context; none
+        while logits processors run (they read one row a sequence) or for a sampled sequence."""
+        p = seq.params
+        if not p.greedy or self.logits_processors:
+            return []
+        k = min(self.config.speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
+                self.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
+        return ngram_draft(seq.token_ids, self.config.speculative_ngram, k) if k > 0 else []
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)

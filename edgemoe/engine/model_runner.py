@@ -18,6 +18,7 @@ eager prefill path and the sampler, so that the first request finds the kernels 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -183,7 +184,7 @@ class ModelRunner:
         ids, positions, slots, context_lens, state_slots = [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new):
             start = seq.num_computed
-            ids += seq.token_ids[start : start + n]
+            ids += seq.step_ids(start, n)
             for p in range(start, start + n):
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
@@ -198,15 +199,16 @@ class ModelRunner:
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [self.kv.pad_block] * (width - len(s.block_table)) for s in batch.seqs]
         routed = None
-        if self.routed_ids is not None and not batch.is_prefill:
+        chunked = batch.is_prefill or batch.verify  # several tokens a sequence: the prefill path
+        if self.routed_ids is not None and not chunked:
             routed = self.routed_ids[:, : len(batch.seqs)]
         ctx = ForwardContext(
-            is_prefill=batch.is_prefill,
+            is_prefill=chunked,
             slot_mapping=self._tensor(slots),
             context_lens=self._tensor(context_lens),
             block_tables=self._tensor(tables),
-            query_lens=list(batch.num_new) if batch.is_prefill else None,
-            context_lens_host=context_lens if batch.is_prefill else None,
+            query_lens=list(batch.num_new) if chunked else None,
+            context_lens_host=context_lens if chunked else None,
             routed_ids=routed,
             state_slots=self._tensor(state_slots) if self.states is not None else None,
         )
@@ -219,7 +221,7 @@ class ModelRunner:
         A sequence is due when this step computes its last uncached token (a prefill chunk that does not
         end its prompt is not). Decode batches replay a captured CUDA graph when there is one of their size."""
         n = len(batch.seqs)
-        b = None if batch.is_prefill or self.graphs is None else self.graphs.size_for(n)
+        b = None if batch.is_prefill or batch.verify or self.graphs is None else self.graphs.size_for(n)
         if b is not None:
             inputs = self.host_inputs(batch)
             self.decode.fill(*inputs, [s.block_table for s in batch.seqs])
@@ -264,15 +266,42 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in due]
         for process in self.logits_processors:
             logits = process(seqs, logits)
+        for i, t in zip(due, self._sample(seqs, logits).tolist()):  # the step's one host synchronisation
+            out[i] = t
+        return out
+
+    @torch.inference_mode()
+    def verify(self, batch: Batch) -> list[list[int]]:
+        """A verify step (`Batch.verify`): per sequence its next tokens. A sequence with a draft gets the argmax at its
+        next position and at each drafted one up to the first draft that differs from the argmax before it (accepted
+        drafts, then the model's token where a draft failed, or one more after the last): 1 to len(draft) + 1 tokens,
+        as greedy decoding would give them one a step. One without a draft gets its one sampled token. Logits
+        processors are not run: the drafter drafts nothing while there are any (they read a step's logits a sequence
+        a row)."""
+        input_ids, positions, ctx = self.prepare(batch)
+        ends = list(itertools.accumulate(batch.num_new))
+        logits = self._forward(input_ids, positions, ctx, None)  # every position's row
+        plain = [i for i, s in enumerate(batch.seqs) if not s.draft]
+        sampled = self._sample([batch.seqs[i] for i in plain], logits[[ends[i] - 1 for i in plain]]) if plain else None
+        greedy = logits.argmax(dim=-1)
+        greedy, sampled = greedy.tolist(), [] if sampled is None else sampled.tolist()  # the one host read
+        out, drawn = [], iter(sampled)
+        for seq, end, n in zip(batch.seqs, ends, batch.num_new):
+            if not seq.draft:
+                out.append([next(drawn)])
+                continue
+            rows = greedy[end - n : end]
+            kept = next((i for i, d in enumerate(seq.draft) if rows[i] != d), len(seq.draft))
+            out.append(rows[: kept + 1])
+        return out
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]
-        tokens = self.sampler(
+        return self.sampler(
             logits,
             self._tensor([p.temperature for p in params], torch.float32),
             self._tensor([p.top_k for p in params]),
             self._tensor([p.top_p for p in params], torch.float32),
             self._tensor([p.min_p for p in params], torch.float32),
             [None if p.greedy else s.generator for p, s in zip(params, seqs)],
-        ).tolist()  # the step's one host synchronisation
-        for i, t in zip(due, tokens):
-            out[i] = t
-        return out
+        )

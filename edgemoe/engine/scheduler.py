@@ -3,12 +3,15 @@ token for every running sequence. Owns KV block allocation, state slots (models 
 sequence) and preemption.
 
 A step computes `n` not-yet-cached tokens per sequence. Prefill: several per sequence, up to a token
-budget (long prompts are chunked across steps). Decode: exactly the one token sampled last step.
+budget (long prompts are chunked across steps). Decode: the one token sampled last step, and with a `drafter`
+(speculative decoding) the tokens it drafts after it, where free KV blocks hold them (a draft never preempts): such a
+step is a verify step (`Batch.verify`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgemoe.engine.kv_cache import KVCache
@@ -21,6 +24,7 @@ class Batch:
     seqs: list[Sequence]
     num_new: list[int]  # tokens each sequence computes this step
     is_prefill: bool
+    verify: bool = False  # a decode step in which some sequences also compute their drafts (`Sequence.draft`)
 
 
 class Scheduler:
@@ -31,10 +35,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         one_prefill: bool = False,
         states: StateCache | None = None,
+        drafter: Callable[[Sequence], list[int]] | None = None,
     ) -> None:
         """`one_prefill`: a prefill step holds one sequence's chunk only (batch-invariant prefill). `states`: the
-        state cache (max_num_seqs slots), where the model keeps one: a running sequence holds a slot."""
-        self.kv, self.states = kv, states
+        state cache (max_num_seqs slots), where the model keeps one: a running sequence holds a slot. `drafter`: a
+        decoding sequence -> the tokens to draft after its next one (speculative decoding)."""
+        self.kv, self.states, self.drafter = kv, states, drafter
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.one_prefill = one_prefill
         self.waiting: deque[Sequence] = deque()
@@ -107,7 +113,16 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 self._grow(seq, seq.num_computed + 1)
                 seqs.append(seq)
-        return Batch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
+        num_new = [1] * len(seqs)
+        if self.drafter is not None:
+            for i, seq in enumerate(seqs):
+                draft = self.drafter(seq)
+                room = len(seq.block_table) * self.kv.block_size + self.kv.num_free * self.kv.block_size
+                seq.draft = draft[: max(0, room - seq.num_computed - 1)]
+                self._grow(seq, seq.num_computed + 1 + len(seq.draft))
+                num_new[i] += len(seq.draft)
+        verify = any(n > 1 for n in num_new)
+        return Batch(seqs, num_new, is_prefill=False, verify=verify) if seqs else None
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Start `seq` after the longest prefix of its tokens the prefix cache holds (whole blocks; with a state

@@ -54,6 +54,7 @@ class Sequence:
         self.detok = detok
         self.status = Status.WAITING
         self.num_computed = 0  # tokens whose K/V are in the cache
+        self.draft: list[int] = []  # tokens drafted after token_ids, verified by this step (speculative decoding)
         self.block_table: list[int] = []
         self.num_cached = 0  # prompt tokens whose K/V came from the prefix cache
         self.num_hashed, self.prefix_hash = 0, None  # blocks the prefix cache knows, the last one's hash
@@ -69,6 +70,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    def step_ids(self, start: int, n: int) -> list[int]:
+        """The n tokens a step computes from `start`: its tokens, then its draft's."""
+        if not self.draft:
+            return self.token_ids[start : start + n]
+        return (self.token_ids + self.draft)[start : start + n]
 
     @property
     def output_ids(self) -> list[int]:

@@ -307,6 +307,9 @@ class EngineLoop:
         kv = self.engine.kv
         self.metrics.kv_usage.set(1 - kv.num_free / kv.num_blocks)
         self.metrics.prefix_cache(kv.queried_tokens, kv.hit_tokens)
+        spec = self.engine.speculative
+        if spec.steps:
+            self.metrics.speculative(spec.steps, spec.drafted, spec.accepted)
         now = time.monotonic()
         # the counters live on the device: read them at most once a second while busy, and once more when idle
         if self._moe_stats_read is not None and (now - self._moe_stats_read >= 1 or not running):

@@ -54,6 +54,7 @@ class Metrics:
         )
         self._hit_rate: Gauge | None = None
         self._misses: Gauge | None = None
+        self._speculative: tuple[Gauge, Gauge, Gauge] | None = None
         self.ready = Gauge("edgemoe_ready", "1 once the model is loaded and the server accepts requests", registry=r)
 
     def prefix_cache(self, queried: int, hits: int) -> None:
@@ -79,6 +80,18 @@ class Metrics:
             doc = "Expert-cache misses since start, all MoE layers, by how they were served (offload with stats)"
             self._misses = Gauge("edgemoe_expert_cache_misses", doc, ["served"], registry=self.registry)
         return self._misses
+
+    def speculative(self, steps: int, drafted: int, accepted: int) -> None:
+        """Speculative decoding's totals since start (created on first use: only a server that drafts exports them)."""
+        if self._speculative is None:
+            r = self.registry
+            self._speculative = (
+                Gauge("edgemoe_spec_decode_verify_steps", "Sequence steps that verified drafts", registry=r),
+                Gauge("edgemoe_spec_decode_draft_tokens", "Tokens drafted (--speculative)", registry=r),
+                Gauge("edgemoe_spec_decode_accepted_tokens", "Drafted tokens accepted", registry=r),
+            )
+        for gauge, value in zip(self._speculative, (steps, drafted, accepted)):
+            gauge.set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,149 @@
+"""Speculative decoding by prompt lookup (`--speculative ngram`, `edgemoe/engine/speculative.py`): the drafts against
+a brute-force search, and greedy output token-identical with speculation on and off, on the demo model and tiny
+checkpoints of every family that takes it (resident and offloaded), in batches that mix drafted, undrafted and
+sampled sequences, stop strings, max_tokens and a KV cache too small for every draft. Drafts must be made and accepted
+(the counters say so), or the comparison would prove nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from edgemoe import LLM, SamplingParams
+from edgemoe.engine.speculative import ngram_draft
+from edgemoe.errors import EdgeMoEError
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def reference_draft(tokens: list[int], max_n: int, k: int) -> list[int]:
+    """Every (n, start) tried, longest n first, latest start first: the first match's continuation."""
+    for n in range(max_n, 0, -1):
+        if n >= len(tokens):
+            continue
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+        if starts:
+            s = max(starts)
+            return tokens[s + n : s + n + k]
+    return []
+
+
+def test_ngram_draft_against_brute_force() -> None:
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        max_n, k = rng.randrange(1, 5), rng.randrange(0, 6)
+        assert (
+            ngram_draft(tokens, max_n, k) == reference_draft(tokens, max_n, k)
+            if k
+            else ngram_draft(tokens, max_n, k) == []
+        )
+    assert ngram_draft([1, 2, 3, 1, 2], 3, 4) == [3, 1, 2]  # the tail "1 2" after its earlier occurrence
+    assert ngram_draft([5, 5, 5], 2, 3) == [5]  # an occurrence overlapping the tail
+    assert ngram_draft([1, 2, 3], 3, 4) == []
+
+
+def generate(llm: LLM, batch: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    """Each prompt with its own parameters, batched in one engine: the generated ids."""
+    params = params if isinstance(params, list) else [params] * len(batch)
+    seqs = [llm.engine.add_request(ids, p) for ids, p in zip(batch, params)]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    return [s.output_ids for s in seqs]
+
+
+def prompts(tok) -> list[list[int]]:
+    """A passage repeated (what an agent copies), a counting pattern, and plain text."""
+    return [
+        tok.encode("ROMEO: But soft, what light through yonder window breaks? " * 4 + "ROMEO: But soft,"),
+        tok.encode(" ".join(str(i) for i in range(1, 30))),
+        tok.encode("Once upon a time"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    return LLM(progress=False), LLM(progress=False, speculative="ngram", speculative_tokens=5)
+
+
+def test_demo_model_greedy_identical_and_drafts_accepted(demo_pair) -> None:
+    base, spec = demo_pair
+    batch = prompts(base.engine.tokenizer)
+    params = [GREEDY, SamplingParams(max_tokens=33, temperature=0, stop=["\n\n"]), GREEDY]
+    want = generate(base, batch, params)
+    before = spec.engine.speculative.accepted
+    assert generate(spec, batch, params) == want
+    stats = spec.engine.speculative.as_dict()
+    assert stats["drafted"] > 0 and spec.engine.speculative.accepted > before, stats
+    assert 1.0 < stats["tokens_per_step"] <= 6
+
+
+def test_sampled_sequences_beside_drafted_ones_draw_as_before(demo_pair) -> None:
+    """A seeded sampled request draws one token a step from its own generator, drafted neighbours or not."""
+    base, spec = demo_pair
+    batch = prompts(base.engine.tokenizer)
+    params = [GREEDY, SamplingParams(max_tokens=30, temperature=0.8, seed=7), GREEDY]
+    assert generate(spec, batch, params) == generate(base, batch, params)
+
+
+def test_logits_processors_turn_drafting_off(demo_pair) -> None:
+    """A logits processor reads one row a sequence a step: while one runs, nothing is drafted."""
+    base, spec = demo_pair
+    seen = []
+
+    def ban_newline(seqs, logits):
+        seen.append(logits.shape[0])
+        logits[:, base.engine.tokenizer.encode("\n")[0]] = float("-inf")
+        return logits
+
+    batch = prompts(base.engine.tokenizer)[:2]
+    before = spec.engine.speculative.steps
+    outs = {}
+    for name, llm in (("base", base), ("spec", spec)):
+        llm.engine.logits_processors.append(ban_newline)
+        try:
+            outs[name] = generate(llm, batch, GREEDY)
+        finally:
+            llm.engine.logits_processors.remove(ban_newline)
+    assert outs["spec"] == outs["base"] and spec.engine.speculative.steps == before and seen
+
+
+def test_a_small_kv_cache_trims_drafts() -> None:
+    """Drafts take only free blocks (a draft never preempts): output as without speculation."""
+    opts = dict(progress=False, kv_cache_tokens=160, max_num_seqs=3)
+    base, spec = LLM(**opts), LLM(**opts, speculative="ngram", speculative_tokens=8)
+    batch = prompts(base.engine.tokenizer)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert generate(spec, batch, params) == generate(base, batch, params)
+    assert spec.engine.speculative.drafted > 0
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
+@pytest.mark.parametrize(
+    "case", ["qwen2-gqa-shared-dense", "qwen3-head-dim", "mixtral-gqa", "olmoe-mha-clip", "glm-groups-qknorm-mtp",
+             "gpt-oss-yarn-window"],
+)  # fmt: skip
+def test_families_greedy_identical(tiny_checkpoint, case: str, offload: bool) -> None:
+    folder, _ = tiny_checkpoint(case, "per-expert")
+    opts = dict(progress=False, dtype="float32")
+    if offload:
+        opts |= dict(moe_strategy="offload", moe_cache_fraction=0.5, max_num_seqs=2)
+    base, spec = LLM(str(folder), **opts), LLM(str(folder), **opts, speculative="ngram")
+    g = torch.Generator().manual_seed(5)
+    pattern = torch.randint(3, 400, (7,), generator=g).tolist()
+    batch = [pattern * 4, torch.randint(3, 400, (9,), generator=g).tolist()]  # a repeated span drafts
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    assert generate(spec, batch, params) == generate(base, batch, params)
+    assert spec.engine.speculative.drafted > 0
+
+
+def test_refusals(tiny_checkpoint) -> None:
+    folder, _ = tiny_checkpoint("qwen3next-dense", "per-expert")
+    with pytest.raises(EdgeMoEError, match="not yet for qwen3_next models"):
+        LLM(str(folder), progress=False, speculative="ngram")
+    with pytest.raises(EdgeMoEError, match="unknown speculative 'mtp'"):
+        LLM(progress=False, speculative="mtp")
+    with pytest.raises(EdgeMoEError, match="speculative_tokens must be an integer >= 1"):
+        LLM(progress=False, speculative="ngram", speculative_tokens=0)

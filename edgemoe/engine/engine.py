@@ -29,7 +29,7 @@ from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
-from edgemoe.engine.speculative import SpeculativeStats, ngram_draft
+from edgemoe.engine.speculative import SpeculationGate, SpeculativeStats, ngram_draft
 from edgemoe.engine.state_cache import StateCache, bytes_per_slot
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
@@ -118,7 +118,7 @@ class LLMEngine:
                     "layers keep a recurrent state per sequence"
                 )
             drafter = self._draft
-        self.speculative = SpeculativeStats()
+        self.speculative, self.gate = SpeculativeStats(), SpeculationGate()
         self.scheduler = Scheduler(self.kv, seqs, self.max_num_batched_tokens, invariant, self.states, drafter)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.device, seqs, max_blocks, self.states)
@@ -389,10 +389,13 @@ class LLMEngine:
             return []
         if self.recorder:
             self.recorder.begin(batch)
+        start = time.perf_counter()
         if batch.verify:
             tokens = self.runner.verify(batch)
         else:
             tokens = [None if t is None else [t] for t in self.runner.run(batch)]
+        if self.scheduler.drafter is not None and not batch.is_prefill:  # what each kind of decode step yields
+            self.gate.record(batch.verify, sum(map(len, tokens)), len(tokens), time.perf_counter() - start)
         outputs = []
         for seq, n, new in zip(batch.seqs, batch.num_new, tokens):
             if seq.draft:  # its next token and the accepted drafts are computed; the positions after, not
@@ -417,9 +420,10 @@ class LLMEngine:
 
     def _draft(self, seq: Sequence) -> list[int]:
         """The scheduler's drafter: prompt lookup for a greedy sequence, within its max_tokens and the context; none
-        while logits processors run (they read one row a sequence) or for a sampled sequence."""
+        while logits processors run (they read one row a sequence), for a sampled sequence, or while verify steps
+        yield fewer tokens a second than plain ones (`SpeculationGate`)."""
         p = seq.params
-        if not p.greedy or self.logits_processors:
+        if not p.greedy or self.logits_processors or not self.gate.open():
             return []
         k = min(self.config.speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
                 self.max_model_len - len(seq.token_ids) - 1)  # fmt: skip

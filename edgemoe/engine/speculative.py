@@ -45,3 +45,36 @@ class SpeculativeStats:
         rate = self.accepted / self.drafted if self.drafted else None
         per_step = (self.steps + self.accepted) / self.steps if self.steps else None  # tokens a verify step yields
         return {**self.__dict__, "acceptance": rate, "tokens_per_step": per_step}
+
+
+class SpeculationGate:
+    """Speculation only where it pays: the decode rate (tokens a second a sequence) of verify steps against plain
+    decode steps, each an exponential moving average of the steps measured (`record`; the first `warmup` of each kind
+    are not: they may compile kernels for new shapes). Closed while verify steps yield fewer tokens a second than
+    plain ones; either way, every `probe`-th decode step runs the other kind, so that both rates stay measured as the
+    context, the batch and the expert cache change. Open until both are known. A closed gate drafts nothing: the step
+    is a plain decode step, at plain decoding's speed."""
+
+    def __init__(self, probe: int = 32, weight: float = 0.25, warmup: int = 1) -> None:
+        self.probe, self.weight, self.warmup = probe, weight, warmup
+        self.rates: dict[bool, float | None] = {True: None, False: None}  # verify?, tokens / s a sequence
+        self._seen = {True: 0, False: 0}
+        self._since = 0  # decode steps of the preferred kind since it became so or since the last probe
+
+    def verify_preferred(self) -> bool:
+        verify, plain = self.rates[True], self.rates[False]
+        return verify is None or plain is None or verify >= plain
+
+    def open(self) -> bool:
+        """Whether this decode step may draft."""
+        return self.verify_preferred() != (self._since >= self.probe)  # a probe: the other kind, once
+
+    def record(self, verify: bool, tokens: int, seqs: int, seconds: float) -> None:
+        """A decode step of `seqs` sequences that yielded `tokens` tokens in `seconds` (verify: it had drafts)."""
+        before = self.verify_preferred()
+        self._seen[verify] += 1
+        if seconds > 0 and seqs > 0 and self._seen[verify] > self.warmup:
+            rate, old = tokens / seqs / seconds, self.rates[verify]
+            self.rates[verify] = rate if old is None else old + self.weight * (rate - old)
+        after = self.verify_preferred()
+        self._since = 0 if after != before or verify != after else self._since + 1

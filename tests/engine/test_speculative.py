@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.engine.speculative import ngram_draft
+from edgemoe.engine.speculative import SpeculationGate, ngram_draft
 from edgemoe.errors import EdgeMoEError
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -63,9 +63,16 @@ def prompts(tok) -> list[list[int]]:
     ]
 
 
+def speculative(*args, **opts) -> LLM:
+    """An LLM with prompt lookup whose gate stays open."""
+    llm = LLM(*args, speculative="ngram", **opts)
+    llm.engine.gate = Open()
+    return llm
+
+
 @pytest.fixture(scope="module")
 def demo_pair():
-    return LLM(progress=False), LLM(progress=False, speculative="ngram", speculative_tokens=5)
+    return LLM(progress=False), speculative(progress=False, speculative_tokens=5)
 
 
 def test_demo_model_greedy_identical_and_drafts_accepted(demo_pair) -> None:
@@ -113,7 +120,7 @@ def test_logits_processors_turn_drafting_off(demo_pair) -> None:
 def test_a_small_kv_cache_trims_drafts() -> None:
     """Drafts take only free blocks (a draft never preempts): output as without speculation."""
     opts = dict(progress=False, kv_cache_tokens=160, max_num_seqs=3)
-    base, spec = LLM(**opts), LLM(**opts, speculative="ngram", speculative_tokens=8)
+    base, spec = LLM(**opts), speculative(**opts, speculative_tokens=8)
     batch = prompts(base.engine.tokenizer)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     assert generate(spec, batch, params) == generate(base, batch, params)
@@ -130,7 +137,7 @@ def test_families_greedy_identical(tiny_checkpoint, case: str, offload: bool) ->
     opts = dict(progress=False, dtype="float32")
     if offload:
         opts |= dict(moe_strategy="offload", moe_cache_fraction=0.5, max_num_seqs=2)
-    base, spec = LLM(str(folder), **opts), LLM(str(folder), **opts, speculative="ngram")
+    base, spec = LLM(str(folder), **opts), speculative(str(folder), **opts)
     g = torch.Generator().manual_seed(5)
     pattern = torch.randint(3, 400, (7,), generator=g).tolist()
     batch = [pattern * 4, torch.randint(3, 400, (9,), generator=g).tolist()]  # a repeated span drafts
@@ -147,3 +154,44 @@ def test_refusals(tiny_checkpoint) -> None:
         LLM(progress=False, speculative="mtp")
     with pytest.raises(EdgeMoEError, match="speculative_tokens must be an integer >= 1"):
         LLM(progress=False, speculative="ngram", speculative_tokens=0)
+
+
+def test_gate_follows_the_faster_kind_and_probes_the_other() -> None:
+    gate = SpeculationGate(probe=3, weight=1.0, warmup=1)
+    assert gate.open()  # nothing measured: draft
+    gate.record(True, tokens=2, seqs=1, seconds=1.0)  # the first verify step: not measured (it may compile)
+    assert gate.rates[True] is None
+    gate.record(True, tokens=2, seqs=1, seconds=0.01)  # verify: 200 tok/s
+    gate.record(False, tokens=1, seqs=1, seconds=1.0)  # the first plain step: not measured
+    assert gate.open()  # plain not measured yet
+    gate.record(False, tokens=1, seqs=1, seconds=0.002)  # plain: 500 tok/s, faster
+    kinds = []
+    for _ in range(8):  # plain preferred; every 4th step a verify probe
+        verify = gate.open()
+        kinds.append(verify)
+        gate.record(verify, tokens=2 if verify else 1, seqs=1, seconds=0.01 if verify else 0.002)
+    assert kinds == [False, False, False, True, False, False, False, True]
+    gate.record(True, tokens=10, seqs=2, seconds=0.001)  # verify now 5,000 tok/s a sequence: drafting again
+    assert gate.open() and gate.verify_preferred()
+    gate.record(True, tokens=1, seqs=1, seconds=0.0)  # no time measured: ignored
+    assert gate.rates[True] == 5000.0
+
+
+class Open(SpeculationGate):
+    """Drafts every step (the tests that need drafts must not depend on this machine's timings)."""
+
+    def open(self) -> bool:
+        return True
+
+
+def test_a_closed_gate_drafts_nothing_and_changes_nothing(demo_pair) -> None:
+    base, spec = demo_pair
+    batch = prompts(base.engine.tokenizer)[:1]
+    gate, spec.engine.gate = spec.engine.gate, SpeculationGate(probe=10**9)
+    spec.engine.gate.rates = {True: 1.0, False: 1e9}  # verify steps measured far slower
+    try:
+        before = spec.engine.speculative.steps
+        assert generate(spec, batch, GREEDY) == generate(base, batch, GREEDY)
+        assert spec.engine.speculative.steps == before
+    finally:
+        spec.engine.gate = gate

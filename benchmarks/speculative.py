@@ -8,7 +8,8 @@ must be).
 The prompt is a passage the model is likely to copy: a Shakespeare speech given twice and begun a third time (the demo
 model was trained on Shakespeare), so drafts come from the prompt itself, as an agent's copy of a file it read does.
 Each configuration runs `--repeats` times after one warm-up request; the median request is reported (decode rate:
-(output tokens - 1) / (last token - first token), time to first token apart)."""
+(output tokens - 1) / (last token - first token), time to first token apart). One sequence; `max_num_seqs` is 1 + the
+draft length, the rows a verify step takes."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def timed(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], flo
 
 
 def run(model: str | None, device: str, draft: int, prompt: str, params: SamplingParams, repeats: int) -> dict:
-    opts = dict(device=device, progress=False, max_num_seqs=1)
+    opts = dict(device=device, progress=False, max_num_seqs=1 + draft)  # a verify step's rows: one a position
     if draft:
         opts |= dict(speculative="ngram", speculative_tokens=draft)
     llm = LLM(model, **opts)

@@ -177,38 +177,44 @@ class ModelRunner:
         for hook in self.step_hooks:
             hook(ids)
 
-    def host_inputs(self, batch: Batch) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """Token ids, positions and KV slots of the tokens computed this step; context length and state slot per
-        sequence (a sequence without one, a warm-up's, uses the pad slot; 0 where the model keeps no state)."""
+    def host_inputs(self, batch: Batch) -> tuple[list[int], list[int], list[int], list[int], list[int], list]:
+        """Token ids, positions and KV slots of the tokens computed this step; context length, state slot (a sequence
+        without one, a warm-up's, uses the pad slot; 0 where the model keeps no state) and block table per sequence
+        of a prefill step, per token of a decode step: a decode step's rows are tokens, each attending up to its own
+        position, so a verify step's drafted positions are rows of their sequence, computed as a decode step at each
+        of those positions would compute them (the K/V of the row before is written before any row attends)."""
         bs, pad_state = self.kv.block_size, self.decode.pad_state
-        ids, positions, slots, context_lens, state_slots = [], [], [], [], []
+        ids, positions, slots, context_lens, state_slots, tables = [], [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new):
             start = seq.num_computed
             ids += seq.step_ids(start, n)
+            state = pad_state if seq.state_slot is None else seq.state_slot
             for p in range(start, start + n):
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
-            context_lens.append(start + n)
-            state_slots.append(pad_state if seq.state_slot is None else seq.state_slot)
-        return ids, positions, slots, context_lens, state_slots
+            ends = [start + n] if batch.is_prefill else range(start + 1, start + n + 1)
+            for end in ends:
+                context_lens.append(end)
+                state_slots.append(state)
+                tables.append(seq.block_table)
+        return ids, positions, slots, context_lens, state_slots, tables
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        """Inputs of an eager step: tensors of the batch's own shape."""
-        ids, positions, slots, context_lens, state_slots = self.host_inputs(batch)
+    def prepare(self, batch: Batch, inputs: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """Inputs of an eager step: tensors of the batch's own shape (`inputs`: `host_inputs(batch)`, if made)."""
+        ids, positions, slots, context_lens, state_slots, tables = inputs or self.host_inputs(batch)
         self._before_step(ids)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [self.kv.pad_block] * (width - len(s.block_table)) for s in batch.seqs]
+        width = max(map(len, tables))
+        tables = [t + [self.kv.pad_block] * (width - len(t)) for t in tables]
         routed = None
-        chunked = batch.is_prefill or batch.verify  # several tokens a sequence: the prefill path
-        if self.routed_ids is not None and not chunked:
-            routed = self.routed_ids[:, : len(batch.seqs)]
+        if self.routed_ids is not None and not batch.is_prefill:
+            routed = self.routed_ids[:, : len(ids)]
         ctx = ForwardContext(
-            is_prefill=chunked,
+            is_prefill=batch.is_prefill,
             slot_mapping=self._tensor(slots),
             context_lens=self._tensor(context_lens),
             block_tables=self._tensor(tables),
-            query_lens=list(batch.num_new) if chunked else None,
-            context_lens_host=context_lens if chunked else None,
+            query_lens=list(batch.num_new) if batch.is_prefill else None,
+            context_lens_host=context_lens if batch.is_prefill else None,
             routed_ids=routed,
             state_slots=self._tensor(state_slots) if self.states is not None else None,
         )
@@ -216,17 +222,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> tuple[list[int], torch.Tensor | None]:
-        """Run the batch; return the indices of sequences due a token and their logits [due, vocab] (float32).
+        """Run the batch; return the indices of the rows due a token and their logits [due, vocab] (float32).
 
-        A sequence is due when this step computes its last uncached token (a prefill chunk that does not
-        end its prompt is not). Decode batches replay a captured CUDA graph when there is one of their size."""
-        n = len(batch.seqs)
-        b = None if batch.is_prefill or batch.verify or self.graphs is None else self.graphs.size_for(n)
-        if b is not None:
+        A decode step's rows are its tokens (one a sequence, or a verify step's drafted positions too), all due;
+        it replays a captured CUDA graph when there is one of its size. A prefill step's rows are its sequences: one
+        is due when this step computes its last uncached token (a prefill chunk that does not end its prompt is
+        not)."""
+        if not batch.is_prefill:
             inputs = self.host_inputs(batch)
-            self.decode.fill(*inputs, [s.block_table for s in batch.seqs])
-            self._before_step(inputs[0])
-            return list(range(n)), self.graphs.replay(b)[:n]
+            rows = len(inputs[0])
+            b = None if self.graphs is None else self.graphs.size_for(rows)
+            if b is not None:
+                self.decode.fill(*inputs)
+                self._before_step(inputs[0])
+                return list(range(rows)), self.graphs.replay(b)[:rows]
+            input_ids, positions, ctx = self.prepare(batch, inputs)
+            return list(range(rows)), self._forward(input_ids, positions, ctx, None)
         input_ids, positions, ctx = self.prepare(batch)
         due = [i for i, (s, k) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + k == len(s.token_ids)]
         ends = [sum(batch.num_new[: i + 1]) - 1 for i in due]
@@ -275,12 +286,11 @@ class ModelRunner:
         """A verify step (`Batch.verify`): per sequence its next tokens. A sequence with a draft gets the argmax at its
         next position and at each drafted one up to the first draft that differs from the argmax before it (accepted
         drafts, then the model's token where a draft failed, or one more after the last): 1 to len(draft) + 1 tokens,
-        as greedy decoding would give them one a step. One without a draft gets its one sampled token. Logits
-        processors are not run: the drafter drafts nothing while there are any (they read a step's logits a sequence
-        a row)."""
-        input_ids, positions, ctx = self.prepare(batch)
+        as greedy decoding would give them one a step, each row computed as that step would compute it. One without
+        a draft gets its one sampled token. Logits processors are not run: the drafter drafts nothing while there are
+        any (they read a step's logits a sequence a row)."""
+        _, logits = self.compute_logits(batch)
         ends = list(itertools.accumulate(batch.num_new))
-        logits = self._forward(input_ids, positions, ctx, None)  # every position's row
         plain = [i for i, s in enumerate(batch.seqs) if not s.draft]
         sampled = self._sample([batch.seqs[i] for i in plain], logits[[ends[i] - 1 for i in plain]]) if plain else None
         greedy = logits.argmax(dim=-1)

@@ -4,8 +4,9 @@ sequence) and preemption.
 
 A step computes `n` not-yet-cached tokens per sequence. Prefill: several per sequence, up to a token
 budget (long prompts are chunked across steps). Decode: the one token sampled last step, and with a `drafter`
-(speculative decoding) the tokens it drafts after it, where free KV blocks hold them (a draft never preempts): such a
-step is a verify step (`Batch.verify`).
+(speculative decoding) the tokens it drafts after it, where free KV blocks hold them (a draft never preempts) and the
+step has rows to spare (a decode step computes at most max_num_seqs tokens, a row each): such a step is a verify step
+(`Batch.verify`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Batch:
     seqs: list[Sequence]
     num_new: list[int]  # tokens each sequence computes this step
     is_prefill: bool
-    verify: bool = False  # a decode step in which some sequences also compute their drafts (`Sequence.draft`)
+    verify: bool = False  # a decode step where some sequences also compute their drafts (`Sequence.draft`): rows
 
 
 class Scheduler:
@@ -114,13 +115,15 @@ class Scheduler:
                 self._grow(seq, seq.num_computed + 1)
                 seqs.append(seq)
         num_new = [1] * len(seqs)
+        rows = self.max_num_seqs - len(seqs)  # a decode step's rows are its tokens: drafts take the spare ones
         if self.drafter is not None:
             for i, seq in enumerate(seqs):
-                draft = self.drafter(seq)
+                draft = self.drafter(seq)[:rows]
                 room = len(seq.block_table) * self.kv.block_size + self.kv.num_free * self.kv.block_size
                 seq.draft = draft[: max(0, room - seq.num_computed - 1)]
                 self._grow(seq, seq.num_computed + 1 + len(seq.draft))
                 num_new[i] += len(seq.draft)
+                rows -= len(seq.draft)
         verify = any(n > 1 for n in num_new)
         return Batch(seqs, num_new, is_prefill=False, verify=verify) if seqs else None
 

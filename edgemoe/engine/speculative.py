@@ -1,11 +1,13 @@
 """Speculative decoding's drafts: prompt lookup. A sequence whose last n tokens occurred earlier in it (its prompt or
 its output: an agent copying a span of a file it read, a quoted passage) drafts the tokens that followed that
-occurrence; one step then computes the sequence's next token and its k drafted positions together (`Batch.verify`),
-and keeps the drafts up to the first one the model would not have chosen, plus the model's own token there.
+occurrence; one step then computes the sequence's next token and its k drafted positions together (`Batch.verify`:
+each position a row of a decode step, attending up to itself), and keeps the drafts up to the first one the model
+would not have chosen, plus the model's own token there.
 
 Greedy sequences only: a draft is accepted where it equals the argmax at its position, so the output is the one plain
-decoding gives (the verify step computes the positions as a prefill chunk does). Sampled sequences, and steps where a
-logits processor (a grammar, a test's script) reads each sequence's logits, decode one token as before.
+decoding gives (a row computes its position as a decode step there would: the decode kernels are row-invariant).
+Sampled sequences, and steps where a logits processor (a grammar, a test's script) reads each sequence's logits, decode
+one token as before.
 """
 
 from __future__ import annotations

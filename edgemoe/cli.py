@@ -166,6 +166,19 @@ def _add_bench_parser(sub) -> None:
         help="on, off or off,on: the shared expert on a side stream beside the miss copy (default: on)",
     )
     b.add_argument(
+        "--drafts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: also time verify steps of 1 + K rows and report the decode rate they give at "
+        "--acceptance (default: 0, none)",
+    )
+    b.add_argument(
+        "--acceptance",
+        default="1.0,0.7,0.4",
+        help="with --drafts: comma-separated rates at which each draft is accepted (default: 1.0,0.7,0.4)",
+    )
+    b.add_argument(
         "--profile",
         type=int,
         default=0,

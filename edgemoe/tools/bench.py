@@ -17,6 +17,11 @@ tokens.
 (`--no-warmup-prefill`: without it): the first prompt of a length (a cold first request) and the median of later ones
 (warm), and their ratio.
 
+`--drafts K` (speculative decoding) also times, after each run, verify steps of 1 + K rows (the next position and K
+drafted ones, routed by consecutive rows of the trace), and reports the decode rate they give where each draft is
+accepted at the rates of `--acceptance` (default 1.0,0.7,0.4): (1 + a + ... + a^K) tokens a step, against plain
+decoding's rate in the same run.
+
 `--shared-expert-overlap off,on` runs each configuration with the shared expert inline and on the side stream;
 `--profile N` records N replayed graph steps (`edgemoe.tools.profiler`) and reports kernel
 counts, busy time, inter-kernel gaps per stream and the side stream's overlap with the miss copy.
@@ -47,7 +52,7 @@ from edgemoe.models.loader import LoadOptions, load_model
 from edgemoe.models.registry import FAMILIES
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.offload import cpu_split
-from edgemoe.offload.experts import OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
+from edgemoe.offload.experts import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
 from edgemoe.quant import QUANT_TYPES
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tools.cache_sim import load_trace, synthetic_trace
@@ -82,14 +87,15 @@ def build_model(
     return load_model(None, cfg, family, opts)
 
 
-def make_runner(model: MoEForCausalLM, tokens: int) -> ModelRunner:
+def make_runner(model: MoEForCausalLM, tokens: int, rows: int = 1) -> ModelRunner:
     """A batch-1 `ModelRunner` over a KV cache of `tokens` positions, whose one sequence's block table is every
-    block in order (slot = position), and its state in slot 0 where the model's layers keep one."""
+    block in order (slot = position), and its state in slot 0 where the model's layers keep one; `rows` decode rows
+    (a verify step's: the sequence's next position and its drafted ones)."""
     norm = model.model.norm.weight  # the model's device and dtype (the lm_head may hold GGUF blocks)
     kv = KVCache(model.config, -(-tokens // BLOCK_SIZE), BLOCK_SIZE, norm.dtype, norm.device)
     device = norm.device
     states = StateCache(model, 1, norm.dtype, device) if stateful_modules(model) else None
-    return ModelRunner(model, kv, device, 1, kv.num_blocks, states)
+    return ModelRunner(model, kv, device, rows, kv.num_blocks, states)
 
 
 def routing(spec: str | None, steps: int, moe_layers: int, experts: int, top_k: int) -> np.ndarray | None:
@@ -109,29 +115,38 @@ def routing(spec: str | None, steps: int, moe_layers: int, experts: int, top_k: 
 class Decoder:
     """Batch-1 decode through the `ModelRunner`'s static decode step, with no host round trip between steps: the next
     token is the argmax and the position advances on the device, and with a trace the routed ids come from its row
-    `step` (a device counter) through the routing seam (`ForwardContext.forced_ids`), so a step can be captured."""
+    `step` (a device counter) through the routing seam (`ForwardContext.forced_ids`), so a step can be captured.
 
-    def __init__(self, runner: ModelRunner, context: int, trace: np.ndarray | None) -> None:
-        self.runner, self.device = runner, runner.device
+    `rows` > 1: verify steps of speculative decoding, the sequence's next position and rows - 1 drafted ones, each a
+    row attending up to itself (as `ModelRunner.host_inputs` lays a verify step out), routed by consecutive rows of
+    the trace (consecutive tokens' experts); each step advances rows positions, as if every draft were accepted."""
+
+    def __init__(self, runner: ModelRunner, context: int, trace: np.ndarray | None, rows: int = 1) -> None:
+        self.runner, self.device, self.rows = runner, runner.device, rows
         self.buffers = runner.decode
         table = list(range(runner.kv.num_blocks))
-        self.buffers.fill([0], [context], [context], [context + 1], [0], [table])  # slot = position
-        self.step_ix = torch.zeros(1, dtype=torch.long, device=self.device)
+        at = [context + r for r in range(rows)]  # slot = position
+        self.buffers.fill([0] * rows, at, at, [p + 1 for p in at], [0] * rows, [table] * rows)
+        self.step_ix = torch.arange(rows, dtype=torch.long, device=self.device)
         self.trace = None if trace is None else torch.from_numpy(trace.astype(np.int64)).to(self.device)
-        self.step_ids = None  # [layers, 1, top_k]: the step's row of the trace
+        self.step_ids = None  # [layers, rows, top_k]: the step's rows of the trace
         if self.trace is not None:
-            self.step_ids = torch.empty_like(self.trace[0]).unsqueeze(1)
+            self.step_ids = torch.empty(self.trace.shape[1], rows, self.trace.shape[2], dtype=torch.long,
+                                        device=self.device)  # fmt: skip
 
     def step(self) -> None:
-        if self.trace is not None:  # the step's row, once: a lookup per layer added a kernel to every layer
+        r = self.rows
+        if self.trace is not None and r == 1:  # the step's row, once: a lookup per layer added a kernel to every layer
             torch.index_select(self.trace, 0, self.step_ix, out=self.step_ids.view(1, *self.trace.shape[1:]))
-        logits = self.runner.forward_static(1, forced_ids=self.step_ids)
+        elif self.trace is not None:
+            self.step_ids.copy_(self.trace.index_select(0, self.step_ix).transpose(0, 1))
+        logits = self.runner.forward_static(r, forced_ids=self.step_ids)
         b = self.buffers
-        b.ids[:1].copy_(logits.argmax(-1))
+        b.ids[:r].copy_(logits.argmax(-1))
         for t in (b.positions, b.slots, b.context_lens):
-            t[:1].add_(1)
+            t[:r].add_(r)
         if self.trace is not None:
-            self.step_ix.add_(1).remainder_(self.trace.shape[0])
+            self.step_ix.add_(r).remainder_(self.trace.shape[0])
 
 
 def prewarm(model: MoEForCausalLM, rows: torch.Tensor) -> None:
@@ -210,15 +225,18 @@ def run_bench(a: argparse.Namespace) -> dict:
         raise EdgeMoEError("edgemoe bench --device cuda needs a CUDA GPU")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[a.dtype]
     print(f"building {a.geometry} ({a.layers or 'all'} layers, {a.dtype}) ...", file=sys.stderr)
-    per_run = a.warmup + a.steps + 2 + (a.profile + 4)  # positions one decode() advances
-    total_steps = 2 * per_run
+    rows = 1 + a.drafts  # a verify step's rows (1: plain decoding only)
+    per_run = a.warmup + a.steps + 2 + (a.profile + 4)  # steps one decode() takes
+    total_steps = 2 * per_run * rows  # positions: a plain run, and a verify run advancing `rows` a step
     resident = a.moe_strategy == "resident"
     lengths = prefill_lengths(a.prefill)
     positions = max([a.context, *lengths]) + total_steps + 1
     model = build_model(a.geometry, a.layers, device, dtype, positions, resident, a.expert_dtype)
     cfg = model.config
     L, per_expert = sum(cfg.moe_layers), expert_bytes(model, dtype)
-    runner = make_runner(model, max([a.context, *lengths]) + total_steps)
+    runner = make_runner(model, max([a.context, *lengths]) + total_steps, rows)
+    if rows > 1 and runner.states is not None:
+        raise EdgeMoEError(f"--drafts: {cfg.model_type} keeps a recurrent state, which speculation does not take yet")
     kv = runner.kv
     tensors = [*model.named_parameters(), *quantized_buffers(model).items()]  # GGUF blocks of dense weights too
     dense = sum(t.numel() * t.element_size() for n, t in tensors if ".experts." not in n)
@@ -256,7 +274,7 @@ def run_bench(a: argparse.Namespace) -> dict:
     for key, value in sizes:
         moe = ExpertCacheConfig(moe_strategy="offload", **{key: value})
         room = None if key != "vram_budget" else parse_size(value) - dense - kv_bytes
-        slots = cache_slots(moe, cfg, 1, per_expert, room)
+        slots = cache_slots(moe, cfg, rows, per_expert, room)
         threads = [int(t) for t in a.moe_cpu_threads.split(",")] if a.moe_cpu_threads else [None]
         runs = [(p, c, t) for p in a.moe_policy.split(",") for c in a.moe_cpu_compute.split(",") for t in threads]
         for policy, split, pool in runs:
@@ -278,17 +296,64 @@ def run_bench(a: argparse.Namespace) -> dict:
 
 
 def decode_runs(result: dict, a, runner, cache, trace, slots: int, policy: str, bw: dict, fixed_read: int) -> None:
-    """`decode` for each shared-expert overlap setting and mode, appended to result["runs"] and printed."""
+    """`decode` for each shared-expert overlap setting and mode, appended to result["runs"] and printed; with
+    `--drafts`, each followed by its verify steps' run (`speculation`)."""
     model, device = runner.model, runner.device
     for overlap in overlaps(a, device, model):
         if device.type == "cuda":
             set_shared_expert_stream(model, side_stream(device.index or 0) if overlap else None)
         for mode in a.mode.split(",") if device.type == "cuda" else ("eager",):
             run = decode(runner, cache, trace, a, mode, slots, policy, bw, fixed_read, result["expert_bytes"])
+            if a.drafts and "error" not in run:
+                verify = decode(runner, cache, trace, a, mode, slots, policy, bw, fixed_read, result["expert_bytes"],
+                                rows=1 + a.drafts)  # fmt: skip
+                run["speculation"] = speculation(run, verify, a.drafts, acceptances(a.acceptance))
             result["runs"].append({**run, "shared_expert_overlap": overlap})
             print(run_line(result["runs"][-1]), file=sys.stderr)
+            for line in speculation_lines(run.get("speculation")):
+                print(line, file=sys.stderr)
             for line in profile_lines(run.get("profile")):
                 print(line, file=sys.stderr)
+
+
+def acceptances(spec: str) -> list[float]:
+    try:
+        values = [float(v) for v in spec.split(",") if v]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v <= 1 for v in values):
+        raise EdgeMoEError(f"--acceptance {spec!r}: comma-separated rates in [0, 1], e.g. 1.0,0.7,0.4")
+    return values
+
+
+def speculation(plain: dict, verify: dict, drafts: int, rates: list[float]) -> dict:
+    """A verify step's time (its `rows` run) against a plain step's, and the decode rate it gives where each draft is
+    accepted with probability `rate` given the ones before were: rate^0 + ... + rate^drafts tokens a step."""
+    if "error" in verify:
+        return {"drafts": drafts, "error": verify["error"]}
+    step = 1 / verify["tok_s"]  # decode() times steps: its tok/s is steps a second
+    out = {"drafts": drafts, "verify_step_ms": step * 1e3, "plain_step_ms": 1e3 / plain["tok_s"],
+           "verify_miss_bytes_per_step": verify["miss_bytes_per_token"], "at": []}  # fmt: skip
+    for rate in rates:
+        tokens = sum(rate**i for i in range(drafts + 1))
+        out["at"].append({"acceptance": rate, "tokens_per_step": tokens, "tok_s": tokens / step,
+                          "vs_plain": tokens / step / plain["tok_s"]})  # fmt: skip
+    return out
+
+
+def speculation_lines(spec: dict | None) -> list[str]:
+    if not spec:
+        return []
+    if "error" in spec:
+        return [f"  verify steps of {spec['drafts']} drafts: {spec['error']}"]
+    copied = spec["verify_miss_bytes_per_step"] / MiB
+    head = (f"  verify steps of {spec['drafts']} drafts: {spec['verify_step_ms']:.2f} ms against "
+            f"{spec['plain_step_ms']:.2f} ms a plain step, {copied:.1f} MiB copied a step")  # fmt: skip
+    return [head] + [
+        f"    acceptance {r['acceptance']:.2f}: {r['tokens_per_step']:.2f} tokens a step, {r['tok_s']:.1f} tok/s "
+        f"({r['vs_plain']:.2f}x plain decoding)"
+        for r in spec["at"]
+    ]
 
 
 def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM) -> list[bool]:
@@ -312,10 +377,12 @@ def profile_steps(step, steps: int) -> dict:
 
 
 def decode(
-    runner, cache, trace, a, mode: str, slots: int, policy: str, bw: dict, fixed_read: int, per_expert: int
-) -> dict:
+    runner, cache, trace, a, mode: str, slots: int, policy: str, bw: dict, fixed_read: int, per_expert: int,
+    rows: int = 1,
+) -> dict:  # fmt: skip
+    """Decode steps timed (`rows` > 1: verify steps; the figures are a step's: its tok/s is steps a second)."""
     model = runner.model
-    dec = Decoder(runner, a.context, trace)
+    dec = Decoder(runner, a.context, trace, rows)
     if dec.device.type == "cuda":
         gc.collect()  # the previous run's graphs
         torch.cuda.reset_peak_memory_stats(dec.device)
@@ -415,6 +482,10 @@ def cmd_bench(a: argparse.Namespace) -> None:
         raise EdgeMoEError(f"--expert-dtype {a.expert_dtype!r}: use auto or {', '.join(QUANT_TYPES).lower()}")
     if not set(a.shared_expert_overlap.split(",")) <= {"on", "off"}:
         raise EdgeMoEError(f"--shared-expert-overlap {a.shared_expert_overlap!r}: use on, off or off,on")
+    if not (isinstance(a.drafts, int) and 0 <= a.drafts <= 64):
+        raise EdgeMoEError(f"--drafts {a.drafts!r}: an integer from 0 (none) to 64")
+    if a.drafts:
+        acceptances(a.acceptance)  # one line for a bad rate
     if a.profile and (a.profile < 2 or "graph" not in a.mode.split(",")):
         raise EdgeMoEError("--profile N needs N >= 2 and --mode with graph (it records replayed graph steps)")
     for split in a.moe_cpu_compute.split(","):

@@ -206,3 +206,24 @@ def test_the_two_link_bound_counts_every_missed_byte_over_both_links() -> None:
     plain = {"tok_s": 250.0, "hbm_bytes_per_token": 1e9, "miss_bytes_per_token": 55e6}
     set_bound(plain, {"hbm_bytes_per_s": 1e12, "h2d_bytes_per_s": 55e9})
     assert "two_link_bound_tok_s" not in plain and plain["achieved_over_bound"] == pytest.approx(0.5)
+
+
+def test_drafts_time_verify_steps_and_rate_them(tmp_path, capsys) -> None:
+    """`--drafts 3`: after each run, verify steps of 4 rows (the union of 4 consecutive trace rows' experts copied
+    once a step), and the decode rate at each acceptance: (1 + a + a^2 + a^3) tokens a verify step."""
+    out = tmp_path / "spec.json"
+    argv = ["bench", "--geometry", "tiny", "--device", "cpu", "--dtype", "float32", "--moe-policy", "lru",
+            "--moe-cache-fraction", "0.5", "--routing-trace", "synthetic", "--steps", "4", "--warmup", "2",
+            "--prefill", "0", "--drafts", "3", "--acceptance", "1,0.5", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    spec = run["speculation"]
+    assert spec["drafts"] == 3 and spec["plain_step_ms"] == pytest.approx(1e3 / run["tok_s"])
+    full, half = spec["at"]
+    assert full["tokens_per_step"] == 4 and half["tokens_per_step"] == pytest.approx(1.875)
+    assert full["tok_s"] == pytest.approx(4e3 / spec["verify_step_ms"])
+    assert half["vs_plain"] == pytest.approx(half["tok_s"] / run["tok_s"])
+    assert spec["verify_miss_bytes_per_step"] > run["miss_bytes_per_token"] > 0  # 4 tokens' experts: more misses
+    assert "verify steps of 3 drafts" in capsys.readouterr().err
+    assert main(argv[:-2] + ["--acceptance", "1.5"]) == 2
+    assert "--acceptance '1.5': comma-separated rates in [0, 1]" in capsys.readouterr().err

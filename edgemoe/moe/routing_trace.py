@@ -22,7 +22,8 @@ class RoutingRecorder:
             raise EdgeMoEError(f"cannot record routing to {self.path}: {self.path.parent} is not a folder")
         self.routed_ids = routed_ids
         self.seq_id: int | None = None
-        self.row: int | None = None  # the recorded sequence's row in this step's batch
+        self.row: int | None = None  # the recorded sequence's first row in this step's batch
+        self.computed = 0  # its tokens computed before this step
         self.steps: list[torch.Tensor] = []  # [moe_layers, top_k] per decode step (device)
         self.done = False
 
@@ -32,12 +33,18 @@ class RoutingRecorder:
             return
         if self.seq_id is None:
             self.seq_id = batch.seqs[0].seq_id
-        ids = [s.seq_id for s in batch.seqs]
-        self.row = ids.index(self.seq_id) if self.seq_id in ids else None
+        row = 0  # a decode step's rows are its tokens: a verify step gives a sequence one a position
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.seq_id == self.seq_id:
+                self.row, self.computed = row, seq.num_computed
+                return
+            row += n
 
     def end(self, batch) -> None:
         if self.row is not None:
-            self.steps.append(self.routed_ids[:, self.row].clone())
+            seq = next(s for s in batch.seqs if s.seq_id == self.seq_id)
+            for r in range(self.row, self.row + seq.num_computed - self.computed):  # its token, the accepted drafts
+                self.steps.append(self.routed_ids[:, r].clone())
         self.row = None
         if not self.done and any(s.seq_id == self.seq_id and s.finish_reason for s in batch.seqs):
             self.save()

@@ -12,6 +12,7 @@ import pytest
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.cli import main
+from edgemoe.engine.speculative import SpeculationGate
 from edgemoe.tools.cache_sim import POLICIES, belady, min_slots, simulate, synthetic_trace
 
 
@@ -87,6 +88,11 @@ def test_belady_bounds_every_policy(skew: float, repeat: float) -> None:
             assert bound["misses"] > len({(layer, e) for step in trace for layer, ids in enumerate(step) for e in ids})
 
 
+class AlwaysDraft(SpeculationGate):
+    def open(self) -> bool:
+        return True
+
+
 def test_recorded_trace_replays(tmp_path, capsys) -> None:
     paths = {}
     for strategy, extra in (("resident", {}), ("offload", dict(moe_cache_slots=20))):
@@ -97,6 +103,17 @@ def test_recorded_trace_replays(tmp_path, capsys) -> None:
     assert trace.dtype == np.int32 and trace.shape == (9, 7, 4)  # 10 tokens: the first comes from prefill
     assert trace.min() >= 0 and trace.max() < 32 and min_slots(trace) == 4
     assert np.array_equal(trace, np.load(paths["offload"])), "offload routes exactly as resident"
+    # with prompt lookup, a verify step's accepted rows are recorded a token each: the same trace
+    spec = tmp_path / "spec.npy"
+    llm = LLM(progress=False, max_num_seqs=6, record_routing=str(spec), speculative="ngram")
+    llm.engine.gate = AlwaysDraft()
+    llm.generate(["To be, or not to be, or not to be, or not"], SamplingParams(max_tokens=12, temperature=0,
+                                                                              ignore_eos=True))  # fmt: skip
+    plain = tmp_path / "plain.npy"
+    LLM(progress=False, max_num_seqs=6, record_routing=str(plain)).generate(
+        ["To be, or not to be, or not to be, or not"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    assert llm.engine.speculative.accepted > 0 and np.array_equal(np.load(spec), np.load(plain))
 
     assert main(["cache-sim", str(paths["resident"]), "--slots", "56", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -110,14 +110,7 @@ class LLMEngine:
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at start-up: placement onwards
         self.expert_cache = self._place(moe)
         seqs, invariant = config.max_num_seqs, config.batch_invariant
-        drafter = None
-        if config.speculative == "ngram":
-            if self.states is not None:  # a rejected draft would have to be taken out of the recurrent state
-                raise EdgeMoEError(
-                    f"speculative ngram: not yet for {self.model_config.model_type} models, whose linear-attention "
-                    "layers keep a recurrent state per sequence"
-                )
-            drafter = self._draft
+        drafter = self._draft if config.speculative == "ngram" else None
         self.speculative, self.gate = SpeculativeStats(), SpeculationGate()
         self.scheduler = Scheduler(self.kv, seqs, self.max_num_batched_tokens, invariant, self.states, drafter)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
@@ -236,15 +229,17 @@ class LLMEngine:
             return None
         seqs = self.config.max_num_seqs
         snapshots = seqs if self.config.prefix_cache else 0
+        stashes = seqs if self.config.speculative != "off" else 0  # a verify step's undo
         try:
-            states = StateCache(self.model, seqs, self.dtype, self.device, snapshots)
+            states = StateCache(self.model, seqs, self.dtype, self.device, snapshots, stashes)
         except RuntimeError:  # torch's out-of-memory errors (CUDA's is a subclass)
             raise EdgeMoEError(
                 f"cannot allocate the per-sequence state of {seqs} sequences and {snapshots} snapshots "
-                f"({seqs + snapshots} x {per_slot / MiB:.1f} MiB) on {self.device}: lower max_num_seqs"
+                f"({seqs + snapshots + stashes} x {per_slot / MiB:.1f} MiB) on {self.device}: lower max_num_seqs"
                 + (" or turn the prefix cache off" if snapshots else "")
             ) from None
         kept = f" + {snapshots} snapshots for the prefix cache" if snapshots else ""
+        kept += f" + {stashes} for speculative decoding's undo" if stashes else ""
         print(
             f"edgemoe: state cache: {seqs} sequences{kept} x {per_slot / MiB:.1f} MiB (the linear-attention layers' "
             f"state), {states.num_bytes / MiB:.1f} MiB",
@@ -396,12 +391,13 @@ class LLMEngine:
             tokens = [None if t is None else [t] for t in self.runner.run(batch)]
         if self.scheduler.drafter is not None and not batch.is_prefill:  # what each kind of decode step yields
             self.gate.record(batch.verify, sum(map(len, tokens)), len(tokens), time.perf_counter() - start)
+            # (an undone hybrid verify step's tokens still cost their recompute in a later step: counted there)
         outputs = []
         for seq, n, new in zip(batch.seqs, batch.num_new, tokens):
             if seq.draft:  # its next token and the accepted drafts are computed; the positions after, not
                 accepted = len(new) - 1
                 self.speculative.add(len(seq.draft), accepted)
-                n, seq.draft = 1 + accepted, []
+                n, seq.draft = self.runner.kept_positions(seq, accepted), []
             seq.num_computed += n
             self.scheduler.commit(seq)
             if new is None:

@@ -289,7 +289,14 @@ class ModelRunner:
         as greedy decoding would give them one a step, each row computed as that step would compute it. One without
         a draft gets its one sampled token. Logits processors are not run: the drafter drafts nothing while there are
         any (they read a step's logits a sequence a row)."""
-        _, logits = self.compute_logits(batch)
+        if self.states is None:
+            _, logits = self.compute_logits(batch)
+        else:  # rows of one sequence cannot share its recurrent state: the drafts go as a prefill chunk, undoable
+            for i, seq in enumerate(s for s in batch.seqs if s.draft):
+                self.states.stash(seq.state_slot, i)
+            chunk = Batch(batch.seqs, batch.num_new, is_prefill=True)
+            input_ids, positions, ctx = self.prepare(chunk)
+            logits = self._forward(input_ids, positions, ctx, None)  # every position's row
         ends = list(itertools.accumulate(batch.num_new))
         plain = [i for i, s in enumerate(batch.seqs) if not s.draft]
         sampled = self._sample([batch.seqs[i] for i in plain], logits[[ends[i] - 1 for i in plain]]) if plain else None
@@ -303,7 +310,18 @@ class ModelRunner:
             rows = greedy[end - n : end]
             kept = next((i for i, d in enumerate(seq.draft) if rows[i] != d), len(seq.draft))
             out.append(rows[: kept + 1])
+        if self.states is not None:  # a sequence that did not keep every draft: its state as before the step
+            for i, (seq, tokens) in enumerate((s, t) for s, t in zip(batch.seqs, out) if s.draft):
+                if len(tokens) <= len(seq.draft):
+                    self.states.unstash(i, seq.state_slot)
         return out
+
+    def kept_positions(self, seq: Sequence, accepted: int) -> int:
+        """After `verify`, the positions of a drafted sequence that stay computed: its next token's and the accepted
+        drafts'; none where a recurrent state was undone (those tokens are computed again with the next step's)."""
+        if self.states is not None and accepted < len(seq.draft):
+            return 0
+        return 1 + accepted
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]

@@ -6,6 +6,8 @@ would not have chosen, plus the model's own token there.
 
 Greedy sequences only: a draft is accepted where it equals the argmax at its position, so the output is the one plain
 decoding gives (a row computes its position as a decode step there would: the decode kernels are row-invariant).
+Models whose layers keep a recurrent state verify a prefill chunk instead, their state stashed first (`StateCache.
+stash`) and put back where a draft failed: the kept tokens are then computed again with the next step.
 Sampled sequences, and steps where a logits processor (a grammar, a test's script) reads each sequence's logits, decode
 one token as before.
 """

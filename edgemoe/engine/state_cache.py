@@ -49,11 +49,19 @@ def bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
 
 class StateCache:
     def __init__(
-        self, model: nn.Module, slots: int, dtype: torch.dtype, device: torch.device, snapshots: int = 0
+        self,
+        model: nn.Module,
+        slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        snapshots: int = 0,
+        stashes: int = 0,
     ) -> None:
+        """`stashes`: rows that keep a slot's state while a verify step may have to be undone (`stash`)."""
         modules = stateful_modules(model)
         layout, self.row_bytes = _layout(modules, dtype)
-        self.pool = torch.zeros(slots + 1 + snapshots, self.row_bytes, dtype=torch.uint8, device=device)
+        self.pool = torch.zeros(slots + 1 + snapshots + stashes, self.row_bytes, dtype=torch.uint8, device=device)
+        self.stash_row = slots + 1 + snapshots  # the first stash row
         for module, own in zip(modules, layout):
             module.bind_state(*(self._view(offset, shape, dt) for offset, shape, dt in own))
         self.num_slots, self.pad_slot, self.num_snapshots = slots, slots, snapshots
@@ -84,6 +92,14 @@ class StateCache:
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
+
+    def stash(self, slot: int, i: int) -> None:
+        """Keep `slot`'s state in stash row i (speculative decoding: before a verify step that may be undone)."""
+        self.pool[self.stash_row + i].copy_(self.pool[slot])
+
+    def unstash(self, i: int, slot: int) -> None:
+        """Put stash row i's state back into `slot`: the verify step after `stash` is undone."""
+        self.pool[slot].copy_(self.pool[self.stash_row + i])
 
     def has(self, key: int) -> bool:
         """Whether a snapshot of the state after the prefix whose hash is `key` is kept."""

@@ -416,11 +416,17 @@ class LLMEngine:
 
     def _draft(self, seq: Sequence) -> list[int]:
         """The scheduler's drafter: prompt lookup for a greedy sequence, within its max_tokens and the context; none
-        while logits processors run (they read one row a sequence), for a sampled sequence, or while verify steps
-        yield fewer tokens a second than plain ones (`SpeculationGate`)."""
+        for a sampled sequence, one a logits processor may change (those that define `applies_to`, the grammar's,
+        say which; the others read every sequence, one row a step), or while verify steps yield fewer tokens a second
+        than plain ones (`SpeculationGate`)."""
         p = seq.params
-        if not p.greedy or self.logits_processors or not self.gate.open():
+        if not p.greedy or not self.gate.open():
             return []
+        if any(
+            getattr(process, "applies_to", None) is None or process.applies_to(seq)
+            for process in self.logits_processors
+        ):
+            return []  # a processor that reads this sequence's logits: one row a step
         k = min(self.config.speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
                 self.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
         return ngram_draft(seq.token_ids, self.config.speculative_ngram, k) if k > 0 else []

@@ -52,6 +52,10 @@ class GrammarConstraint:
     def attach(self, seq: Sequence, matcher: llguidance.LLMatcher) -> None:
         self._matched[seq] = _Matched(matcher)
 
+    def applies_to(self, seq: Sequence) -> bool:
+        """Whether `seq` has a grammar (the others' logits pass unchanged: speculative decoding may draft for them)."""
+        return seq in self._matched
+
     def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         rows = [(row, seq, m) for row, seq in enumerate(seqs) if (m := self._matched.get(seq)) is not None]
         if not rows:

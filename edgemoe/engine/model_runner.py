@@ -287,8 +287,8 @@ class ModelRunner:
         next position and at each drafted one up to the first draft that differs from the argmax before it (accepted
         drafts, then the model's token where a draft failed, or one more after the last): 1 to len(draft) + 1 tokens,
         as greedy decoding would give them one a step, each row computed as that step would compute it. One without
-        a draft gets its one sampled token. Logits processors are not run: the drafter drafts nothing while there are
-        any (they read a step's logits a sequence a row)."""
+        a draft gets its one sampled token, its logits through the logits processors first (the drafter drafts for no
+        sequence a processor may change)."""
         if self.states is None:
             _, logits = self.compute_logits(batch)
         else:  # rows of one sequence cannot share its recurrent state: the drafts go as a prefill chunk, undoable
@@ -299,7 +299,12 @@ class ModelRunner:
             logits = self._forward(input_ids, positions, ctx, None)  # every position's row
         ends = list(itertools.accumulate(batch.num_new))
         plain = [i for i, s in enumerate(batch.seqs) if not s.draft]
-        sampled = self._sample([batch.seqs[i] for i in plain], logits[[ends[i] - 1 for i in plain]]) if plain else None
+        sampled = None
+        if plain:  # the undrafted sequences as a plain step samples them (logits processors included)
+            seqs, rows = [batch.seqs[i] for i in plain], logits[[ends[i] - 1 for i in plain]]
+            for process in self.logits_processors:
+                rows = process(seqs, rows)
+            sampled = self._sample(seqs, rows)
         greedy = logits.argmax(dim=-1)
         greedy, sampled = greedy.tolist(), [] if sampled is None else sampled.tolist()  # the one host read
         out, drawn = [], iter(sampled)

@@ -117,6 +117,19 @@ def test_logits_processors_turn_drafting_off(demo_pair) -> None:
     assert outs["spec"] == outs["base"] and spec.engine.speculative.steps == before and seen
 
 
+def test_a_grammar_request_beside_drafted_ones(demo_pair) -> None:
+    """The grammar's processor changes only its own sequences' logits (`applies_to`): the others still draft, and the
+    constrained one samples through it in the verify steps as in plain ones."""
+    base, spec = demo_pair
+    batch = prompts(base.engine.tokenizer)[:2]
+    params = [GREEDY, SamplingParams(max_tokens=24, temperature=0, grammar='start: "ROMEO" /[a-z ]+/ "."')]
+    before = spec.engine.speculative.drafted
+    want = generate(base, batch, params)
+    assert generate(spec, batch, params) == want and spec.engine.speculative.drafted > before
+    text = base.engine.tokenizer.decode(want[1])
+    assert text.startswith("ROMEO") and set(text[5:].rstrip(".")) <= set("abcdefghijklmnopqrstuvwxyz ")
+
+
 def test_a_small_kv_cache_trims_drafts() -> None:
     """Drafts take only free blocks (a draft never preempts): output as without speculation."""
     opts = dict(progress=False, kv_cache_tokens=160, max_num_seqs=3)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
-from edgemoe.engine.speculative import SpeculationGate, SpeculativeStats, ngram_draft
+from edgemoe.engine.speculative import NgramIndex, SpeculationGate, SpeculativeStats
 from edgemoe.engine.state_cache import StateCache, bytes_per_slot
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
@@ -112,6 +113,7 @@ class LLMEngine:
         seqs, invariant = config.max_num_seqs, config.batch_invariant
         drafter = self._draft if config.speculative == "ngram" else None
         self.speculative, self.gate = SpeculativeStats(), SpeculationGate()
+        self._ngrams: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
         self.scheduler = Scheduler(self.kv, seqs, self.max_num_batched_tokens, invariant, self.states, drafter)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.device, seqs, max_blocks, self.states)
@@ -429,7 +431,10 @@ class LLMEngine:
             return []  # a processor that reads this sequence's logits: one row a step
         k = min(self.config.speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
                 self.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
-        return ngram_draft(seq.token_ids, self.config.speculative_ngram, k) if k > 0 else []
+        index = self._ngrams.get(seq)
+        if index is None:
+            index = self._ngrams[seq] = NgramIndex(self.config.speculative_ngram)
+        return index.draft(seq.token_ids, k)
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)

@@ -32,6 +32,32 @@ def ngram_draft(tokens: list[int], max_n: int, k: int, min_n: int = 1) -> list[i
     return []
 
 
+class NgramIndex:
+    """`ngram_draft` for one growing sequence in time independent of its length: every n-gram (n <= max_n) that has a
+    token after it, by its latest end, indexed as the sequence grows (a 25K-token agent prompt would otherwise be
+    scanned again at every step)."""
+
+    def __init__(self, max_n: int) -> None:
+        self.max_n = max_n
+        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> the end (exclusive) of its latest indexed occurrence
+        self.indexed = 0  # n-grams ending at positions < this are in `ends`
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """`ngram_draft(tokens, max_n, k)`; `tokens` must extend the ones of the previous call."""
+        length = len(tokens)
+        for end in range(max(self.indexed, 1), length):  # an n-gram ending here has a token after it
+            for n in range(1, min(self.max_n, end) + 1):
+                self.ends[tuple(tokens[end - n : end])] = end
+        self.indexed = max(self.indexed, length)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, length - 1), 0, -1):
+            end = self.ends.get(tuple(tokens[length - n :]))
+            if end is not None:
+                return tokens[end : end + k]
+        return []
+
+
 @dataclass
 class SpeculativeStats:
     """Verify steps, tokens drafted, drafts accepted (each sequence's step counts once)."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.engine.speculative import SpeculationGate, ngram_draft
+from edgemoe.engine.speculative import NgramIndex, SpeculationGate, ngram_draft
 from edgemoe.errors import EdgeMoEError
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -224,3 +224,14 @@ def test_a_closed_gate_drafts_nothing_and_changes_nothing(demo_pair) -> None:
         assert spec.engine.speculative.steps == before
     finally:
         spec.engine.gate = gate
+
+
+def test_ngram_index_drafts_as_the_search_while_the_sequence_grows() -> None:
+    rng = random.Random(1)
+    for _ in range(300):
+        max_n, tokens = rng.randrange(1, 5), []
+        index = NgramIndex(max_n)
+        for _ in range(rng.randrange(1, 60)):
+            tokens += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]  # one token a step, or a verify's few
+            k = rng.randrange(0, 6)
+            assert index.draft(tokens, k) == ngram_draft(tokens, max_n, k)

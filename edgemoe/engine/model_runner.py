@@ -306,7 +306,7 @@ class ModelRunner:
                 rows = process(seqs, rows)
             sampled = self._sample(seqs, rows)
         greedy = logits.argmax(dim=-1)
-        greedy, sampled = greedy.tolist(), [] if sampled is None else sampled.tolist()  # the one host read
+        greedy, sampled = greedy.tolist(), [] if sampled is None else sampled.tolist()  # the step's host reads
         out, drawn = [], iter(sampled)
         for seq, end, n in zip(batch.seqs, ends, batch.num_new):
             if not seq.draft:

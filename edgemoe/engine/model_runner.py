@@ -305,9 +305,10 @@ class ModelRunner:
             for process in self.logits_processors:
                 rows = process(seqs, rows)
             sampled = self._sample(seqs, rows)
-        greedy = logits.argmax(dim=-1)
-        greedy, sampled = greedy.tolist(), [] if sampled is None else sampled.tolist()  # the step's host reads
-        out, drawn = [], iter(sampled)
+        picked = logits.argmax(dim=-1)  # every row's greedy token, then the undrafted sequences' draws
+        picked = (picked if sampled is None else torch.cat([picked, sampled])).tolist()  # the step's one host read
+        greedy, drawn = picked[: logits.shape[0]], iter(picked[logits.shape[0] :])
+        out = []
         for seq, end, n in zip(batch.seqs, ends, batch.num_new):
             if not seq.draft:
                 out.append([next(drawn)])

@@ -8,15 +8,10 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.engine.speculative import SpeculationGate
+from tests.engine.test_speculative import Open
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-
-
-class Open(SpeculationGate):
-    def open(self) -> bool:
-        return True
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])

@@ -12,8 +12,8 @@ import pytest
 
 from edgemoe import LLM, SamplingParams
 from edgemoe.cli import main
-from edgemoe.engine.speculative import SpeculationGate
 from edgemoe.tools.cache_sim import POLICIES, belady, min_slots, simulate, synthetic_trace
+from tests.engine.test_speculative import Open
 
 
 def tiny_lru(trace: np.ndarray, slots: int) -> int:
@@ -88,11 +88,6 @@ def test_belady_bounds_every_policy(skew: float, repeat: float) -> None:
             assert bound["misses"] > len({(layer, e) for step in trace for layer, ids in enumerate(step) for e in ids})
 
 
-class AlwaysDraft(SpeculationGate):
-    def open(self) -> bool:
-        return True
-
-
 def test_recorded_trace_replays(tmp_path, capsys) -> None:
     paths = {}
     for strategy, extra in (("resident", {}), ("offload", dict(moe_cache_slots=20))):
@@ -106,7 +101,7 @@ def test_recorded_trace_replays(tmp_path, capsys) -> None:
     # with prompt lookup, a verify step's accepted rows are recorded a token each: the same trace
     spec = tmp_path / "spec.npy"
     llm = LLM(progress=False, max_num_seqs=6, record_routing=str(spec), speculative="ngram")
-    llm.engine.gate = AlwaysDraft()
+    llm.engine.gate = Open()
     llm.generate(["To be, or not to be, or not to be, or not"], SamplingParams(max_tokens=12, temperature=0,
                                                                               ignore_eos=True))  # fmt: skip
     plain = tmp_path / "plain.npy"

@@ -129,6 +129,23 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def ram_budget(text: str | int | float) -> int | float:
+    """`--ram-budget`: bytes ('24GiB') or a fraction of the experts ('0.25', in (0, 1))."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is not None and 0 < value < 1:
+        return value
+    try:
+        size = parse_size(text)
+    except EdgeMoEError:
+        size = 0
+    if size <= 0:
+        raise EdgeMoEError(f"cannot read ram_budget {text!r}: a size with a unit (24GiB) or a fraction in (0, 1)")
+    return size
+
+
 def check_model_path(model: str | None) -> None:
     """The cheap check of a --model before anything loads (the engine checks the rest): it exists, and is a folder or
     a .gguf file."""
@@ -168,6 +185,17 @@ class ExpertCacheConfig:
         None, "device memory for weights, KV and expert cache, e.g. 16GiB (offload: sizes the cache)"
     )
     moe_policy: str = option("lru", "offload: eviction policy, lru or scored")
+    ram_budget: str | None = option(
+        None,
+        "offload: host memory for routed experts, e.g. 24GiB, or a fraction of them, e.g. 0.25; the rest are read "
+        "from an expert store on disk, written once (default: every expert in RAM)",
+    )
+    expert_store: str | None = option(
+        None,
+        "with ram_budget: the folder of the expert store (default: beside the checkpoint, else "
+        "~/.cache/edgemoe/experts)",
+        metavar="DIR",
+    )
     expert_dtype: str = option(
         "auto",
         f"routed experts' storage: auto (as the checkpoint's) or {', '.join(EXPERT_DTYPES[1:])}: a safetensors "
@@ -207,7 +235,15 @@ class ExpertCacheConfig:
             raise EdgeMoEError(f"moe_cache_fraction must be in (0, 1], got {self.moe_cache_fraction!r}")
         if self.vram_budget is not None:
             parse_size(self.vram_budget)
+        if self.ram_budget is not None:
+            if self.moe_strategy != "offload":
+                raise EdgeMoEError("ram_budget keeps some experts on disk: it needs moe_strategy offload")
+            ram_budget(self.ram_budget)
+        if self.expert_store is not None and self.ram_budget is None:
+            raise EdgeMoEError("expert_store is where experts beyond ram_budget go: give ram_budget too")
         cpu_compute = str(self.moe_cpu_compute)
+        if self.ram_budget is not None and cpu_compute not in ("off", "auto"):
+            raise EdgeMoEError("moe_cpu_compute computes misses from experts in RAM; with ram_budget use off")
         if cpu_compute not in ("off", "auto") and not (cpu_compute.isdigit() and cpu_compute.isascii()):
             raise EdgeMoEError(f"moe_cpu_compute must be off, auto or a number of misses >= 0, got {cpu_compute!r}")
         if cpu_compute not in ("off", "auto") and self.moe_strategy != "offload":

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from edgemoe.config import EngineConfig, ExpertCacheConfig, parse_size
+from edgemoe.config import EngineConfig, ExpertCacheConfig, parse_size, ram_budget
 from edgemoe.engine.activations import (
     ACTIVATION_SHARE,
     OFFLOAD_CHUNK_CAP,
@@ -39,6 +39,7 @@ from edgemoe.models.loader import LoadOptions, checkpoint_files, count_parameter
 from edgemoe.models.registry import read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.routing_trace import RoutingRecorder
+from edgemoe.offload.banks import TierOptions
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.experts import MiB, attach_expert_cache, cache_slots, expert_bytes, min_cache_slots
 from edgemoe.sampling_params import SamplingParams
@@ -94,7 +95,13 @@ class LLMEngine:
             # GGUF's dense weights as stored; resident, they are dequantized, the bf16 GEMVs being the faster
             # (docs/findings.md, "Quantized dense weights and quantized prefill")
             placed = offload and self.device.type == "cuda"
-            opts = LoadOptions(self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, placed)
+            tier = None
+            if moe.ram_budget is not None:
+                folder = None if moe.expert_store is None else Path(moe.expert_store).expanduser()
+                tier = TierOptions(ram_budget(moe.ram_budget), folder)
+            opts = LoadOptions(
+                self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, placed, tier
+            )
             if gguf is None:
                 self.model = load_model(path, self.model_config, family, opts)
             else:

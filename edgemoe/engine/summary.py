@@ -50,6 +50,16 @@ def _parameters(engine: LLMEngine) -> str:
     if cache is None:
         return f"{total} parameters ({dense} dense, {in_experts}), all {_memory(engine.device)}"
     slots = f"{cache.num_slots:,} of {cfg.num_experts * sum(cfg.moe_layers):,}"
+    if cache.tier is not None:
+        tier, where = cache.tier, "in cache slots" if engine.device.type == "cpu" else "cached on the GPU"
+        size = tier.rows * tier.stride
+        ram = (
+            f"{tier.rows:,} in RAM ({size / 2**30:.1f} GiB)"
+            if size >= 2**30
+            else f"{tier.rows:,} in RAM ({size / 2**20:.1f} MiB)"
+        )
+        disk = f"all on disk ({tier.store.path})"
+        return f"{total} parameters ({dense} dense, {in_experts}: {disk}, {ram}, {slots} {where})"
     if engine.device.type == "cpu":
         return f"{total} parameters ({dense} dense, {in_experts}: host banks, {slots} in cache slots), all in RAM"
     return f"{total} parameters ({dense} dense on the GPU, {in_experts}: host RAM, {slots} cached on the GPU)"

@@ -6,10 +6,12 @@ Checkpoints store routed experts either one tensor per expert (`...experts.N.gat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -33,9 +35,11 @@ from edgemoe.models.dense_store import (
     keep_quantized,
     quantized_buffers,
 )
-from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint, fit
+from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint, fit, gguf_files
 from edgemoe.models.ple_store import Reader, place_ple
 from edgemoe.moe.experts import carry_biases
+from edgemoe.offload.banks import StorePlan, TierOptions
+from edgemoe.offload.expert_store import source_identity
 from edgemoe.offload.experts import ResidentExperts
 from edgemoe.offload.layout import QuantExpertLayout
 from edgemoe.quant import QUANT_TYPES, QuantType, quant_type, quantize, random_blocks
@@ -64,6 +68,7 @@ class LoadOptions:
     ple: PLEOptions = GPU_PLE
     host_embedding: bool = False
     dense_as_stored: bool = False
+    tier: TierOptions | None = None  # `--ram-budget`: experts beyond it in an expert store on disk (offload)
 
 
 def build_model(cfg: ModelConfig, family: ModuleType) -> MoEForCausalLM:
@@ -113,13 +118,27 @@ def load_model(folder: Path | None, cfg: ModelConfig, family: ModuleType, opts: 
         _check_rows(expert_dtype, cfg)
         q, (H, inter), act = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size), cfg.hidden_act
         layouts = {i: QuantExpertLayout(H, inter, q, q, dtype, act=act) for i, moe in enumerate(cfg.moe_layers) if moe}
-    model, host, readers, _ = _empty_model(cfg, family, opts, layouts)
-    if folder is None:
-        _no_readers(readers, "random weights")
-        fill_random(model, host)
-    else:
-        load_weights(model, folder, family, opts.progress, host | _resident_targets(model), readers)
-    return _ready(model, opts.device)
+    source = {"random": 0, "config": repr(cfg)} if folder is None else source_identity(checkpoint_files(folder))
+    model, host, readers, _, plan = _empty_model(cfg, family, opts, layouts, near=folder, source=source)
+    with _discard_on_error(plan):
+        if folder is None:
+            _no_readers(readers, "random weights")
+            fill_random(model, host)
+        else:
+            load_weights(model, folder, family, opts.progress, host | _resident_targets(model), readers)
+    del host  # views of the expert store, if any: it is finished next
+    return _ready(model, opts, plan)
+
+
+@contextlib.contextmanager
+def _discard_on_error(plan: StorePlan | None) -> Iterator[None]:
+    """An expert store left unfinished by an error (or an interrupt) is removed."""
+    try:
+        yield
+    except BaseException:
+        if plan is not None:
+            plan.store.discard()
+        raise
 
 
 def _check_rows(expert_dtype: str, cfg: ModelConfig) -> None:
@@ -156,23 +175,32 @@ def _empty_model(
     opts: LoadOptions,
     layouts: dict,
     dense_formats: dict[str, QuantType] | None = None,
-) -> tuple[MoEForCausalLM, dict[str, torch.Tensor], dict[str, Reader], dict[str, Rows]]:
+    near: Path | None = None,
+    source: object = None,
+) -> tuple[MoEForCausalLM, dict[str, torch.Tensor], dict[str, Reader], dict[str, Rows], StorePlan | None]:
     """The model built on the meta device, dense weights kept quantized where `dense_formats` (name -> block format)
     says (`keep_quantized`), experts, per-layer embeddings and maybe the token embedding placed (`_place_experts`,
     `place_ple`, `embedding_to_host`), then given uninitialised storage on the device -> (model, the host banks and
-    tables by parameter name, the tensors a backend reads itself by parameter name, the weights kept as stored)."""
+    tables by parameter name, the tensors a backend reads itself by parameter name, the weights kept as stored, the
+    expert store to finish once loaded where `opts.tier` asks for one: `near` the checkpoint's folder, `source` its
+    identity)."""
     device, dtype = opts.device, opts.dtype
     with torch.device("meta"):
         model = build_model(cfg, family).to(dtype)
     keep_float32(model)
     kept = keep_quantized(model, dense_formats, dtype) if dense_formats else {}
-    host = _place_experts(model, layouts, dtype, device, opts.progress, opts.offload)
+    plan = None
+    if opts.offload and opts.tier is not None:
+        from edgemoe.offload.banks import plan_store
+
+        plan = plan_store(model, dtype, layouts, opts.tier, near, source)
+    host = _place_experts(model, layouts, dtype, device, opts.progress, opts.offload, plan)
     if opts.host_embedding:
         host |= embedding_to_host(model, dtype, device.type == "cuda")
     ple_tables, readers = place_ple(model, opts.ple, device, dtype, opts.progress)
     model.to_empty(device=device)
     model.tie_weights()
-    return model, host | ple_tables, readers, kept
+    return model, host | ple_tables, readers, kept, plan
 
 
 def keep_float32(model: torch.nn.Module) -> None:
@@ -187,8 +215,14 @@ def keep_float32(model: torch.nn.Module) -> None:
             setattr(owner, name, torch.nn.Parameter(getattr(owner, name).float(), requires_grad=False))
 
 
-def _ready(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
-    """Weights in place: the RoPE table built and the kernels chosen for `device`."""
+def _ready(model: MoEForCausalLM, opts: LoadOptions, plan: StorePlan | None = None) -> MoEForCausalLM:
+    """Weights in place: the expert store finished and its RAM tier attached (`plan`), the RoPE table built and the
+    kernels chosen for the device."""
+    device = opts.device
+    if plan is not None:
+        from edgemoe.offload.banks import attach_ram_tier
+
+        attach_ram_tier(model, plan, device.type == "cuda")
     model.model.rotary.build(device)
     select_kernels(model, device)
     return model.eval().requires_grad_(False)
@@ -201,14 +235,17 @@ def _check_filled(params: dict[str, torch.Tensor], filled: dict[str, int], sourc
 
 
 def _place_experts(
-    model: MoEForCausalLM, layouts: dict, dtype: torch.dtype, device: torch.device, progress: bool, offload: bool
-) -> dict[str, torch.Tensor]:
-    """Routed experts (model still on the meta device) into host banks (`offload`) or, where `layouts` lay them out
-    other than as parameters, into resident storage. -> the host banks by parameter name (the loader's targets)."""
+    model: MoEForCausalLM, layouts: dict, dtype: torch.dtype, device: torch.device, progress: bool, offload: bool,
+    plan: StorePlan | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Routed experts (model still on the meta device) into host banks (`offload`; views of `plan`'s expert store
+    where there is one) or, where `layouts` lay them out other than as parameters, into resident storage. -> the host
+    banks by parameter name (the loader's targets)."""
     if offload:
         from edgemoe.offload.banks import offload_experts
 
-        return offload_experts(model, dtype, device.type == "cuda", progress, layouts)
+        store = None if plan is None else plan.store
+        return offload_experts(model, dtype, device.type == "cuda", progress, layouts, store)
     for i, layout in layouts.items():
         mlp = model.model.layers[i].mlp
         resident = ResidentExperts(model.config.num_experts, layout)
@@ -404,14 +441,15 @@ def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: 
         raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
     layouts = expert_layouts(ckpt, cfg, opts.dtype)
     formats = ckpt.dense_formats() if opts.dense_as_stored else None
-    model, host, readers, kept = _empty_model(cfg, family, opts, layouts, formats)
-    progress, device = opts.progress, opts.device
+    source = source_identity(gguf_files(ckpt.path))
+    model, host, readers, kept, plan = _empty_model(cfg, family, opts, layouts, formats, ckpt.path.parent, source)
+    progress = opts.progress
     _no_readers(readers, "GGUF files")
     params = dict(model.named_parameters()) | host | quantized_buffers(model)
     filled = dict.fromkeys(params, 0)
     heads = (cfg.num_heads, cfg.num_kv_heads)
     tensors = ckpt.dense_tensors()
-    with torch.no_grad():
+    with _discard_on_error(plan), torch.no_grad():
         for hf_name, tensor in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress or None):
             if hf_name in kept:  # blocks as stored
                 rows, raw = kept[hf_name], ckpt.raw_rows(tensor, hf_name, heads)
@@ -431,7 +469,8 @@ def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: 
             if moe:
                 filled.update(_fill_experts(ckpt, model, params, i, i in layouts))
     _check_filled(params, filled, ckpt.path.name)
-    return _ready(model, device)
+    del host, params  # views of the expert store, if any: it is finished next
+    return _ready(model, opts, plan)
 
 
 def _fill_experts(ckpt: GGUFCheckpoint, model: MoEForCausalLM, params: dict, layer: int, raw: bool) -> dict:

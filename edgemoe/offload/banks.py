@@ -3,11 +3,17 @@ its `ExpertLayout` (`edgemoe.offload.layout`: a miss is one copy), pinned when t
 is CUDA, so that copies to the GPU run at full PCIe speed and a kernel can read them through unified addressing.
 The loader fills them straight from safetensors, one checkpoint tensor at a time, so peak host memory stays about
 the model's size.
+
+With a RAM budget smaller than the experts (`--ram-budget`), the banks the loader fills are views of the expert store
+on disk (`edgemoe.offload.expert_store`), and once loaded the layers read their experts through the RAM tier
+(`edgemoe.offload.ram_tier`) instead.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -15,8 +21,27 @@ from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.moe.experts import carry_biases
+from edgemoe.offload.expert_store import CACHE_DIR, ExpertStore, GiB
 from edgemoe.offload.experts import OffloadedExperts
 from edgemoe.offload.layout import ExpertLayout
+from edgemoe.offload.ram_tier import RamTier
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """`--ram-budget` (bytes, or a fraction of the experts) and `--expert-store` (None: beside the checkpoint, else
+    `CACHE_DIR`)."""
+
+    budget: int | float
+    folder: Path | None = None
+
+
+@dataclass
+class StorePlan:
+    """The expert store the loader fills and the RAM rows over it once loaded."""
+
+    store: ExpertStore
+    rows: int
 
 
 def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, what: str = "an expert bank") -> torch.Tensor:
@@ -34,15 +59,73 @@ def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, what: s
     return bank
 
 
+def available_memory() -> int | None:
+    """The host memory available to a new allocation (MemAvailable), None where the system does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def plan_store(
+    model: nn.Module, dtype: torch.dtype, layouts: dict[int, ExpertLayout], tier: TierOptions, near: Path | None,
+    source: object,
+) -> StorePlan | None:  # fmt: skip
+    """The expert store and RAM rows for `tier`, or None where every expert fits the budget (host banks as without
+    one). `near`: the checkpoint's folder (None: random weights), `source`: the checkpoint's identity. A budget the
+    machine's available memory cannot hold, or one below a decode step's experts, is one line, before any loading."""
+    cfg = model.config
+    dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cfg.hidden_act)
+    moe = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
+    chosen = [layouts.get(i, dense) for i in moe]
+    folders = [tier.folder] if tier.folder is not None else [p for p in (near, CACHE_DIR) if p is not None]
+    total = len(moe) * cfg.num_experts
+    row = max(layout.row_bytes for layout in chosen)
+    stride = -(-row // 4096) * 4096
+    rows = round(tier.budget * total) if isinstance(tier.budget, float) else tier.budget // stride
+    if rows >= total:
+        return None
+    if rows < cfg.top_k:  # one sequence's decode step; `attach_expert_cache` checks the engine's batch
+        raise EdgeMoEError(
+            f"ram_budget {tier.budget} holds {rows} experts ({stride / 2**20:.2f} MiB each); a decode step needs at "
+            f"least top_k = {cfg.top_k} of one layer in RAM"
+        )
+    free = available_memory()
+    if free is not None and rows * stride > free:
+        raise EdgeMoEError(
+            f"ram_budget {tier.budget} is {rows * stride / GiB:.1f} GiB of experts; this machine has "
+            f"{free / GiB:.1f} GiB available"
+        )
+    return StorePlan(ExpertStore(folders, cfg.num_experts, chosen, source), rows)
+
+
+def attach_ram_tier(model: nn.Module, plan: StorePlan, pin: bool) -> RamTier:
+    """The loader has filled the store: it is finished, and the offloaded layers read their experts through a RAM
+    tier of `plan.rows` rows over it (their banks, views of the store's mapping, dropped)."""
+    layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+    for m in layers:
+        m.drop_banks()
+    plan.store.finish()
+    tier = RamTier(plan.store, plan.rows, pin)
+    for m in layers:
+        m.tier = tier
+    return tier
+
+
 def offload_experts(
     model: nn.Module,
     dtype: torch.dtype,
     pin: bool,
     progress: bool = True,
     layouts: dict[int, ExpertLayout] | None = None,
+    store: ExpertStore | None = None,
 ) -> dict[str, torch.Tensor]:
     """Swap every MoE layer's `Experts` (still on the meta device) for `OffloadedExperts` over new host banks, each
-    laid out by `layouts[decoder layer]` (default: dense experts in `dtype`).
+    laid out by `layouts[decoder layer]` (default: dense experts in `dtype`); with a `store`, banks that are views of
+    it (not pinned: the RAM tier's rows are).
 
     Returns the banks by Hugging Face-style parameter name (`model.layers.N.mlp.experts.gate_up_proj`), the
     loader's targets for them; the swapped modules hold no parameters, so `to_empty` puts nothing of theirs on
@@ -50,11 +133,14 @@ def offload_experts(
     cfg = model.config
     targets, index = {}, 0
     layers = [(i, layer) for i, layer in enumerate(model.model.layers) if layer.is_moe]
-    desc = "allocating pinned expert banks" if pin else "allocating expert banks"
+    desc = "allocating pinned expert banks" if pin and store is None else "allocating expert banks"
     dense = ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cfg.hidden_act)
     for i, layer in tqdm(layers, desc=desc, unit="layer", disable=not progress or None, leave=False):
         layout = (layouts or {}).get(i, dense)
-        bank = allocate_bank((cfg.num_experts, layout.row), layout.dtype, pin)
+        if store is None:
+            bank = allocate_bank((cfg.num_experts, layout.row), layout.dtype, pin)
+        else:
+            bank = store.banks(layout, index)
         experts = OffloadedExperts(index, bank, layout)
         carry_biases(layer.mlp.experts, experts)  # on the meta device, then the device: biases stay resident
         layer.mlp.experts = experts

@@ -44,6 +44,7 @@
 typedef int (*memcpy_fn)(uint64_t dst, const void *src, size_t bytes, void *stream);  /* cuMemcpyHtoDAsync */
 typedef int (*write_fn)(void *stream, uint64_t addr, uint64_t value, unsigned flags); /* cuStreamWriteValue64 */
 typedef int (*query_fn)(void *event);                                                 /* cuEventQuery */
+typedef int (*tier_fn)(void *tier, int64_t layer, const int64_t *experts, int64_t n, uint64_t *addrs);
 typedef int (*batch_fn)(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count, void *attrs, size_t *attr_idxs,
                         size_t num_attrs, void *stream); /* cuMemcpyBatchAsync (the _v2 entry point of CUDA 13) */
 
@@ -92,6 +93,13 @@ typedef struct {
   uint64_t cpu_done;    /* device address, int64: the sequence number of the last list whose CPU rows are in */
   int cpu_error;        /* the executor's first error code (or CPU_BAD_LIST), 0 if none */
   int64_t cpu_lists, cpu_ns; /* lists with CPU pairs served; host time from seeing each to its flag's write queued */
+  /* the RAM tier (edgemoe/offload/ram_tier.c); tier NULL: none, the lists' rows are in the banks. With one, a list's
+   * bank_a is its MoE layer and its sources are experts, fetched into RAM rows (read from disk where absent) before
+   * their copies are queued; tier_b: where the second part starts in a RAM row */
+  tier_fn tier_fetch;
+  void *tier;
+  int64_t tier_b;
+  int tier_error; /* the tier's first error (an errno), 0 if none: nothing is copied from a failed fetch */
 } edgemoe_copy_service;
 
 static int64_t now_ns(void) {
@@ -100,18 +108,22 @@ static int64_t now_ns(void) {
   return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Copy entries [first, first + n) of the list in `row`: their rows, bank -> slot. Returns a CUDA error or 0. */
-static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t first, int64_t n) {
+/* Copy entries [first, first + n) of the list in `row`: their rows, bank -> slot, or with the RAM tier from the
+ * rows at `addrs` (one an entry of the list). Returns a CUDA error or 0. */
+static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t first, int64_t n,
+                        const uint64_t *addrs) {
   uint64_t bank_a = (uint64_t)row[2], bank_b = (uint64_t)row[3];
   uint64_t dsts[2 * MAX_GROUP], srcs[2 * MAX_GROUP];
   size_t sizes[2 * MAX_GROUP], count = 0;
-  int joined = s->joined && bank_b == bank_a + (uint64_t)s->row_a;
+  int joined = s->joined && (addrs ? s->tier_b == s->row_a : bank_b == bank_a + (uint64_t)s->row_a);
   for (int64_t j = 0; j < n; ++j) {
     uint64_t src = (uint64_t)row[4 + first + j], dst = (uint64_t)row[4 + s->max_entries + first + j];
-    dsts[count] = s->pool_a + dst * s->stride_a, srcs[count] = bank_a + src * s->stride_a;
+    uint64_t src_a = addrs ? addrs[first + j] : bank_a + src * s->stride_a;
+    uint64_t src_b = addrs ? addrs[first + j] + (uint64_t)s->tier_b : bank_b + src * s->stride_b;
+    dsts[count] = s->pool_a + dst * s->stride_a, srcs[count] = src_a;
     sizes[count++] = joined ? (size_t)(s->row_a + s->row_b) : (size_t)s->row_a;
     if (!joined) {
-      dsts[count] = s->pool_b + dst * s->stride_b, srcs[count] = bank_b + src * s->stride_b;
+      dsts[count] = s->pool_b + dst * s->stride_b, srcs[count] = src_b;
       sizes[count++] = s->row_b;
     }
   }
@@ -130,9 +142,18 @@ static int copy_entries(edgemoe_copy_service *s, volatile int64_t *row, int64_t 
 static void serve_list(edgemoe_copy_service *s, volatile int64_t *row, int64_t seen) {
   int64_t n = row[1] < s->max_entries ? row[1] : s->max_entries;
   int64_t group = s->batch ? (s->group < 1 ? 1 : s->group > MAX_GROUP ? MAX_GROUP : s->group) : 1;
+  uint64_t addrs[n > 0 ? n : 1];
+  int fetched = 1;
+  if (s->tier && n > 0) { /* the list's experts in RAM first: a failed fetch copies nothing */
+    int64_t experts[n];
+    for (int64_t j = 0; j < n; ++j) experts[j] = row[4 + j];
+    int err = s->tier_fetch(s->tier, row[2], experts, n, addrs);
+    if (err && !s->tier_error) s->tier_error = err;
+    fetched = !err;
+  }
   for (int64_t first = 0; first < n; first += group) {
     int64_t m = n - first < group ? n - first : group;
-    if (!s->error) s->error = copy_entries(s, row, first, m);
+    if (!s->error && fetched) s->error = copy_entries(s, row, first, m, s->tier ? addrs : NULL);
     if (first == 0) s->first_ns += now_ns() - seen;
     for (int64_t i = first; i < first + m; ++i) {
       /* even after an error: the GPU must never wait forever (the Python side raises on `error`) */

@@ -31,6 +31,7 @@ from edgemoe.kernels.protocol import RING, CpuWait, PostTarget, row_width
 from edgemoe.offload.c_library import build_library
 from edgemoe.offload.cpu_experts import ERRORS, JOB, CpuExperts, Job
 from edgemoe.offload.layout import ExpertLayout
+from edgemoe.offload.ram_tier import RamTier, error_text
 
 SOURCE = Path(__file__).with_name("copy_service.c")
 CPU_BAD_LIST = 100  # copy_service.c's code for a CPU section it cannot serve
@@ -73,7 +74,8 @@ class _Service(ctypes.Structure):
         ("max_tokens", ctypes.c_int64), ("hidden", ctypes.c_int64), ("cpu_x", ctypes.c_void_p),
         ("cpu_rows", ctypes.c_void_p), ("cpu_scratch", ctypes.c_void_p), ("cpu_pairs", ctypes.c_void_p),
         ("cpu_out", ctypes.c_uint64), ("cpu_done", ctypes.c_uint64), ("cpu_error", ctypes.c_int),
-        ("cpu_lists", ctypes.c_int64), ("cpu_ns", ctypes.c_int64),
+        ("cpu_lists", ctypes.c_int64), ("cpu_ns", ctypes.c_int64), ("tier_fetch", ctypes.c_void_p),
+        ("tier", ctypes.c_void_p), ("tier_b", ctypes.c_int64), ("tier_error", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -170,6 +172,20 @@ class CopyService:
         self.cpu = _CpuSection(pool, layers, max_tokens, self.max_pairs, self.device)
         self.cpu.fill(self._state)
 
+    def attach_tier(self, tier: RamTier, b_offset: int) -> None:
+        """Serve lists from `tier`'s RAM rows from now on (copy_service.c): each list names its MoE layer and its
+        experts (`tier_target`), fetched into RAM (read from disk where absent) before their copies are queued;
+        `b_offset`: bytes from a row's start to its second part. Before any capture that posts them."""
+        self._state.tier_fetch, self._state.tier = tier.c_entry
+        self._state.tier_b = b_offset
+        self._tier = tier  # the serve loop calls into it
+
+    def tier_target(self, layer: int) -> PostTarget:
+        """`target` for a layer whose experts are in the RAM tier: the list's bank fields carry MoE layer `layer`."""
+        self._record()
+        cpu_x = None if self.cpu is None else self.cpu.x
+        return PostTarget(self.tick, self.mailbox, layer, layer, RING, self.max_entries, self.max_pairs, cpu_x)
+
     def detach_cpu(self) -> None:
         """Forget the executor (before it is closed): a list with CPU pairs is then an error, its flag still written
         (the buffers stay)."""
@@ -216,6 +232,8 @@ class CopyService:
     def serve(self) -> None:
         """Serve the lists the work queued so far posts, until it has all run (a host wait, the step's)."""
         err = library().edgemoe_copy_service_serve(ctypes.byref(self._state), self.driver.event())
+        if self._state.tier_error:
+            raise EdgeMoEError(f"the RAM tier of the experts failed: {error_text(self._state.tier_error)}")
         if err:
             raise EdgeMoEError(f"the expert copy service failed with CUDA error {err}")
         if self._state.cpu_error:

@@ -61,6 +61,7 @@ class ExpertCache:
         self.copy_service = None  # a CopyService once `start_copy_service` ran (CUDA)
         self.prefill_stream = None  # an `edgemoe.offload.prefill_stream.PrefillStream` where the pool has 2E slots
         self.cpu_split = None  # a CpuSplit (edgemoe.offload.cpu_split) when decode computes some misses on the CPU
+        self.tier = None  # the RAM tier (edgemoe.offload.ram_tier) the misses come from, where there is one
         # the implementation, chosen once for the device: one Triton launch on CUDA, plain torch elsewhere
         if self.device.type == "cuda":
             from edgemoe.kernels.ensure import ensure_fused
@@ -105,6 +106,8 @@ class ExpertCache:
                 state.zero_()
         if self.ensure_scratch is not None:
             self.ensure_scratch.zero_()  # its clock marks must stay below the clock
+        if self.tier is not None:
+            self.tier.reset()
 
     def slot_table(self) -> torch.Tensor:
         """[L, E] view: slot of each (layer, expert), -1 where absent."""
@@ -129,7 +132,11 @@ class ExpertCache:
         `x` [tokens, hidden] for the service to compute them (`cpu_wait`); elsewhere `_ensure_torch`."""
         if self._ensure_impl is None:
             return self._ensure_torch(layer, ids, cpu_take)
-        post = self.copy_service.target(banks) if banks is not None and self._posts() else None
+        post = None
+        if self._posts() and self.tier is not None:
+            post = self.copy_service.tier_target(layer)
+        elif self._posts() and banks is not None:
+            post = self.copy_service.target(banks)
         return self._ensure_impl(self, layer, ids, post=post, cpu_take=cpu_take, x=x)
 
     def _ensure_torch(self, layer: int, ids: torch.Tensor, cpu_take: torch.Tensor | None = None) -> Ensured:
@@ -214,6 +221,21 @@ class ExpertCache:
             copy_rows_reference(self.pool_a, bank_a, copy.src, copy.dst)
             copy_rows_reference(self.pool_b, bank_b, copy.src, copy.dst)
 
+    def copy_from(self, copy: Ensured, layer: int, source: ExpertSource) -> None:
+        """`copy_missing` from MoE layer `layer`'s banks (`source.banks`), or from the RAM tier where there is one
+        (`edgemoe.offload.ram_tier.RamTier.copy_missing`: the list read on the host, a sync)."""
+        if copy.posted:
+            return
+        if self.tier is None:
+            self.copy_missing(copy, *source.banks)
+            return
+        counters = None
+        if self._copy_rows is not None:  # the expert kernels wait on each entry's counter
+            from edgemoe.kernels.miss_copy import chunks_per_entry
+
+            counters = (self.arrival_counters, chunks_per_entry((self.pool_a, self.pool_b)))
+        self.tier.copy_missing(copy, layer, self.joined, counters)
+
     def cpu_wait(self, copy: Ensured) -> CpuWait | None:
         """Where a posted step's CPU pairs' rows arrive and what to wait on before reading them (the copy service
         computes them: `edgemoe.kernels.protocol.CpuWait`); None for an eager step, whose rows are computed on the
@@ -239,7 +261,7 @@ class ExpertCache:
         got = self.ensure(layer, ids, source.banks, cpu_take=None if split is None else split.table, x=x)
         wait = None if split is None else self.cpu_wait(got)
         on_cpu = split.pairs(ids, got.slots, x) if split is not None and wait is None else None
-        self.copy_missing(got, *source.banks)
+        self.copy_from(got, layer, source)
         if not source.layout.decode_waits:
             self.await_copy(got)
         rows = None
@@ -260,14 +282,15 @@ class ExpertCache:
         per_layer = [{"layer": i, **dict(zip(STAT_FIELDS, r))} for i, r in zip(layer_ids, rows)]
         total = {f: sum(r[j] for r in rows) for j, f in enumerate(STAT_FIELDS)}
         total["hit_rate"] = total["hits"] / total["accesses"] if total["accesses"] else 0.0
-        return {"slots": self.num_slots, "policy": self.policy_name, "layers": per_layer, "total": total}
+        got = {"slots": self.num_slots, "policy": self.policy_name, "layers": per_layer, "total": total}
+        return got if self.tier is None else got | {"ram_tier": self.tier.stats()}
 
 
 class ExpertSource(Protocol):
     """What `fetch` reads of an offloaded MoE layer (`edgemoe.offload.experts.OffloadedExperts`)."""
 
-    bank: torch.Tensor  # [E, row] host bank (the CPU split computes from it)
-    banks: tuple[torch.Tensor, torch.Tensor]  # its halves as the miss copy moves them
+    bank: torch.Tensor | None  # [E, row] host bank (the CPU split computes from it); None: in the RAM tier
+    banks: tuple[torch.Tensor, torch.Tensor] | None  # its halves as the miss copy moves them
     layout: ExpertLayout
 
 

@@ -28,6 +28,7 @@ from edgemoe.offload import cpu_split
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.layout import ExpertLayout
 from edgemoe.offload.prefill_stream import PrefillStream
+from edgemoe.offload.ram_tier import RamTier
 
 MiB = 2**20
 
@@ -44,7 +45,12 @@ class OffloadedExperts(nn.Module):
         self.num_experts = bank.shape[0]
         self.cache: ExpertCache | None = None  # set by `attach`
         self.gate_up = self.down = None  # this layer's views of the cache's slot pool
+        self.tier: RamTier | None = None  # the RAM tier its experts come from instead of the banks (`--ram-budget`)
         _no_biases(self)
+
+    def drop_banks(self) -> None:
+        """The experts are in the expert store from now on (views of it were the loader's targets): no banks."""
+        self.bank = self.gate_up_proj = self.down_proj = self.banks = None
 
     def attach(self, cache: ExpertCache | None) -> None:
         self.cache = cache
@@ -95,17 +101,27 @@ class OffloadedExperts(nn.Module):
 
     def load(self, ids: torch.Tensor) -> Ensured:
         got = self.cache.ensure(self.moe_layer, ids, self.banks)
-        self.cache.copy_missing(got, *self.banks)
+        self.cache.copy_from(got, self.moe_layer, self)
         return got
 
     def _waves(self, experts: list[int]) -> Iterator[tuple[list[int], list[int]]]:
-        """Make `experts` resident at most S at a time, yielding (the wave's experts, their slots); each wave is
-        used before the next may evict it (prefill: syncs)."""
-        S = self.cache.num_slots
+        """Make `experts` resident at most S at a time (and at most the RAM tier's rows), yielding (the wave's
+        experts, their slots); each wave is used before the next may evict it (prefill: syncs)."""
+        S = self.cache.num_slots if self.tier is None else min(self.cache.num_slots, self.tier.rows)
         for start in range(0, len(experts), S):
             wave = experts[start : start + S]
             got = self.load(torch.tensor(wave, device=self.cache.device)[None])
             yield wave, got.slots[0].tolist()
+
+
+def _check_tier(tier: RamTier, cfg: ModelConfig, max_tokens: int, cpu_compute: str | int) -> None:
+    """One line where the RAM tier cannot serve a decode step, or a CPU split was asked for beside it."""
+    need = min_cache_slots(cfg, max_tokens)
+    if tier.rows < need:
+        raise EdgeMoEError(f"ram_budget holds {tier.rows} experts; a decode step of {max_tokens} sequences can need "
+                           f"{need} of one layer: raise ram_budget or lower max_num_seqs")  # fmt: skip
+    if str(cpu_compute) not in ("off", "auto"):
+        raise EdgeMoEError("moe_cpu_compute computes misses from experts in RAM; with ram_budget use off")
 
 
 class ResidentExperts(nn.Module):
@@ -211,10 +227,17 @@ def attach_expert_cache(
     cache.attach_pool(*layout.copy_views(joined), joined)
     for m in layers:
         m.attach(cache)
-    if PrefillStream.fits(cache) and layers:
+    cache.tier = layers[0].tier if layers else None
+    if cache.tier is not None:
+        _check_tier(cache.tier, cfg, max_tokens, cpu_compute)
+        cpu_compute = "off"  # auto: the CPU split reads the host banks, which the tier replaces
+    elif PrefillStream.fits(cache) and layers:
         cache.prefill_stream = PrefillStream(cache, [m.bank for m in sorted(layers, key=lambda m: m.moe_layer)])
     if device.type == "cuda" and layers:
         cache.start_copy_service(max_tokens * cfg.top_k)
+        if cache.tier is not None:
+            a, b = layout.copy_views(layout.empty(1))
+            cache.copy_service.attach_tier(cache.tier, b.data_ptr() - a.data_ptr())
     layers.sort(key=lambda m: m.moe_layer)
     cache.cpu_split = cpu_split.resolve(cpu_compute, layers, device, cfg.top_k, graphs, cpu_threads,
                                         service=cache.copy_service, max_tokens=max_tokens)  # fmt: skip

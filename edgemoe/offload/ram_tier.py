@@ -1,0 +1,138 @@
+"""The RAM tier: host rows (pinned on CUDA) caching the experts of the store on disk (`edgemoe.offload.expert_store`),
+for models whose experts do not fit the RAM budget (`--ram-budget`). Three tiers then: the device's slot pool (the
+expert cache), these rows, the store.
+
+A miss of the device cache is copied from a RAM row, read first from the store where the RAM tier misses too
+(`ram_tier.c`: least recently used rows evicted, each call's reads in flight at once on a pool of reader threads, with
+O_DIRECT). Replayed decode graphs reach it through the copy service's serve loop, which fetches each posted list's
+experts before it queues their copies (`CopyService.attach_tier`); an eager step (prefill waves, eager decode, the
+CPU device) reads its copy list on the host (a sync) and copies the rows itself (`copy_missing`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import weakref
+from pathlib import Path
+
+import torch
+
+from edgemoe.errors import EdgeMoEError
+from edgemoe.kernels.protocol import Ensured
+from edgemoe.offload.c_library import build_library
+from edgemoe.offload.expert_store import ALIGN, HEADER_BYTES, ExpertStore
+
+SOURCE = Path(__file__).with_name("ram_tier.c")
+READERS = 8  # reads in flight at once: one an expert, each split by the kernel into requests of the drive's size
+STATS = ("accesses", "hits", "reads", "bytes_read", "read_ns", "direct", "error")
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    lib = build_library(SOURCE, "ram-tier", "the RAM tier of the experts", ["-O2", "-pthread"])
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.edgemoe_ram_tier_open.argtypes = [ctypes.c_char_p, i64, i64, i64, i64, i64, p, i64, ctypes.c_int,
+                                          ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+    lib.edgemoe_ram_tier_open.restype = p
+    lib.edgemoe_ram_tier_close.argtypes, lib.edgemoe_ram_tier_close.restype = [p], None
+    lib.edgemoe_ram_tier_fetch.argtypes = [p, i64, p, i64, p]
+    lib.edgemoe_ram_tier_stats.argtypes, lib.edgemoe_ram_tier_stats.restype = [p, p], None
+    lib.edgemoe_ram_tier_reset.argtypes, lib.edgemoe_ram_tier_reset.restype = [p], None
+    lib.edgemoe_ram_tier_row.argtypes, lib.edgemoe_ram_tier_row.restype = [p, i64, i64], i64
+    return lib
+
+
+def pin_in_place(t: torch.Tensor, what: str) -> None:
+    """Page-lock `t`'s memory where it lies (cudaHostRegister, portable and mapped), unlocked when `t` is collected."""
+    cudart = torch.cuda.cudart()
+    ptr, size = t.data_ptr(), t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(ptr, size, 3)
+    if int(err) != 0:
+        raise EdgeMoEError(f"cannot pin {size / 2**30:.2f} GiB of host memory for {what} (CUDA error {int(err)})")
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+
+
+def error_text(code: int) -> str:
+    if code == 116:  # ESTALE
+        return "the expert store changed on disk since it was opened"
+    if code == 5:  # EIO: also a read that came back short
+        return "a read of the expert store failed or came back short (the file truncated?)"
+    return os.strerror(code)
+
+
+class RamTier:
+    """`rows` host rows over `store` (see the module docstring); `pin`: page-locked, for the copy engine."""
+
+    def __init__(self, store: ExpertStore, rows: int, pin: bool, readers: int = READERS) -> None:
+        if rows < 1:
+            raise EdgeMoEError("the RAM tier needs at least one row")
+        self.store, self.rows, self.stride, self.row_bytes = store, rows, store.stride, store.row_bytes
+        self.layers, self.experts = store.layers, store.experts
+        self._map = mmap.mmap(-1, rows * store.stride)  # page-aligned, as O_DIRECT needs
+        self.pool = torch.frombuffer(self._map, dtype=torch.uint8).view(rows, store.stride)  # [rows, stride]
+        if pin:
+            pin_in_place(self.pool, "the RAM tier of the experts")
+        err = ctypes.c_int(0)
+        self.handle = library().edgemoe_ram_tier_open(
+            str(store.path).encode(), store.layers, store.experts, store.row_bytes, store.stride, HEADER_BYTES,
+            self.pool.data_ptr(), rows, readers, ctypes.byref(err),
+        )  # fmt: skip
+        if not self.handle:
+            raise EdgeMoEError(f"cannot open the expert store {store.path}: {os.strerror(err.value)}")
+        self._finalizer = weakref.finalize(self, library().edgemoe_ram_tier_close, self.handle)
+        assert self.pool.data_ptr() % ALIGN == 0
+
+    @property
+    def c_entry(self) -> tuple[int, int]:
+        """(address of `int edgemoe_ram_tier_fetch(tier, layer, const int64_t *experts, n, uint64_t *addrs)`, the
+        tier) for the copy service's serve loop."""
+        return ctypes.cast(library().edgemoe_ram_tier_fetch, ctypes.c_void_p).value, self.handle
+
+    def fetch(self, layer: int, experts: torch.Tensor) -> torch.Tensor:
+        """MoE layer `layer`'s `experts` (int64 [n] on the host, distinct) resident in RAM -> their rows [n]."""
+        experts = experts.to(torch.int64).contiguous()
+        addrs = torch.empty(experts.numel(), dtype=torch.int64)
+        code = library().edgemoe_ram_tier_fetch(self.handle, layer, experts.data_ptr(), experts.numel(),
+                                                addrs.data_ptr())  # fmt: skip
+        if code:
+            raise EdgeMoEError(f"the RAM tier of the experts failed: {error_text(code)}")
+        return (addrs - self.pool.data_ptr()) // self.stride
+
+    def copy_missing(self, copy: Ensured, layer: int, joined: torch.Tensor, counters: tuple | None) -> None:
+        """An eager step's copy list into the slot pool `joined` [S + 1, row]: its length and experts read on the host
+        (a sync), the experts fetched, their rows copied; `counters` (arrival counters, chunks an entry) marked for
+        the expert kernels that wait on them."""
+        n = int(copy.count)
+        if n == 0:
+            return
+        rows = self.fetch(layer, copy.src[:n].cpu())
+        pool = joined.view(torch.uint8)  # [S + 1, row bytes]
+        data = self.pool[rows, : pool.shape[1]]  # [n, row bytes]: a copy, so the rows may be reused at once
+        pool.index_copy_(0, copy.dst[:n], data.to(pool.device, non_blocking=False))
+        if counters is not None:
+            counters[0][:n] = counters[1]
+
+    def stats(self) -> dict:
+        """The tier's counters since the start or the last `reset`: accesses, hits, reads (each an expert from disk),
+        bytes and seconds reading, whether reads bypass the page cache (O_DIRECT); the hit rate and read bandwidth."""
+        out = torch.zeros(len(STATS), dtype=torch.int64)
+        library().edgemoe_ram_tier_stats(self.handle, out.data_ptr())
+        got = dict(zip(STATS, out.tolist()))
+        got["direct"] = bool(got["direct"])
+        got["hit_rate"] = got["hits"] / got["accesses"] if got["accesses"] else 0.0
+        got["read_GBps"] = got["bytes_read"] / got["read_ns"] if got["read_ns"] else None
+        return {"rows": self.rows, **got}
+
+    def reset(self) -> None:
+        """Forget every resident expert and the counters (the rows stay)."""
+        library().edgemoe_ram_tier_reset(self.handle)
+
+    def row_of(self, layer: int, expert: int) -> int:
+        """The RAM row holding (layer, expert), -1 if none."""
+        return library().edgemoe_ram_tier_row(self.handle, layer, expert)
+
+    def close(self) -> None:
+        self._finalizer()

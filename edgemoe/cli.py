@@ -290,6 +290,14 @@ def _print_moe_stats(stats: dict) -> None:
     for row in [*stats["layers"], {**stats["total"], "layer": "all"}]:
         lines.append(f"{row['layer']:>5} " + " ".join(f"{row[c]:>12}" for c in cols))
     lines.append(f"hit rate {stats['total']['hit_rate']:.3f}")
+    tier = stats.get("ram_tier")
+    if tier is not None:
+        read = "" if tier["read_GBps"] is None else f", {tier['read_GBps']:.2f} GB/s"
+        lines.append(
+            f"RAM tier: {tier['rows']} rows, {tier['accesses']} accesses, hit rate {tier['hit_rate']:.3f}, "
+            f"{tier['reads']} experts read from disk ({tier['bytes_read'] / 2**20:.1f} MiB{read}"
+            f"{', O_DIRECT' if tier['direct'] else ', buffered'})"
+        )
     print("\n".join(lines), file=sys.stderr)
 
 

@@ -138,6 +138,16 @@ def _add_bench_parser(sub) -> None:
         "--moe-cpu-threads",
         help="comma-separated sizes of the CPU expert pool, each a run of every split (default: the physical cores)",
     )
+    b.add_argument(
+        "--ram-budget",
+        help="comma-separated host memory budgets for the experts (a sweep), each a size (24GiB) or a fraction of "
+        "them (0.25): the rest in an expert store on disk, read through the RAM tier (default: every expert in RAM)",
+    )
+    b.add_argument(
+        "--expert-store",
+        metavar="DIR",
+        help="with --ram-budget: where the store is written (default: the cache folder)",
+    )
     b.add_argument("--routing-trace", help="FILE (.npy from --record-routing) or 'synthetic' (default: the router)")
     b.add_argument("--steps", type=int, default=64, help="timed decode steps (default: 64)")
     b.add_argument("--warmup", type=int, default=32, help="decode steps before timing (default: 32)")

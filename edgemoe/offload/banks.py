@@ -11,6 +11,7 @@ on disk (`edgemoe.offload.expert_store`), and once loaded the layers read their 
 
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,11 @@ def available_memory() -> int | None:
     return None
 
 
+def ram_rows(budget: int | float, total: int, stride: int) -> int:
+    """RAM rows of `stride` bytes that a budget (bytes, or a fraction of the `total` experts) holds."""
+    return round(budget * total) if isinstance(budget, float) else budget // stride
+
+
 def plan_store(
     model: nn.Module, dtype: torch.dtype, layouts: dict[int, ExpertLayout], tier: TierOptions, near: Path | None,
     source: object,
@@ -85,7 +91,7 @@ def plan_store(
     total = len(moe) * cfg.num_experts
     row = max(layout.row_bytes for layout in chosen)
     stride = -(-row // 4096) * 4096
-    rows = round(tier.budget * total) if isinstance(tier.budget, float) else tier.budget // stride
+    rows = ram_rows(tier.budget, total, stride)
     if rows >= total:
         return None
     if rows < cfg.top_k:  # one sequence's decode step; `attach_expert_cache` checks the engine's batch
@@ -110,6 +116,25 @@ def attach_ram_tier(model: nn.Module, plan: StorePlan, pin: bool) -> RamTier:
         m.drop_banks()
     plan.store.finish()
     tier = RamTier(plan.store, plan.rows, pin)
+    for m in layers:
+        m.tier = tier
+    return tier
+
+
+def replace_ram_tier(model: nn.Module, budget: int | float, pin: bool) -> RamTier:
+    """A new RAM tier of `budget` over the store the model's experts are in (a benchmark's sweep of budgets)."""
+    layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+    old = layers[0].tier
+    rows = ram_rows(budget, old.layers * old.experts, old.stride)
+    if not 1 <= rows < old.layers * old.experts:
+        raise EdgeMoEError(f"ram_budget {budget} holds {rows} of {old.layers * old.experts} experts: a tier needs "
+                           "fewer than all of them and at least one")  # fmt: skip
+    store = old.store
+    for m in layers:
+        m.tier = None
+    del old
+    gc.collect()  # the old rows go first (an expert cache over them must be gone too)
+    tier = RamTier(store, rows, pin)
     for m in layers:
         m.tier = tier
     return tier

@@ -34,11 +34,12 @@ import gc
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from edgemoe.config import ExpertCacheConfig, parse_size
+from edgemoe.config import ExpertCacheConfig, parse_size, ram_budget
 from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Batch
@@ -52,7 +53,9 @@ from edgemoe.models.loader import LoadOptions, load_model
 from edgemoe.models.registry import FAMILIES
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.offload import cpu_split
+from edgemoe.offload.banks import TierOptions, ram_rows, replace_ram_tier
 from edgemoe.offload.experts import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
+from edgemoe.offload.ram_tier import read_bandwidth
 from edgemoe.quant import QUANT_TYPES
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tools.cache_sim import load_trace, synthetic_trace
@@ -73,17 +76,19 @@ def build_model(
     positions: int = 0,
     resident: bool = False,
     expert_dtype: str = "auto",
+    tier: TierOptions | None = None,
 ) -> MoEForCausalLM:
     """A random-weight model of a named geometry, through the loader (`load_model` without a checkpoint): dense
     weights on `device`, experts in (pinned) host banks, or with `resident` on `device` holding the same values. Its
-    RoPE table covers at least `positions` (a benchmark may run a geometry past its trained context)."""
+    RoPE table covers at least `positions` (a benchmark may run a geometry past its trained context). `tier`: the
+    experts in an expert store on disk behind a RAM tier (`--ram-budget`)."""
     preset = dict(PRESETS[geometry])
     preset["max_position_embeddings"] = max(preset.get("max_position_embeddings") or 0, positions)
     model_type = preset.pop("family", "qwen2_moe")  # (one family module may read several: qwen3_next)
     family = FAMILIES[model_type]
     cfg = family.normalise(hf_config(model_type, preset, preset["vocab_size"] or 6144, layers))
     host_embedding = not resident and device.type == "cuda"  # as the engine places it
-    opts = LoadOptions(device, dtype, False, not resident, expert_dtype, host_embedding=host_embedding)
+    opts = LoadOptions(device, dtype, False, not resident, expert_dtype, host_embedding=host_embedding, tier=tier)
     return load_model(None, cfg, family, opts)
 
 
@@ -231,8 +236,14 @@ def run_bench(a: argparse.Namespace) -> dict:
     resident = a.moe_strategy == "resident"
     lengths = prefill_lengths(a.prefill)
     positions = max([a.context, *lengths]) + total_steps + 1
-    model = build_model(a.geometry, a.layers, device, dtype, positions, resident, a.expert_dtype)
+    budgets = ram_budgets(a.ram_budget)
+    folder = None if a.expert_store is None else Path(a.expert_store).expanduser()
+    tier = None if budgets[0] is None else TierOptions(budgets[0][1], folder)
+    model = build_model(a.geometry, a.layers, device, dtype, positions, resident, a.expert_dtype, tier)
     cfg = model.config
+    tier = next((m.tier for m in model.modules() if isinstance(m, OffloadedExperts)), None)
+    if tier is None and budgets[0] is not None:
+        raise EdgeMoEError(f"--ram-budget {budgets[0][0]} holds every expert: drop it for that run")
     L, per_expert = sum(cfg.moe_layers), expert_bytes(model, dtype)
     runner = make_runner(model, max([a.context, *lengths]) + total_steps, rows)
     if rows > 1 and runner.states is not None:
@@ -246,6 +257,9 @@ def run_bench(a: argparse.Namespace) -> dict:
     kv_read = 2 * cfg.num_layers * a.context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     kv_bytes = 2 * kv.k.numel() * kv.k.element_size()
     bw = bandwidths(device, per_expert)
+    if tier is not None:
+        print(f"expert store {tier.store.path}; measuring its read rate ...", file=sys.stderr)
+        bw |= read_bandwidth(tier.store, cfg.top_k)
     trace = routing(a.routing_trace, total_steps + a.prewarm, L, cfg.num_experts, cfg.top_k)
     result = {
         "geometry": a.geometry,
@@ -271,12 +285,14 @@ def run_bench(a: argparse.Namespace) -> dict:
         if a.moe_cache_fraction
         else [("vram_budget", v) for v in a.vram_budget.split(",")]
     )
-    for key, value in sizes:
+    for (key, value), ram in ((s, r) for s in sizes for r in budgets):
         moe = ExpertCacheConfig(moe_strategy="offload", **{key: value})
         room = None if key != "vram_budget" else parse_size(value) - dense - kv_bytes
         slots = cache_slots(moe, cfg, rows, per_expert, room)
         threads = [int(t) for t in a.moe_cpu_threads.split(",")] if a.moe_cpu_threads else [None]
         runs = [(p, c, t) for p in a.moe_policy.split(",") for c in a.moe_cpu_compute.split(",") for t in threads]
+        if ram is not None and tier.rows != ram_rows(ram[1], tier.layers * tier.experts, tier.stride):
+            tier = replace_ram_tier(model, ram[1], device.type == "cuda")
         for policy, split, pool in runs:
             if split == "off" and pool != threads[0]:
                 continue  # copy-only has no pool: one run
@@ -285,6 +301,7 @@ def run_bench(a: argparse.Namespace) -> dict:
             if lengths and not result.get("prefill"):
                 result["prefill"] = prefill_runs(runner, lengths, a.warmup_prefill, cache, bw)
             label = policy if split == "off" else f"{policy}+cpu:{split}" + ("" if pool is None else f"/{pool}t")
+            label += "" if ram is None else f" ram:{ram[0]}"
             decode_runs(result, a, runner, cache, trace, slots, label, bw, dense_read + kv_read)
             if cache.cpu_split is not None:
                 cache.cpu_split.close()
@@ -293,6 +310,13 @@ def run_bench(a: argparse.Namespace) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return settled(result, device, per_expert)
+
+
+def ram_budgets(spec: str | None) -> list[tuple[str, int | float] | None]:
+    """`--ram-budget`'s sweep: (as written, bytes or fraction) each; [None] without one."""
+    if not spec:
+        return [None]
+    return [(b.strip(), ram_budget(b.strip())) for b in spec.split(",")]
 
 
 def decode_runs(result: dict, a, runner, cache, trace, slots: int, policy: str, bw: dict, fixed_read: int) -> None:
@@ -414,6 +438,8 @@ def decode(
                 cache.stats.zero_()
             service = getattr(cache, "copy_service", None)
             served_before = service.host_timings if service is not None else None
+            tier = getattr(cache, "tier", None)
+            tier_before = tier.stats() if tier is not None else None
             cpu_before = service.cpu_timings if service is not None else None
             seconds = timed(fn, dec.device, a.steps - 1)  # per step; the stats cover its warm call too
             if service is not None:  # what serving the copy lists cost the host, a list (graph runs post)
@@ -422,6 +448,11 @@ def decode(
                 # lists with CPU pairs (the split's): µs from seeing each to its rows' flag queued
                 run["copy_service"].update(cpu_lists=lists, cpu_list_us=ns / lists / 1e3 if lists else None)
             stats = resident_stats(model, dec.trace, a.steps) if cache is None else cache.stats.sum(0).tolist()
+            if tier is not None:  # the RAM tier over the same calls
+                now = tier.stats()
+                run["ram_tier"] = {k: now[k] - tier_before[k] for k in ("accesses", "hits", "reads", "bytes_read",
+                                                                         "read_ns")}  # fmt: skip
+                run["ram_tier"].update(rows=tier.rows, direct=now["direct"])
             if dec.device.type == "cuda":
                 run["peak_vram_bytes"] = torch.cuda.max_memory_allocated(dec.device)
                 run["run_vram_bytes"] = run["peak_vram_bytes"] - before  # this run's own peak (graph pool etc.)
@@ -434,6 +465,10 @@ def decode(
     accesses, hits, misses, _, copied, on_cpu = stats
     hbm = fixed_read + accesses / steps * per_expert
     miss_bytes = copied / steps
+    if "ram_tier" in run:
+        got = run["ram_tier"]
+        got["hit_rate"] = got["hits"] / got["accesses"] if got["accesses"] else 0.0
+        run["disk_bytes_per_token"] = got["bytes_read"] / steps
     run.update(
         tok_s=1 / seconds,
         hit_rate=hits / accesses if accesses else 0.0,
@@ -476,6 +511,13 @@ def cmd_bench(a: argparse.Namespace) -> None:
     prefill_lengths(a.prefill)
     for budget in a.vram_budget.split(",") if a.vram_budget else ():
         parse_size(budget)  # one line for a bad size
+    if a.ram_budget and a.moe_strategy != "offload":
+        raise EdgeMoEError("--ram-budget keeps experts on disk behind RAM: it needs --moe-strategy offload")
+    if a.ram_budget and a.moe_cpu_compute != "off":
+        raise EdgeMoEError("--moe-cpu-compute computes misses from experts in RAM; with --ram-budget use off")
+    if a.expert_store and not a.ram_budget:
+        raise EdgeMoEError("--expert-store is where experts beyond --ram-budget go: give --ram-budget too")
+    ram_budgets(a.ram_budget)  # one line for a bad budget
     if not set(a.mode.split(",")) <= {"eager", "graph"}:
         raise EdgeMoEError(f"--mode {a.mode!r}: use eager, graph or eager,graph")
     if a.expert_dtype != "auto" and a.expert_dtype.upper() not in QUANT_TYPES:

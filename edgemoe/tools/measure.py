@@ -85,6 +85,9 @@ def set_bound(run: dict, bw: dict) -> None:
     hbm = run["hbm_bytes_per_token"] / bw["hbm_bytes_per_s"]
     bound = hbm + run["miss_bytes_per_token"] / bw["h2d_bytes_per_s"]
     run.update(bound_tok_s=1 / bound, achieved_over_bound=run["tok_s"] * bound)
+    if "disk_bytes_per_token" in run and bw.get("disk_bytes_per_s"):  # with the RAM tier: the disk's reads too (#51)
+        three = bound + run["disk_bytes_per_token"] / bw["disk_bytes_per_s"]
+        run.update(three_link_bound_tok_s=1 / three, achieved_over_three_link=run["tok_s"] * three)
     if "cpu_bytes_per_s" in run:
         missed = run["miss_bytes_per_token"] + run["cpu_bytes_per_token"]
         two = hbm + missed / (bw["h2d_bytes_per_s"] + run["cpu_bytes_per_s"])
@@ -120,6 +123,12 @@ def run_line(r: dict) -> str:
     )
     if "two_link_bound_tok_s" in r:
         bound += f", two-link bound {r['two_link_bound_tok_s']:.1f} tok/s ({r['achieved_over_two_link']:.2f})"
+    if "ram_tier" in r:
+        t = r["ram_tier"]
+        read = r["disk_bytes_per_token"] / MiB
+        bound += f"; RAM tier {t['rows']} rows, hit rate {t['hit_rate']:.3f}, {read:.1f} MiB read/token"
+    if "three_link_bound_tok_s" in r:
+        bound += f", three-link bound {r['three_link_bound_tok_s']:.1f} tok/s ({r['achieved_over_three_link']:.2f})"
     return (
         f"{r['policy']:>6}{overlap} {r['slots']:>6} slots ({r['fraction']:.0%}) {r['mode']:>5}: "
         f"{r['tok_s']:.1f} tok/s, "

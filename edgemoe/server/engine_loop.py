@@ -209,6 +209,9 @@ class EngineLoop:
                     return
                 if self.engine.has_unfinished():
                     self._step()
+            except EdgeMoEError as exc:  # a step the engine refused to finish (the RAM tier's store failed a read)
+                log.error("engine step failed: %s; failing the requests in flight", exc)
+                self._fail_all(RequestError(500, str(exc), type="server_error"))
             except Exception:  # noqa: BLE001 - a bug must fail the requests in flight, not hang them forever
                 log.exception("engine loop failed; failing the requests in flight")
                 self._fail_all(RequestError(500, "internal error in the engine loop", type="server_error"))

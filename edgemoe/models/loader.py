@@ -326,6 +326,10 @@ def load_weights(
                 readers[name](file, key)
                 read.add(name)
                 continue
+            if _in_reused_store(name, params):  # an expert the store already holds: not read at all
+                pname, target = _target(name, params, model)
+                filled[pname] += target.numel()
+                continue
             for converted, tensor in model.convert(name, handle.get_tensor(key)):
                 pname, target = _target(converted, params, model)
                 if target is None:
@@ -346,6 +350,16 @@ def load_weights(
     unread = sorted(set(readers) - read)
     if unread:
         raise EdgeMoEError(f"checkpoint {folder} lacks {', '.join(unread)}")
+
+
+def _in_reused_store(name: str, params: dict[str, torch.Tensor]) -> bool:
+    """Whether checkpoint tensor `name` (after renaming) fills an expert bank of a reused expert store (a meta tensor:
+    `edgemoe.offload.expert_store.ExpertStore.banks`), so that reading it would be wasted. Names a family converts
+    into other tensors (gpt-oss's blocks and scales) are read as usual, their copies then going nowhere."""
+    m = _EXPERT.match(name)
+    pname = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}" if m else name
+    target = params.get(pname)
+    return target is not None and target.is_meta
 
 
 def quantize_rows(model: MoEForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:

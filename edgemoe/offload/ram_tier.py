@@ -139,19 +139,19 @@ class RamTier:
 
 
 def read_bandwidth(store: ExpertStore, per_call: int, budget: int = 2**31, seed: int = 0) -> dict:
-    """The drive's read rate as the tier reads: distinct random experts of the store (about `budget` bytes of them),
-    `per_call` a call (a decode step's misses of one layer), through a fresh tier (O_DIRECT where the file system
+    """The drive's read rate as the tier reads: calls of `per_call` distinct random experts of one random layer (a
+    decode step's misses of a layer), about `budget` bytes in all, through a fresh tier (O_DIRECT where the file system
     allows it, so cold: not from the page cache)."""
-    total = store.layers * store.experts
-    n = max(per_call, min(total, budget // store.stride)) // per_call * per_call
-    keys = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n]
+    gen = torch.Generator().manual_seed(seed)
+    per_call = min(per_call, store.experts)
+    calls = max(1, min(store.layers * store.experts, budget // store.stride) // per_call)
     tier = RamTier(store, per_call, pin=False)
     try:
-        for call in keys.view(-1, per_call):
-            layer = int(call[0]) // store.experts  # one layer a call, as the copy lists are
-            tier.fetch(layer, torch.unique(call[call // store.experts == layer] % store.experts))
+        for _ in range(calls):
+            layer = int(torch.randint(store.layers, (), generator=gen))
+            tier.fetch(layer, torch.randperm(store.experts, generator=gen)[:per_call])
         got = tier.stats()
     finally:
         tier.close()
     return {"disk_bytes_per_s": got["bytes_read"] / got["read_ns"] * 1e9, "disk_direct": got["direct"],
-            "disk_reads_per_call": got["reads"] / max(1, n // per_call)}  # fmt: skip
+            "disk_reads_per_call": got["reads"] / calls}  # fmt: skip

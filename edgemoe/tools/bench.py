@@ -260,6 +260,7 @@ def run_bench(a: argparse.Namespace) -> dict:
     if tier is not None:
         print(f"expert store {tier.store.path}; measuring its read rate ...", file=sys.stderr)
         bw |= read_bandwidth(tier.store, cfg.top_k)
+        bw["host_rss_after_load"] = host_rss()  # the RAM tier's rows, not the experts
     trace = routing(a.routing_trace, total_steps + a.prewarm, L, cfg.num_experts, cfg.top_k)
     result = {
         "geometry": a.geometry,
@@ -309,7 +310,18 @@ def run_bench(a: argparse.Namespace) -> dict:
             model.apply(lambda m: m.attach(None) if isinstance(m, OffloadedExperts) else None)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if tier is not None:
+        result["host_rss_after_runs"] = host_rss()
     return settled(result, device, per_expert)
+
+
+def host_rss() -> int | None:
+    """This process's resident host memory (VmRSS), None where /proc does not say."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
 
 
 def ram_budgets(spec: str | None) -> list[tuple[str, int | float] | None]:

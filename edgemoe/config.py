@@ -137,8 +137,8 @@ def ram_budget(text: str | int | float) -> int | float:
         value = None
     if value is not None and 0 < value < 1:
         return value
-    try:
-        size = parse_size(text)
+    try:  # a plain number past 1 with a fraction ('1.5') is no fraction of the experts, nor whole bytes
+        size = parse_size(text) if value is None or value.is_integer() else 0
     except EdgeMoEError:
         size = 0
     if size <= 0:

@@ -194,12 +194,13 @@ def _empty_model(
         from edgemoe.offload.banks import plan_store
 
         plan = plan_store(model, dtype, layouts, opts.tier, near, source)
-    host = _place_experts(model, layouts, dtype, device, opts.progress, opts.offload, plan)
-    if opts.host_embedding:
-        host |= embedding_to_host(model, dtype, device.type == "cuda")
-    ple_tables, readers = place_ple(model, opts.ple, device, dtype, opts.progress)
-    model.to_empty(device=device)
-    model.tie_weights()
+    with _discard_on_error(plan):  # the store's file exists from here
+        host = _place_experts(model, layouts, dtype, device, opts.progress, opts.offload, plan)
+        if opts.host_embedding:
+            host |= embedding_to_host(model, dtype, device.type == "cuda")
+        ple_tables, readers = place_ple(model, opts.ple, device, dtype, opts.progress)
+        model.to_empty(device=device)
+        model.tie_weights()
     return model, host | ple_tables, readers, kept, plan
 
 
@@ -458,12 +459,12 @@ def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: 
     source = source_identity(gguf_files(ckpt.path))
     model, host, readers, kept, plan = _empty_model(cfg, family, opts, layouts, formats, ckpt.path.parent, source)
     progress = opts.progress
-    _no_readers(readers, "GGUF files")
-    params = dict(model.named_parameters()) | host | quantized_buffers(model)
-    filled = dict.fromkeys(params, 0)
-    heads = (cfg.num_heads, cfg.num_kv_heads)
-    tensors = ckpt.dense_tensors()
     with _discard_on_error(plan), torch.no_grad():
+        _no_readers(readers, "GGUF files")
+        params = dict(model.named_parameters()) | host | quantized_buffers(model)
+        filled = dict.fromkeys(params, 0)
+        heads = (cfg.num_heads, cfg.num_kv_heads)
+        tensors = ckpt.dense_tensors()
         for hf_name, tensor in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress or None):
             if hf_name in kept:  # blocks as stored
                 rows, raw = kept[hf_name], ckpt.raw_rows(tensor, hf_name, heads)
@@ -482,7 +483,7 @@ def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: 
         ):
             if moe:
                 filled.update(_fill_experts(ckpt, model, params, i, i in layouts))
-    _check_filled(params, filled, ckpt.path.name)
+        _check_filled(params, filled, ckpt.path.name)
     del host, params  # views of the expert store, if any: it is finished next
     return _ready(model, opts, plan)
 

@@ -98,7 +98,7 @@ class LLMEngine:
             tier = None
             if moe.ram_budget is not None:
                 folder = None if moe.expert_store is None else Path(moe.expert_store).expanduser()
-                tier = TierOptions(ram_budget(moe.ram_budget), folder)
+                tier = TierOptions(ram_budget(moe.ram_budget), folder, config.max_num_seqs)
             opts = LoadOptions(
                 self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, placed, tier
             )

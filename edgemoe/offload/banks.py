@@ -35,6 +35,7 @@ class TierOptions:
 
     budget: int | float
     folder: Path | None = None
+    max_seqs: int = 1  # a decode step's sequences: its experts of one layer must fit the rows
 
 
 @dataclass
@@ -94,10 +95,12 @@ def plan_store(
     rows = ram_rows(tier.budget, total, stride)
     if rows >= total:
         return None
-    if rows < cfg.top_k:  # one sequence's decode step; `attach_expert_cache` checks the engine's batch
+    need = min(cfg.num_experts, cfg.top_k * tier.max_seqs)  # `attach_expert_cache` checks it again
+    if rows < need:
         raise EdgeMoEError(
-            f"ram_budget {tier.budget} holds {rows} experts ({stride / 2**20:.2f} MiB each); a decode step needs at "
-            f"least top_k = {cfg.top_k} of one layer in RAM"
+            f"ram_budget {tier.budget} holds {rows} experts ({stride / 2**20:.2f} MiB each); a decode step of "
+            f"{tier.max_seqs} sequence{'s' if tier.max_seqs > 1 else ''} needs up to {need} of one layer in RAM "
+            f"(top_k {cfg.top_k}): raise ram_budget{' or lower max_num_seqs' if tier.max_seqs > 1 else ''}"
         )
     free = available_memory()
     if free is not None and rows * stride > free:

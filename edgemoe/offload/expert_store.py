@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -71,6 +72,10 @@ class ExpertStore:
         self._tmp: Path | None = None
         if not self.reused:
             self.path, self._tmp = self._create(folders, name)
+            others = sorted(p.name for p in self.path.parent.glob("edgemoe-experts-*.bin") if p.name != name)
+            if others:  # not removed here: another configuration of the same folder may still use them
+                print(f"edgemoe: writing the expert store {self.path}; other stores in that folder (delete them if no "
+                      f"longer used): {', '.join(others)}", file=sys.stderr)  # fmt: skip
 
     def _valid(self, path: Path) -> bool:
         """Whether `path` is a complete store of these experts (its header and size)."""

@@ -14,8 +14,8 @@
  * synchronises before each fetch. One thread calls at a time.
  *
  * A read that fails or comes back short (the file truncated), or a store whose size or modification time changed
- * since it was opened, is an error code (errno); the rows it was reading are left empty, so nothing is served from
- * them, and the error is sticky: `edgemoe_ram_tier_error`.
+ * since it was opened, is an error code (errno); the rows whose reads failed are freed, so nothing is served from
+ * them, and the error is sticky (every later call returns it).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -187,9 +187,10 @@ static int store_changed(ram_tier *t) {
 int edgemoe_ram_tier_fetch(ram_tier *t, int64_t layer, const int64_t *experts, int64_t n, uint64_t *addrs) {
   if (t->error) return t->error;
   if (layer < 0 || layer >= t->layers || n < 0 || n > t->rows || n > t->experts) return EINVAL;
+  for (int64_t j = 0; j < n; ++j)
+    if (experts[j] < 0 || experts[j] >= t->experts) return EINVAL;
   int64_t call = ++t->calls, queued = 0;
   for (int64_t j = 0; j < n; ++j) { /* hits first: touched, so no miss of this call evicts them */
-    if (experts[j] < 0 || experts[j] >= t->experts) return EINVAL;
     int64_t r = t->row_of[layer * t->experts + experts[j]];
     if (r >= 0) unlink_row(t, r), push_front(t, r), t->touched[r] = call;
   }
@@ -256,5 +257,6 @@ void edgemoe_ram_tier_reset(ram_tier *t) {
 
 /* The RAM row of (layer, expert), -1 absent: what the tests compare with a reference. */
 int64_t edgemoe_ram_tier_row(const ram_tier *t, int64_t layer, int64_t expert) {
+  if (layer < 0 || layer >= t->layers || expert < 0 || expert >= t->experts) return -1;
   return t->row_of[layer * t->experts + expert];
 }

@@ -207,7 +207,7 @@ ERRORS = [  # (id, LLM keyword arguments beyond the model's, a fragment of the o
     ("zero", dict(OFFLOAD, ram_budget="0"), "cannot read ram_budget '0'"),
     ("above-one", dict(OFFLOAD, ram_budget="1.5"), "cannot read ram_budget '1.5'"),
     ("below-top-k", dict(OFFLOAD, ram_budget="0.05"), "holds 1 experts"),
-    ("below-a-step", dict(OFFLOAD, ram_budget="0.125"), "ram_budget holds 3 experts; a decode step of 2 sequences"),
+    ("below-a-step", dict(OFFLOAD, ram_budget="0.125"), "MiB each); a decode step of 2 sequences needs up to 4"),
     ("bytes-below-top-k", dict(OFFLOAD, ram_budget="24KiB"), "holds 1 experts"),
     ("cpu-split", dict(OFFLOAD, ram_budget="0.5", moe_cpu_compute="2"), "with ram_budget use off"),
     ("store-alone", dict(OFFLOAD, expert_store="somewhere"), "expert_store is where experts beyond ram_budget go"),
@@ -221,7 +221,7 @@ def test_bad_settings_are_one_line(tiny, tmp_path: Path, kwargs: dict, fragment:
     with pytest.raises(EdgeMoEError) as info:
         LLM(folder, **ENGINE, **store, **kwargs)
     assert fragment in str(info.value) and "\n" not in str(info.value)
-    assert not list(tmp_path.rglob("*.tmp"))
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.bin"))  # refused before any store
 
 
 def test_a_budget_above_the_memory_available_is_one_line(tiny, tmp_path: Path, monkeypatch) -> None:
@@ -241,7 +241,7 @@ CLI_ERRORS = [  # (id, flags, a fragment of the one line, whether it comes after
     ("resident", ["--ram-budget", "0.5"], "it needs moe_strategy offload", False),
     ("abc", ["--moe-strategy", "offload", "--ram-budget", "abc"], "cannot read ram_budget 'abc'", False),
     ("above-one", ["--moe-strategy", "offload", "--ram-budget", "1.5"], "cannot read ram_budget '1.5'", False),
-    ("below-top-k", ["--moe-strategy", "offload", "--ram-budget", "0.05"], "a decode step needs at least", True),
+    ("below-top-k", ["--moe-strategy", "offload", "--ram-budget", "0.05"], "needs up to 2 of one layer", True),
     ("cpu-split", ["--moe-strategy", "offload", "--ram-budget", "0.5", "--moe-cpu-compute", "2"], "use off", False),
     ("store-alone", ["--moe-strategy", "offload", "--expert-store", "x"], "give ram_budget too", False),
 ]

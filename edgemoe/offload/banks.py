@@ -12,7 +12,6 @@ on disk (`edgemoe.offload.expert_store`), and once loaded the layers read their 
 from __future__ import annotations
 
 import gc
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +21,10 @@ from tqdm import tqdm
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.moe.experts import carry_biases
-from edgemoe.offload.expert_store import CACHE_DIR, ExpertStore, GiB
+from edgemoe.offload.expert_store import CACHE_DIR, ExpertStore, GiB, store_stride
 from edgemoe.offload.experts import OffloadedExperts
 from edgemoe.offload.layout import ExpertLayout
-from edgemoe.offload.ram_tier import RamTier
+from edgemoe.offload.ram_tier import RamTier, check_rows, pin_in_place
 
 
 @dataclass(frozen=True)
@@ -52,12 +51,7 @@ def allocate_bank(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, what: s
     experts' size)."""
     bank = torch.empty(shape, dtype=dtype)
     if pin and bank.numel():
-        cudart = torch.cuda.cudart()
-        ptr, size = bank.data_ptr(), bank.numel() * bank.element_size()
-        err = cudart.cudaHostRegister(ptr, size, 3)  # portable | mapped: any GPU reads it through unified addressing
-        if int(err) != 0:
-            raise EdgeMoEError(f"cannot pin {size / 2**30:.2f} GiB of host memory for {what} (CUDA error {int(err)})")
-        weakref.finalize(bank, cudart.cudaHostUnregister, ptr)
+        pin_in_place(bank, what)
     return bank
 
 
@@ -91,17 +85,11 @@ def plan_store(
     folders = [tier.folder] if tier.folder is not None else [p for p in (near, CACHE_DIR) if p is not None]
     total = len(moe) * cfg.num_experts
     row = max(layout.row_bytes for layout in chosen)
-    stride = -(-row // 4096) * 4096
+    stride = store_stride(row)
     rows = ram_rows(tier.budget, total, stride)
     if rows >= total:
         return None
-    need = min(cfg.num_experts, cfg.top_k * tier.max_seqs)  # `attach_expert_cache` checks it again
-    if rows < need:
-        raise EdgeMoEError(
-            f"ram_budget {tier.budget} holds {rows} experts ({stride / 2**20:.2f} MiB each); a decode step of "
-            f"{tier.max_seqs} sequence{'s' if tier.max_seqs > 1 else ''} needs up to {need} of one layer in RAM "
-            f"(top_k {cfg.top_k}): raise ram_budget{' or lower max_num_seqs' if tier.max_seqs > 1 else ''}"
-        )
+    check_rows(rows, stride, cfg, tier.max_seqs, tier.budget)  # `attach_expert_cache` checks its own batch again
     free = available_memory()
     if free is not None and rows * stride > free:
         raise EdgeMoEError(

@@ -132,10 +132,10 @@ class ExpertCache:
         `x` [tokens, hidden] for the service to compute them (`cpu_wait`); elsewhere `_ensure_torch`."""
         if self._ensure_impl is None:
             return self._ensure_torch(layer, ids, cpu_take)
-        post = None
-        if self._posts() and self.tier is not None:
+        post, posts = None, self._posts()
+        if posts and self.tier is not None:
             post = self.copy_service.tier_target(layer)
-        elif self._posts() and banks is not None:
+        elif posts and banks is not None:
             post = self.copy_service.target(banks)
         return self._ensure_impl(self, layer, ids, post=post, cpu_take=cpu_take, x=x)
 

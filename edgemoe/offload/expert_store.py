@@ -37,6 +37,11 @@ VERSION = 1
 GiB = 2**30
 
 
+def store_stride(row_bytes: int) -> int:
+    """Bytes from one stored expert (and one RAM row) to the next: the row rounded up to `ALIGN`."""
+    return -(-row_bytes // ALIGN) * ALIGN
+
+
 def layout_name(layout: ExpertLayout) -> str:
     """One layer's expert format as the header records it."""
     q = getattr(layout, "q_gate_up", None)
@@ -58,7 +63,7 @@ class ExpertStore:
             raise EdgeMoEError("the expert store needs offloaded MoE layers")
         self.experts, self.layers = experts, len(layouts)
         self.row_bytes = max(layout.row_bytes for layout in layouts)
-        self.stride = -(-self.row_bytes // ALIGN) * ALIGN
+        self.stride = store_stride(self.row_bytes)
         self.header = {
             "version": VERSION, "layers": self.layers, "experts": experts, "row_bytes": self.row_bytes,
             "stride": self.stride, "formats": [layout_name(layout) for layout in layouts], "source": source,

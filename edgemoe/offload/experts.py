@@ -28,7 +28,7 @@ from edgemoe.offload import cpu_split
 from edgemoe.offload.expert_cache import ExpertCache
 from edgemoe.offload.layout import ExpertLayout
 from edgemoe.offload.prefill_stream import PrefillStream
-from edgemoe.offload.ram_tier import RamTier
+from edgemoe.offload.ram_tier import RamTier, check_rows
 
 MiB = 2**20
 
@@ -116,10 +116,7 @@ class OffloadedExperts(nn.Module):
 
 def _check_tier(tier: RamTier, cfg: ModelConfig, max_tokens: int, cpu_compute: str | int) -> None:
     """One line where the RAM tier cannot serve a decode step, or a CPU split was asked for beside it."""
-    need = min_cache_slots(cfg, max_tokens)
-    if tier.rows < need:
-        raise EdgeMoEError(f"ram_budget holds {tier.rows} experts; a decode step of {max_tokens} sequences can need "
-                           f"{need} of one layer: raise ram_budget or lower max_num_seqs")  # fmt: skip
+    check_rows(tier.rows, tier.stride, cfg, max_tokens, f"{tier.rows * tier.stride / 2**30:.2f}GiB")
     if str(cpu_compute) not in ("off", "auto"):
         raise EdgeMoEError("moe_cpu_compute computes misses from experts in RAM; with ram_budget use off")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.kernels.protocol import Ensured
 from edgemoe.offload.c_library import build_library
@@ -53,6 +54,17 @@ def pin_in_place(t: torch.Tensor, what: str) -> None:
     if int(err) != 0:
         raise EdgeMoEError(f"cannot pin {size / 2**30:.2f} GiB of host memory for {what} (CUDA error {int(err)})")
     weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+
+
+def check_rows(rows: int, stride: int, cfg: ModelConfig, seqs: int, budget: object) -> None:
+    """One line where `rows` RAM rows cannot hold one layer's experts of a decode step of `seqs` sequences."""
+    need = min(cfg.num_experts, cfg.top_k * seqs)
+    if rows < need:
+        raise EdgeMoEError(
+            f"ram_budget {budget} holds {rows} experts ({stride / 2**20:.2f} MiB each); a decode step of {seqs} "
+            f"sequence{'s' if seqs > 1 else ''} needs up to {need} of one layer in RAM (top_k {cfg.top_k}): raise "
+            f"ram_budget{' or lower max_num_seqs' if seqs > 1 else ''}"
+        )
 
 
 def error_text(code: int) -> str:
@@ -105,10 +117,11 @@ class RamTier:
         """An eager step's copy list into the slot pool `joined` [S + 1, row]: its length and experts read on the host
         (a sync), the experts fetched, their rows copied; `counters` (arrival counters, chunks an entry) marked for
         the expert kernels that wait on them."""
-        n = int(copy.count)
+        listed = torch.cat([copy.count.view(1), copy.src]).cpu()  # one sync: the length and the experts
+        n = int(listed[0])
         if n == 0:
             return
-        rows = self.fetch(layer, copy.src[:n].cpu())
+        rows = self.fetch(layer, listed[1 : 1 + n])
         pool = joined.view(torch.uint8)  # [S + 1, row bytes]
         data = self.pool[rows, : pool.shape[1]]  # [n, row bytes]: a copy, so the rows may be reused at once
         pool.index_copy_(0, copy.dst[:n], data.to(pool.device, non_blocking=False))

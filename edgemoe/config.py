@@ -54,6 +54,9 @@ class ModelConfig:
     # The block format (an `EXPERT_DTYPES` name) a safetensors checkpoint stores its routed experts in, which the
     # loader keeps as they are (gpt-oss's MXFP4, converted by the family); None: floats
     expert_format: str | None = None
+    # The last mtp_layers of the num_layers layers are a multi-token-prediction head's (`edgemoe.models.mtp`: built
+    # only for `--speculative mtp`), which the decoder's layer loop skips; 0: none
+    mtp_layers: int = 0
     # A family's own settings that only its file reads (a frozen dataclass there, e.g. `gemma4.Gemma4Settings`)
     family_config: Any = None
 
@@ -67,6 +70,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
+        if not (isinstance(self.mtp_layers, int) and 0 <= self.mtp_layers < self.num_layers):
+            raise ValueError(f"mtp_layers must be an integer in 0..{self.num_layers - 1}, got {self.mtp_layers!r}")
         for _, kv_heads, _ in filter(None, self.kv_layers()):
             if self.num_heads % kv_heads:
                 raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {kv_heads}")
@@ -90,6 +95,11 @@ class ModelConfig:
         if any(not 0 <= s <= i or sources[s] != s or (s in no_kv and i not in no_kv) for i, s in enumerate(sources)):
             raise ValueError(f"kv_sources {sources}: a layer reads its own KV cache or an earlier layer's own")
         return [None if i in self.no_kv_layers else (s, *shapes[s]) for i, s in enumerate(sources)]
+
+    @property
+    def decoder_layers(self) -> int:
+        """The layers a forward runs: all but the multi-token-prediction head's."""
+        return self.num_layers - self.mtp_layers
 
     @property
     def expert_params(self) -> int:
@@ -159,7 +169,7 @@ def check_model_path(model: str | None) -> None:
 MOE_STRATEGIES = ("resident", "offload")
 MOE_POLICIES = ("lru", "scored")  # the expert cache's eviction policies (`edgemoe.offload.policies.POLICIES`)
 EXPERT_DTYPES = ("auto", "q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
-SPECULATIVE = ("off", "ngram")  # edgemoe/engine/speculative.py
+SPECULATIVE = ("off", "ngram", "mtp")  # edgemoe/engine/speculative.py, edgemoe/engine/mtp.py
 PLE_BACKENDS = ("gpu", "host", "disk")  # edgemoe/layers/ple.py, ple_disk.py
 PLE_SYNCS = ("host", "wait")  # edgemoe/layers/ple_wait.py
 TOOL_PARSERS = ("auto", "none", "qwen", "qwen3_coder", "mistral", "glm", "harmony")  # server/tool_calls.py, harmony.py
@@ -290,8 +300,9 @@ class EngineConfig:
     )
     speculative: str = option(
         "off",
-        "speculative decoding: off, or ngram (prompt lookup: a greedy sequence whose last tokens occurred earlier in "
-        "it drafts what followed them, and one step verifies the drafts; the output is unchanged)",
+        "speculative decoding: off; ngram (prompt lookup: a greedy sequence whose last tokens occurred earlier in "
+        "it drafts what followed them); or mtp (the checkpoint's multi-token-prediction head drafts: Qwen3-Next, "
+        "Qwen3.5/3.6 MoE). One step verifies the drafts; the output is unchanged",
     )
     speculative_tokens: int = option(4, "speculative: tokens drafted a step at most")
     speculative_ngram: int = option(3, "speculative ngram: the longest tail matched (down to one token)")
@@ -343,7 +354,7 @@ class EngineConfig:
                 raise EdgeMoEError("give one of kv_cache_memory and kv_cache_tokens")
         if self.speculative not in SPECULATIVE:
             choices = " or ".join(SPECULATIVE)
-            raise EdgeMoEError(f"unknown speculative {self.speculative!r}: use {choices} (MTP drafts: not yet)")
+            raise EdgeMoEError(f"unknown speculative {self.speculative!r}: use {choices}")
         if self.ple_backend not in PLE_BACKENDS:
             raise EdgeMoEError(f"unknown ple_backend {self.ple_backend!r}: use {', '.join(PLE_BACKENDS)}")
         if self.ple_sync not in PLE_SYNCS:

@@ -201,7 +201,8 @@ def test_bad_models(broken_models, tmp_path, case, fragment) -> None:
         (["--top-p", "0"], "top_p"),
         (["--kv-cache-memory", "lots"], "cannot read size"),
         (["--graph-upload", "auto"], "unrecognized arguments: --graph-upload auto"),  # settled (#45): no flag
-        (["--speculative", "mtp"], "unknown speculative 'mtp': use off or ngram (MTP drafts: not yet)"),
+        (["--speculative", "mtp"], "qwen2_moe checkpoints carry no multi-token-prediction head that edgemoe reads"),
+        (["--speculative", "eagle"], "unknown speculative 'eagle': use off or ngram or mtp"),
         (["--speculative", "ngram", "--speculative-tokens", "0"], "speculative_tokens must be an integer >= 1"),
         (["--ple-backend", "disk"], "ple_backend disk: qwen2_moe models have no per-layer embeddings"),
         (["--ple-sync", "wait"], "ple_sync wait waits for rows read from disk"),

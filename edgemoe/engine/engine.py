@@ -28,6 +28,7 @@ from edgemoe.engine.device import resolve_device, resolve_dtype
 from edgemoe.engine.grammar import GrammarConstraint
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
+from edgemoe.engine.mtp import MTPDrafter
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.speculative import NgramIndex, SpeculationGate, SpeculativeStats
@@ -73,7 +74,7 @@ class LLMEngine:
         self.config = config
         path = Path(config.model) if config.model else demo_model_path()
         self.model_name = path.resolve().name if config.model else "the demo model"
-        self.model_config, family, gguf = read_checkpoint(path)
+        self.model_config, family, gguf = read_checkpoint(path, mtp=config.speculative == "mtp")
         self.num_params = count_parameters(self.model_config, family)
         self.device = resolve_device(config.device)
         self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device, self.model_config, self.num_params)
@@ -118,12 +119,13 @@ class LLMEngine:
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at start-up: placement onwards
         self.expert_cache = self._place(moe)
         seqs, invariant = config.max_num_seqs, config.batch_invariant
-        drafter = self._draft if config.speculative == "ngram" else None
+        drafter = self._draft if config.speculative != "off" else None
         self.speculative, self.gate = SpeculativeStats(), SpeculationGate()
         self._ngrams: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
         self.scheduler = Scheduler(self.kv, seqs, self.max_num_batched_tokens, invariant, self.states, drafter)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.device, seqs, max_blocks, self.states)
+        self.mtp = MTPDrafter(self.runner, self.scheduler) if config.speculative == "mtp" else None
         # Callables (sequences due a token, their logits [due, vocab]) -> logits, run in order before the sampler:
         # constrained decoding, banned tokens; the server tests force scripted outputs through one.
         self.logits_processors = self.runner.logits_processors
@@ -398,15 +400,13 @@ class LLMEngine:
             tokens = self.runner.verify(batch)
         else:
             tokens = [None if t is None else [t] for t in self.runner.run(batch)]
-        if self.scheduler.drafter is not None and not batch.is_prefill:  # what each kind of decode step yields
-            self.gate.record(batch.verify, sum(map(len, tokens)), len(tokens), time.perf_counter() - start)
-            # (an undone hybrid verify step's tokens still cost their recompute in a later step: counted there)
-        outputs = []
+        outputs, starts, kept = [], [seq.num_computed for seq in batch.seqs], []
         for seq, n, new in zip(batch.seqs, batch.num_new, tokens):
             if seq.draft:  # its next token and the accepted drafts are computed; the positions after, not
                 accepted = len(new) - 1
                 self.speculative.add(len(seq.draft), accepted)
                 n, seq.draft = self.runner.kept_positions(seq, accepted), []
+            kept.append(n)
             seq.num_computed += n
             self.scheduler.commit(seq)
             if new is None:
@@ -419,29 +419,43 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 self._seqs.pop(seq.request_id, None)
             outputs.append(seq.output())
+        if self.mtp is not None:  # the head at the kept positions, and the next step's drafts
+            self.mtp.after_step(batch, starts, kept, self._draft_room)
+        if self.scheduler.drafter is not None and not batch.is_prefill:  # what each kind of decode step yields
+            self.gate.record(batch.verify, sum(map(len, tokens)), len(tokens), time.perf_counter() - start)
+            # (an undone hybrid verify step's tokens still cost their recompute in a later step: counted there)
         if self.recorder:
             self.recorder.end(batch)
         return outputs
 
     def _draft(self, seq: Sequence) -> list[int]:
-        """The scheduler's drafter: prompt lookup for a greedy sequence, within its max_tokens and the context; none
-        for a sampled sequence, one a logits processor may change (those that define `applies_to`, the grammar's,
-        say which; the others read every sequence, one row a step), or while verify steps yield fewer tokens a second
-        than plain ones (`SpeculationGate`)."""
-        p = seq.params
-        if not p.greedy or not self.gate.open():
+        """The scheduler's drafter: the MTP head's drafts (`edgemoe.engine.mtp`) or prompt lookup, for the sequences
+        and steps `_draft_room` allows."""
+        k = self._draft_room(seq)
+        if k <= 0:
             return []
-        if any(
-            getattr(process, "applies_to", None) is None or process.applies_to(seq)
-            for process in self.logits_processors
-        ):
-            return []  # a processor that reads this sequence's logits: one row a step
-        k = min(self.config.speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
-                self.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
+        if self.mtp is not None:
+            return self.mtp.draft(seq, k)
         index = self._ngrams.get(seq)
         if index is None:
             index = self._ngrams[seq] = NgramIndex(self.config.speculative_ngram)
         return index.draft(seq.token_ids, k)
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """How many tokens to draft after `seq`'s next one: up to speculative_tokens, within its max_tokens and the
+        context; none (0) for a sampled sequence, one a logits processor may change (those that define
+        `applies_to`, the grammar's, say which; the others read every sequence, one row a step), or while verify
+        steps yield fewer tokens a second than plain ones (`SpeculationGate`)."""
+        p = seq.params
+        if not p.greedy or not self.gate.open():
+            return 0
+        if any(
+            getattr(process, "applies_to", None) is None or process.applies_to(seq)
+            for process in self.logits_processors
+        ):
+            return 0  # a processor that reads this sequence's logits: one row a step
+        return min(self.config.speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
+                   self.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)

@@ -130,6 +130,11 @@ class ModelRunner:
         pad_state = 0 if states is None else states.pad_slot
         self.decode = DecodeBuffers(max_num_seqs, max_blocks, kv.pad_block, kv.block_size, pad_state, device)
         self.routed_ids: torch.Tensor | None = None  # [moe_layers, max_num_seqs, top_k] once `record_routing` ran
+        # a model with a multi-token-prediction head: each step's final hidden states, one row per token computed
+        # (`hidden`; a graph's static ones by size), which the head drafts from (`mtp_forward`)
+        self.keeps_hidden = getattr(model, "mtp", None) is not None
+        self.hidden: torch.Tensor | None = None
+        self._graph_hidden: dict[int, torch.Tensor] = {}
         self.step_hooks: list[Callable[[list[int]], None]] = [
             m.before_step for m in model.modules() if callable(getattr(m, "before_step", None))
         ]  # each module's `before_step`, called with a step's token ids (see the module docstring)
@@ -153,19 +158,27 @@ class ModelRunner:
         d = self.decode
         routed = None if self.routed_ids is None else self.routed_ids[:, :b]
         ctx = d.context(b, routed_ids=routed, forced_ids=forced_ids)
-        return self._forward(d.ids[:b], d.positions[:b], ctx, logits_rows=None)
+        logits = self._forward(d.ids[:b], d.positions[:b], ctx, logits_rows=None)
+        if self.keeps_hidden:  # the graph captured last for b is the one replayed: its output stays
+            self._graph_hidden[b] = self.hidden
+        return logits
 
     def _forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, logits_rows: torch.Tensor | None
-    ) -> torch.Tensor:
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, logits_rows: torch.Tensor | list | None
+    ) -> torch.Tensor | None:
+        """-> logits of `logits_rows` (None: every row; an empty list: none, and no lm_head)."""
         set_context(ctx)
         try:
             hidden = self.model(ids, positions)
+            if self.keeps_hidden:
+                self.hidden = hidden
+            if logits_rows is not None and not len(logits_rows):
+                return None
             return self.model.logits(hidden if logits_rows is None else hidden[logits_rows])
         finally:
             set_context(None)
 
-    def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    def to_device(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """Host list -> device tensor without a host synchronisation: pinned staging, async copy. The staging
         buffer cannot be reused too early: the step's sampled-id read waits for everything before it."""
         host = torch.tensor(data, dtype=dtype)
@@ -180,45 +193,99 @@ class ModelRunner:
     def host_inputs(self, batch: Batch) -> tuple[list[int], list[int], list[int], list[int], list[int], list]:
         """Token ids, positions and KV slots of the tokens computed this step; context length, state slot (a sequence
         without one, a warm-up's, uses the pad slot; 0 where the model keeps no state) and block table per sequence
-        of a prefill step, per token of a decode step: a decode step's rows are tokens, each attending up to its own
-        position, so a verify step's drafted positions are rows of their sequence, computed as a decode step at each
-        of those positions would compute them (the K/V of the row before is written before any row attends)."""
-        bs, pad_state = self.kv.block_size, self.decode.pad_state
-        ids, positions, slots, context_lens, state_slots, tables = [], [], [], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new):
-            start = seq.num_computed
+        of a prefill step, per token of a decode step (`places`)."""
+        pad_state, ids, state_slots = self.decode.pad_state, [], []
+        starts = [seq.num_computed for seq in batch.seqs]
+        for seq, start, n in zip(batch.seqs, starts, batch.num_new):
             ids += seq.step_ids(start, n)
             state = pad_state if seq.state_slot is None else seq.state_slot
+            state_slots += [state] * (1 if batch.is_prefill else n)
+        positions, slots, context_lens, tables = self.places(batch.seqs, starts, batch.num_new, batch.is_prefill)
+        return ids, positions, slots, context_lens, state_slots, tables
+
+    def places(
+        self, seqs: list[Sequence], starts: list[int], counts: list[int], prefill: bool
+    ) -> tuple[list[int], list[int], list[int], list]:
+        """Positions and KV slots of counts[i] tokens of each sequence from position starts[i]; context length and
+        block table per sequence (prefill), or per token (decode): a decode step's rows are tokens, each attending up
+        to its own position, so a verify step's drafted positions are rows of their sequence, computed as a decode
+        step at each of those positions would compute them (the K/V of the row before is written before any row
+        attends)."""
+        bs = self.kv.block_size
+        positions, slots, context_lens, tables = [], [], [], []
+        for seq, start, n in zip(seqs, starts, counts):
             for p in range(start, start + n):
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
-            ends = [start + n] if batch.is_prefill else range(start + 1, start + n + 1)
+            ends = [start + n] if prefill else range(start + 1, start + n + 1)
             for end in ends:
                 context_lens.append(end)
-                state_slots.append(state)
                 tables.append(seq.block_table)
-        return ids, positions, slots, context_lens, state_slots, tables
+        return positions, slots, context_lens, tables
 
     def prepare(self, batch: Batch, inputs: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """Inputs of an eager step: tensors of the batch's own shape (`inputs`: `host_inputs(batch)`, if made)."""
         ids, positions, slots, context_lens, state_slots, tables = inputs or self.host_inputs(batch)
         self._before_step(ids)
-        width = max(map(len, tables))
-        tables = [t + [self.kv.pad_block] * (width - len(t)) for t in tables]
         routed = None
         if self.routed_ids is not None and not batch.is_prefill:
             routed = self.routed_ids[:, : len(ids)]
-        ctx = ForwardContext(
-            is_prefill=batch.is_prefill,
-            slot_mapping=self._tensor(slots),
-            context_lens=self._tensor(context_lens),
-            block_tables=self._tensor(tables),
-            query_lens=list(batch.num_new) if batch.is_prefill else None,
-            context_lens_host=context_lens if batch.is_prefill else None,
+        states = self.to_device(state_slots) if self.states is not None else None
+        ctx = self._context(batch.is_prefill, batch.num_new, slots, context_lens, tables, routed, states)
+        return self.to_device(ids), self.to_device(positions), ctx
+
+    def _context(
+        self,
+        prefill: bool,
+        counts: list[int],
+        slots: list[int],
+        context_lens: list[int],
+        tables: list,
+        routed: torch.Tensor | None = None,
+        states: torch.Tensor | None = None,
+    ) -> ForwardContext:
+        """An eager step's forward context (block tables padded to the longest)."""
+        width = max(map(len, tables))
+        tables = [t + [self.kv.pad_block] * (width - len(t)) for t in tables]
+        return ForwardContext(
+            is_prefill=prefill,
+            slot_mapping=self.to_device(slots),
+            context_lens=self.to_device(context_lens),
+            block_tables=self.to_device(tables),
+            query_lens=list(counts) if prefill else None,
+            context_lens_host=context_lens if prefill else None,
             routed_ids=routed,
-            state_slots=self._tensor(state_slots) if self.states is not None else None,
+            state_slots=states,
         )
-        return self._tensor(ids), self._tensor(positions), ctx
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self,
+        seqs: list[Sequence],
+        starts: list[int],
+        counts: list[int],
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        step: int,
+        draft_rows: list[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's multi-token-prediction head (`edgemoe.models.mtp`; chained step `step`) at counts[i] positions
+        of each sequence from position starts[i]: `hidden` [rows, hidden] the decoder's final hidden states there (or
+        the head's own, for a chained step), `next_ids` [rows] the token after each -> (the head's hidden states
+        [rows, hidden], the greedy token it predicts at `draft_rows` (None: every row; []: none, and None), on the
+        device). Its K/V goes to the head layer's KV cache at those positions. The rows run as a decode step's (each
+        attending up to its own position) where a decode step could hold them, else as a prefill step's."""
+        prefill = sum(counts) > self.decode.rows
+        positions, slots, context_lens, tables = self.places(seqs, starts, counts, prefill)
+        set_context(self._context(prefill, counts, slots, context_lens, tables))
+        try:
+            out = self.model.mtp(self.model.model, hidden, next_ids, self.to_device(positions), step)
+            if draft_rows is not None and not draft_rows:
+                return out, None
+            rows = out if draft_rows is None else out[self.to_device(draft_rows)]
+            return out, self.model.logits(rows).argmax(dim=-1)
+        finally:
+            set_context(None)
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> tuple[list[int], torch.Tensor | None]:
@@ -235,20 +302,16 @@ class ModelRunner:
             if b is not None:
                 self.decode.fill(*inputs)
                 self._before_step(inputs[0])
-                return list(range(rows)), self.graphs.replay(b)[:rows]
+                logits = self.graphs.replay(b)[:rows]
+                if self.keeps_hidden:
+                    self.hidden = self._graph_hidden[b][:rows]
+                return list(range(rows)), logits
             input_ids, positions, ctx = self.prepare(batch, inputs)
             return list(range(rows)), self._forward(input_ids, positions, ctx, None)
         input_ids, positions, ctx = self.prepare(batch)
         due = [i for i, (s, k) in enumerate(zip(batch.seqs, batch.num_new)) if s.num_computed + k == len(s.token_ids)]
         ends = [sum(batch.num_new[: i + 1]) - 1 for i in due]
-        if not due:
-            set_context(ctx)
-            try:
-                self.model(input_ids, positions)
-            finally:
-                set_context(None)
-            return due, None
-        return due, self._forward(input_ids, positions, ctx, self._tensor(ends))
+        return due, self._forward(input_ids, positions, ctx, self.to_device(ends) if due else [])
 
     @torch.inference_mode()
     def warm_up(self, length: int) -> None:
@@ -264,8 +327,8 @@ class ModelRunner:
         seq.block_table = [self.kv.pad_block] * -(-length // self.kv.block_size)
         _, logits = self.compute_logits(Batch([seq], [length], True))
         gen = torch.Generator(self.device).manual_seed(0)  # not the global generator
-        floats = [self._tensor([v], torch.float32) for v in (params.temperature, params.top_p, params.min_p)]
-        self.sampler(logits, floats[0], self._tensor([params.top_k]), *floats[1:], [gen]).tolist()
+        floats = [self.to_device([v], torch.float32) for v in (params.temperature, params.top_p, params.min_p)]
+        self.sampler(logits, floats[0], self.to_device([params.top_k]), *floats[1:], [gen]).tolist()
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int | None]:
@@ -333,9 +396,9 @@ class ModelRunner:
         params = [s.params for s in seqs]
         return self.sampler(
             logits,
-            self._tensor([p.temperature for p in params], torch.float32),
-            self._tensor([p.top_k for p in params]),
-            self._tensor([p.top_p for p in params], torch.float32),
-            self._tensor([p.min_p for p in params], torch.float32),
+            self.to_device([p.temperature for p in params], torch.float32),
+            self.to_device([p.top_k for p in params]),
+            self.to_device([p.top_p for p in params], torch.float32),
+            self.to_device([p.min_p for p in params], torch.float32),
             [None if p.greedy else s.generator for p, s in zip(params, seqs)],
         )

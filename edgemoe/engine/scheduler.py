@@ -157,6 +157,14 @@ class Scheduler:
             row = None
         seq.snapshot_row, seq.snapshot_tokens = states.save(seq.state_slot, seq.prefix_hash, row), n
 
+    def reserve(self, seq: Sequence, tokens: int) -> int:
+        """Blocks for `seq`'s first `tokens` positions as far as free blocks allow, never preempting (what a draft
+        writes ahead) -> the positions its blocks hold now."""
+        need = min(self.blocks_for(tokens) - len(seq.block_table), self.kv.num_free)
+        if need > 0:
+            seq.block_table += self.kv.allocate(need)
+        return len(seq.block_table) * self.kv.block_size
+
     def _grow(self, seq: Sequence, tokens: int) -> None:
         need = self.blocks_for(tokens) - len(seq.block_table)
         if need > 0:

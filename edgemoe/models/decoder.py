@@ -15,6 +15,7 @@ from edgemoe.layers.linear import DecodeLinear
 from edgemoe.layers.mlp import GatedMLP
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.layers.rotary import RotaryEmbedding
+from edgemoe.models.mtp import MTPHead
 from edgemoe.moe.layer import SparseMoE
 
 
@@ -81,6 +82,7 @@ class DecoderModel(nn.Module):
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
         self.layers = nn.ModuleList(layer_class(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.num_decoder_layers = cfg.decoder_layers  # after them, a multi-token-prediction head's (not run here)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @staticmethod
@@ -90,7 +92,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [tokens, hidden]
-        for layer in self.layers:
+        for layer in self.layers[: self.num_decoder_layers]:
             x, residual = layer(x, positions, residual)
         x, _ = self.norm(x, residual)
         return x
@@ -107,6 +109,7 @@ class MoEForCausalLM(nn.Module):
         self.config = cfg
         self.model = self.model_class(cfg, layer_class)
         self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPHead(cfg) if cfg.mtp_layers else None  # its layers: the last of self.model.layers
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

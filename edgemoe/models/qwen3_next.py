@@ -12,7 +12,8 @@ Checkpoints: Qwen3-Next (`Qwen3NextForCausalLM`) interleaves each key head's q, 
 rows in `in_proj_ba` (kept: one projection); Qwen3.5 writes four projections. Qwen3.5 ships as
 `Qwen3_5MoeForConditionalGeneration` (its language model under `model.language_model`, a vision tower under
 `model.visual`, skipped) or as `Qwen3_5MoeForCausalLM` (`qwen3_5_moe_text`). The multi-token-prediction head the
-checkpoints carry (`mtp.*`; llama.cpp's next-n blocks) is skipped.
+checkpoints carry (`mtp.*`: `edgemoe.models.mtp`) is read for `--speculative mtp` (`with_mtp`), else skipped; its
+layer is a gated full-attention layer with routed and shared experts. llama.cpp's converter does not write it.
 
 GGUF files (llama.cpp's `qwen3next` and `qwen35moe`) hold the norms with their 1 added, A as -exp(A_log), the
 projections split, and for `qwen35moe` the value heads in tiled order (`edgemoe.layers.linear_attention`): read as
@@ -22,7 +23,7 @@ stored, no conversion. `edgemoe make-model --format gguf` writes them so (`gguf_
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -108,6 +109,25 @@ def normalise(hf: dict) -> ModelConfig:
         o_proj_bias=bias,
         no_kv_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
         family_config=settings,
+    )
+
+
+def with_mtp(cfg: ModelConfig, hf: dict) -> ModelConfig:
+    """`cfg` with the checkpoint's multi-token-prediction layers after the decoder's (`mtp_num_hidden_layers`): each a
+    gated full-attention layer with routed experts and the shared expert."""
+    n = text_config(hf).get("mtp_num_hidden_layers") or 0
+    if not n:
+        raise EdgeMoEError(
+            "this checkpoint has no multi-token-prediction head (no mtp_num_hidden_layers; llama.cpp's converter "
+            "drops it from GGUF files): use speculative ngram"
+        )
+    s: HybridSettings = cfg.family_config
+    return replace(
+        cfg,
+        num_layers=cfg.num_layers + n,
+        moe_layers=cfg.moe_layers + (cfg.num_experts > 0,) * n,
+        mtp_layers=n,
+        family_config=replace(s, layer_types=s.layer_types + ("full_attention",) * n),
     )
 
 
@@ -345,16 +365,24 @@ LAYER = HybridDecoderLayer
 
 class HybridForCausalLM(MoEForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
-        """The multi-token-prediction head and a vision tower are not used."""
-        if name.startswith(("mtp.", "model.visual.", "model.mtp.")):
+        """A vision tower is not used; the multi-token-prediction head only where the config has its layers
+        (`mtp.layers.j` -> the decoder's layer list after its own)."""
+        if name.startswith("model.visual."):
             return None
-        return name
+        if not name.startswith(("mtp.", "model.mtp.")):
+            return name
+        if not self.config.mtp_layers:
+            return None
+        name = name.removeprefix("model.")
+        m = re.match(r"mtp\.layers\.(\d+)\.(.+)$", name)
+        return name if m is None else f"model.layers.{self.config.decoder_layers + int(m[1])}.{m[2]}"
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A Hugging Face checkpoint's tensor as llama.cpp's converter writes it: (1 + weight) norms as plain ones,
         A_log as A = -exp(A_log) (in fp32, as transformers computes it), Qwen3-Next's in_proj_qkvz as in_proj_qkv
         and in_proj_z."""
-        if name.endswith("norm.weight") and isinstance(self.get_submodule(name.removesuffix(".weight")), RMSNorm):
+        norms = ("norm.weight", "norm_embedding.weight", "norm_hidden.weight")  # the MTP head's pre_fc_norm_* too
+        if name.endswith(norms) and isinstance(self.get_submodule(name.removesuffix(".weight")), RMSNorm):
             return [(name, tensor.float() + 1)]
         if name.endswith(".A_log"):
             return [(name.removesuffix("_log"), -tensor.float().exp())]

@@ -7,7 +7,8 @@ files `GGUF_ARCH` (llama.cpp's architecture name; by model type where a family r
 lists), `gguf_config(ckpt) -> config.json fields`, `GGUF_PERMUTED_QK` (q/k rows in llama.cpp's RoPE order) and
 `GGUF_TENSORS` (llama.cpp's per-layer tensor names that only this architecture uses -> Hugging Face's, e.g.
 `exp_probs_b.bias`); `gguf_hparams` and `gguf_tensors` say what llama.cpp's converter writes of its own
-(`edgemoe.tools.make_gguf`)."""
+(`edgemoe.tools.make_gguf`); `with_mtp(config, hf) -> ModelConfig` where its checkpoints carry a multi-token-prediction
+head (`edgemoe.models.mtp`)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ GGUF_FAMILIES: dict[str, ModuleType] = {
 }
 
 
-def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
+def read_config(folder: Path, mtp: bool = False) -> tuple[ModelConfig, ModuleType]:
+    """`mtp`: the config with the checkpoint's multi-token-prediction layers (`--speculative mtp`)."""
     path = folder / "config.json"
     if not path.is_file():
         raise EdgeMoEError(f"{folder} is not a model folder: no config.json")
@@ -59,13 +61,25 @@ def read_config(folder: Path) -> tuple[ModelConfig, ModuleType]:
             f"unsupported model_type {hf.get('model_type')!r} in {path}; supported: {', '.join(sorted(FAMILIES))}"
         )
     try:
-        return family.normalise(hf), family
+        cfg = family.normalise(hf)
+        return (with_mtp(cfg, family, hf) if mtp else cfg), family
     except EdgeMoEError as exc:  # the family refuses what it does not support: not malformed
         raise EdgeMoEError(f"{path}: {exc}") from None
     except KeyError as exc:
         raise EdgeMoEError(f"malformed {path}: missing field {exc}") from None
     except (TypeError, ValueError) as exc:
         raise EdgeMoEError(f"malformed {path}: {exc}") from None
+
+
+def with_mtp(cfg: ModelConfig, family: ModuleType, hf: dict) -> ModelConfig:
+    """`cfg` with the multi-token-prediction layers of the checkpoint whose `config.json` (fields) is `hf`."""
+    hook = getattr(family, "with_mtp", None)
+    if hook is None:
+        raise EdgeMoEError(
+            f"{cfg.model_type} checkpoints carry no multi-token-prediction head that edgemoe reads (speculative mtp: "
+            "Qwen3-Next, Qwen3.5/3.6 MoE); use speculative ngram"
+        )
+    return hook(cfg, hf)
 
 
 def family_value(model_type: str, name: str, default: object = None) -> object:
@@ -75,9 +89,9 @@ def family_value(model_type: str, name: str, default: object = None) -> object:
     return value[model_type] if isinstance(value, dict) else value
 
 
-def read_checkpoint(path: Path) -> tuple[ModelConfig, ModuleType, GGUFCheckpoint | None]:
+def read_checkpoint(path: Path, mtp: bool = False) -> tuple[ModelConfig, ModuleType, GGUFCheckpoint | None]:
     """A model folder (`config.json`, safetensors) or a GGUF file (one, or any part of a split set) ->
-    (config, family, the opened GGUF checkpoint or None)."""
+    (config, family, the opened GGUF checkpoint or None). `mtp`: with the multi-token-prediction layers."""
     if path.suffix == ".gguf":
         if not path.is_file():
             raise EdgeMoEError(f"model file {path} does not exist")
@@ -89,7 +103,9 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, ModuleType, GGUFCheckpoint
         ckpt.permuted_qk = getattr(family, "GGUF_PERMUTED_QK", False)
         ckpt.layer_tensors = getattr(family, "GGUF_TENSORS", {})
         try:
-            return family.normalise(family.gguf_config(ckpt)), family, ckpt
+            hf = family.gguf_config(ckpt)
+            cfg = family.normalise(hf)
+            return (with_mtp(cfg, family, hf) if mtp else cfg), family, ckpt
         except EdgeMoEError as exc:  # the family refuses what it does not support, named by the file
             message = str(exc)
             raise EdgeMoEError(message if path.name in message else f"{path.name}: {message}") from None
@@ -97,4 +113,4 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, ModuleType, GGUFCheckpoint
             raise EdgeMoEError(f"{path.name}: bad or missing metadata {exc}") from None
     if not path.is_dir():
         raise EdgeMoEError(f"model path {path} does not exist, or is neither a folder nor a .gguf file")
-    return (*read_config(path), None)
+    return (*read_config(path, mtp), None)

@@ -179,8 +179,8 @@ def test_families_greedy_identical(tiny_checkpoint, case: str, offload: bool) ->
 
 
 def test_refusals() -> None:
-    with pytest.raises(EdgeMoEError, match="unknown speculative 'mtp'"):
-        LLM(progress=False, speculative="mtp")
+    with pytest.raises(EdgeMoEError, match="unknown speculative 'eagle': use off or ngram or mtp"):
+        LLM(progress=False, speculative="eagle")
     with pytest.raises(EdgeMoEError, match="speculative_tokens must be an integer >= 1"):
         LLM(progress=False, speculative="ngram", speculative_tokens=0)
 

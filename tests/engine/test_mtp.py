@@ -1,0 +1,168 @@
+"""Speculative decoding with the checkpoint's multi-token-prediction head (`--speculative mtp`, `edgemoe/engine/mtp.py`,
+`edgemoe/models/mtp.py`), on a tiny Qwen3-Next checkpoint that carries a head (random weights, as the Hub's layout
+names them).
+
+The head's drafts are checked against a reference built from transformers' own Qwen3-Next classes (the decoder's
+final hidden states from its model, the head's layer a transformers decoder layer loaded with the head's weights, its
+norms transformers' (1 + weight) RMSNorm), teacher-forced over the whole sequence: each step's first draft is the
+reference's argmax at the sequence's last position, and the chained drafts are the reference run on the chain's own
+rows. Greedy output must be token-identical with speculation on and off (resident and offloaded experts), and
+checkpoints without a head are refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from edgemoe import LLM, SamplingParams
+from edgemoe.errors import EdgeMoEError
+from tests.conftest import hf_model, save_checkpoint
+from tests.engine.test_speculative import Open, generate
+
+K = 3  # drafts a step
+PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def add_head(folder, model) -> dict[str, torch.Tensor]:
+    """A random head as Qwen3-Next checkpoints carry it: `mtp.fc`, its norms (stored as weight, applied as 1 +
+    weight), and `mtp.layers.0`, a full-attention MoE layer (the decoder's last layer's tensors, perturbed)."""
+    path, cfg = folder / "model.safetensors", model.config
+    state, H = load_file(str(path)), cfg.hidden_size
+    g = torch.Generator().manual_seed(11)
+    head = {
+        "mtp.fc.weight": torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5,
+        "mtp.pre_fc_norm_embedding.weight": 0.1 * torch.randn(H, generator=g),
+        "mtp.pre_fc_norm_hidden.weight": 0.1 * torch.randn(H, generator=g),
+        "mtp.norm.weight": 0.1 * torch.randn(H, generator=g),
+    }
+    last = f"model.layers.{cfg.num_hidden_layers - 1}."
+    for name, t in state.items():
+        if name.startswith(last):  # the experts as they are (the checkpoint's layout is not transformers' own)
+            noise = 0 if ".mlp.experts." in name else 0.05 * torch.randn(t.shape, generator=g)
+            head["mtp.layers.0." + name.removeprefix(last)] = t + noise
+    save_file(state | head, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"mtp_num_hidden_layers": 1}))
+    return head
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    model = hf_model("qwen3_next")  # 4 layers: the last one full attention
+    assert model.config.layer_types[-1] == "full_attention"
+    folder = save_checkpoint(model, tmp_path_factory.mktemp("qwen3next-mtp"), "per-expert")
+    return folder, model, add_head(folder, model)
+
+
+class ReferenceHead:
+    """The head from transformers' own modules: its layer a `Qwen3NextDecoderLayer` (full attention), its norms
+    `Qwen3NextRMSNorm`, over whole sequences at once (a causal mask, no cache)."""
+
+    def __init__(self, model, head: dict[str, torch.Tensor]) -> None:
+        from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+        cfg = model.config
+        self.model, H = model, cfg.hidden_size
+        self.layer = m.Qwen3NextDecoderLayer(cfg, cfg.num_hidden_layers - 1).eval()
+        own = {k.removeprefix("mtp.layers.0."): v for k, v in head.items() if ".layers." in k and ".experts." not in k}
+        self.layer.load_state_dict(model.model.layers[-1].state_dict() | own)
+        self.norms = {}
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            norm = m.Qwen3NextRMSNorm(H, eps=cfg.rms_norm_eps)
+            norm.load_state_dict({"weight": head[f"mtp.{name}.weight"]})
+            self.norms[name] = norm
+        self.fc = head["mtp.fc.weight"]
+
+    @torch.no_grad()
+    def hidden(self, tokens: list[int]) -> torch.Tensor:
+        """The decoder's final hidden states (after its final norm) [len, H]."""
+        return self.model.model(torch.tensor([tokens])).last_hidden_state[0]
+
+    @torch.no_grad()
+    def run(self, hidden: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
+        """The head at positions 0..n-1 (hidden [n, H], next_ids [n]) -> its output [n, H] (normalised)."""
+        n = hidden.shape[0]
+        embedded = self.norms["pre_fc_norm_embedding"](self.model.model.embed_tokens(torch.tensor(next_ids)))
+        x = torch.cat([embedded, self.norms["pre_fc_norm_hidden"](hidden)], dim=-1) @ self.fc.T
+        positions = torch.arange(n)[None]
+        rope = self.model.model.rotary_emb(x[None], positions)
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        y = self.layer(x[None], position_embeddings=rope, attention_mask=mask, position_ids=positions)
+        y = y[0] if isinstance(y, tuple) else y
+        return self.norms["norm"](y[0])
+
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        """What the head drafts after `tokens` (its last token not yet computed by the decoder): the head at every
+        position but the last, then k - 1 chained rows, each the previous row's output beside its predicted token."""
+        hidden = self.hidden(tokens[:-1])
+        rows_h, rows_t, out = hidden, list(tokens[1:]), []
+        for _ in range(k):
+            g = self.run(rows_h, rows_t)
+            out.append(int(self.model.lm_head(g[-1]).argmax()))
+            rows_h, rows_t = torch.cat([rows_h, g[-1:]]), rows_t + [out[-1]]
+        return out
+
+
+@pytest.mark.parametrize("steered", [False, True], ids=["own-drafts", "steered-drafts"])
+def test_drafts_match_transformers_reference(mtp_checkpoint, steered: bool) -> None:
+    check_drafts(*mtp_checkpoint, steered, progress=False, dtype="float32", max_num_seqs=4)
+
+
+def check_drafts(folder, model, head, steered: bool, **opts) -> None:
+    """After every step, the head's drafts are the reference's. Random heads' drafts all fail: `steered` replaces
+    each step's drafts (once checked) with the greedy continuation, wrong from a varying position on, so that verify
+    steps also keep 1 to K drafts and the head then runs over several kept positions (or, where a draft failed, over
+    the positions the hybrid layers compute again)."""
+    llm = LLM(str(folder), speculative="mtp", speculative_tokens=K, **opts)
+    llm.engine.gate = Open()
+    ref = ReferenceHead(model, head)
+    engine, mtp = llm.engine, llm.engine.mtp
+    prompt = torch.randint(3, 400, (13,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = prompt + generate(LLM(str(folder), **opts), [prompt], PARAMS)[0]
+    seq = engine.add_request(prompt, PARAMS)
+    checked, steps = 0, 0
+    while engine.has_unfinished():
+        engine.step()
+        drafted = mtp.drafts.get(seq, [])
+        if drafted:  # drafted after this step, from the tokens so far
+            assert drafted == ref.drafts(seq.token_ids, len(drafted)), len(seq.token_ids)
+            checked += 1
+            if steered:
+                right, steps = want[len(seq.token_ids) :][: len(drafted)], steps + 1
+                wrong_from = steps % (K + 1)
+                mtp.drafts[seq] = right[:wrong_from] + [(t + 1) % 400 for t in right[wrong_from:]]
+    assert seq.token_ids == want and checked >= 3
+    stats = engine.speculative
+    assert not steered or stats.accepted > 0, stats
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
+def test_greedy_identical_with_mtp(mtp_checkpoint, offload: bool) -> None:
+    opts = dict(progress=False, dtype="float32", max_num_seqs=6)
+    if offload:
+        opts |= dict(moe_strategy="offload", moe_cache_fraction=0.5)
+    check_greedy(mtp_checkpoint[0], **opts)
+
+
+def check_greedy(folder, **opts) -> None:
+    """Two greedy sequences and a sampled one, batched: the same tokens with the head drafting as without."""
+    base = LLM(str(folder), **opts)
+    spec = LLM(str(folder), speculative="mtp", speculative_tokens=K, **opts)
+    spec.engine.gate = Open()
+    assert spec.engine.device.type == "cpu" or spec.engine.runner.graphs is not None
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (21, 9, 30)]
+    params = [PARAMS, PARAMS, SamplingParams(max_tokens=12, temperature=0.9, seed=3)]
+    assert generate(spec, batch, params) == generate(base, batch, params)
+    assert spec.engine.speculative.drafted > 0
+
+
+def test_checkpoints_without_a_head_are_refused(tiny_checkpoint) -> None:
+    with pytest.raises(EdgeMoEError, match="no multi-token-prediction head that edgemoe reads"):
+        LLM(progress=False, speculative="mtp")
+    folder, _ = tiny_checkpoint("qwen3next-dense", "per-expert")
+    with pytest.raises(EdgeMoEError, match="no multi-token-prediction head .no mtp_num_hidden_layers"):
+        LLM(str(folder), progress=False, speculative="mtp")

@@ -302,7 +302,7 @@ class EngineConfig:
         "off",
         "speculative decoding: off; ngram (prompt lookup: a greedy sequence whose last tokens occurred earlier in "
         "it drafts what followed them); or mtp (the checkpoint's multi-token-prediction head drafts: Qwen3-Next, "
-        "Qwen3.5/3.6 MoE). One step verifies the drafts; the output is unchanged",
+        "Qwen3.5/3.6 MoE, GLM-4.5). One step verifies the drafts; the output is unchanged",
     )
     speculative_tokens: int = option(4, "speculative: tokens drafted a step at most")
     speculative_ngram: int = option(3, "speculative ngram: the longest tail matched (down to one token)")

@@ -283,7 +283,7 @@ class ModelRunner:
             if draft_rows is not None and not draft_rows:
                 return out, None
             rows = out if draft_rows is None else out[self.to_device(draft_rows)]
-            return out, self.model.logits(rows).argmax(dim=-1)
+            return out, self.model.mtp.logits(self.model, rows).argmax(dim=-1)
         finally:
             set_context(None)
 

@@ -100,16 +100,18 @@ class DecoderModel(nn.Module):
 
 class MoEForCausalLM(nn.Module):
     """Token ids + positions of a flattened batch -> final hidden states; `logits` on chosen rows. A family subclasses
-    it (its file's `MODEL`) to change the decoder (`model_class`), the logits or `checkpoint_name`."""
+    it (its file's `MODEL`) to change the decoder (`model_class`), the multi-token-prediction head (`mtp_class`), the
+    logits or `checkpoint_name`."""
 
     model_class: type[DecoderModel] = DecoderModel
+    mtp_class: type[MTPHead] = MTPHead  # the multi-token-prediction head, where the config has its layers
 
     def __init__(self, cfg: ModelConfig, layer_class: type[DecoderLayer]) -> None:
         super().__init__()
         self.config = cfg
         self.model = self.model_class(cfg, layer_class)
         self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = MTPHead(cfg) if cfg.mtp_layers else None  # its layers: the last of self.model.layers
+        self.mtp = self.mtp_class(cfg) if cfg.mtp_layers else None  # its layers: the last of self.model.layers
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -1,14 +1,16 @@
 """GLM-4.5 / GLM-4.5-Air (transformers' `Glm4MoeForCausalLM`): sigmoid routing with a correction bias and group
 limits, an ungated shared expert, the first `first_k_dense_replace` layers dense, partial rotary (the leading half of
-each head by default), q/k/v bias, an optional per-head q/k norm. Checkpoints carry next-token-prediction (MTP) layers
-after the decoder's (`num_nextn_predict_layers`; llama.cpp's next-n blocks): edgemoe does not read them.
+each head by default), q/k/v bias, an optional per-head q/k norm. Checkpoints carry multi-token-prediction (MTP)
+layers after the decoder's (`num_nextn_predict_layers`; llama.cpp's next-n blocks): for `--speculative mtp` the first
+is read as the head of `edgemoe.models.mtp` (`with_mtp`; its eh_proj, enorm, hnorm and shared_head, with the copy of
+the token embedding and the lm_head it carries), else they are skipped.
 
 GLM-4.7-Flash is another model type (`glm4_moe_lite`, multi-head latent attention), not this family."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from edgemoe.layers.mlp import GatedMLP
 from edgemoe.layers.rotary import RotaryEmbedding
 from edgemoe.models.decoder import DecoderLayer, MoEForCausalLM
 from edgemoe.models.hf_config import common_fields
+from edgemoe.models.mtp import MTPHead
 from edgemoe.moe.layer import SparseMoE
 from edgemoe.moe.router import route_grouped
 
@@ -70,6 +73,17 @@ def normalise(hf: dict) -> ModelConfig:
             routed_scaling_factor=float(hf["routed_scaling_factor"]),
         ),
     )
+
+
+def with_mtp(cfg: ModelConfig, hf: dict) -> ModelConfig:
+    """`cfg` with the checkpoint's first MTP layer after the decoder's: a MoE layer (GLM-4.5's one head; more are
+    not read)."""
+    if not hf.get("num_nextn_predict_layers"):
+        raise EdgeMoEError(
+            "this checkpoint has no multi-token-prediction layer (num_nextn_predict_layers is 0; a GGUF file's next-n "
+            "blocks are not read yet): use speculative ngram"
+        )
+    return replace(cfg, num_layers=cfg.num_layers + 1, moe_layers=cfg.moe_layers + (True,), mtp_layers=1)
 
 
 def check_groups(experts: int, top_k: int, n_group: int, topk_group: int) -> None:
@@ -225,9 +239,26 @@ LAYER = Glm4MoeDecoderLayer
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
+class Glm4MoeMTPHead(MTPHead):
+    """GLM-4.5's head reads the token embedding and the lm_head its layer carries, and zeroes position 0's
+    embedding, as vLLM's GLM-4.5 head does."""
+
+    own_vocab = True
+    mask_first = True
+
+
+# the MTP layer's own tensors (after `model.layers.N.`) -> the head's parameters
+_MTP_NAMES = {"eh_proj.weight": "fc.weight", "enorm.weight": "pre_fc_norm_embedding.weight",
+              "hnorm.weight": "pre_fc_norm_hidden.weight", "shared_head.norm.weight": "norm.weight",
+              "shared_head.head.weight": "head.weight", "embed_tokens.weight": "embed_tokens.weight"}  # fmt: skip
+
+
 class Glm4MoeForCausalLM(MoEForCausalLM):
-    """The checkpoint's MTP layers, numbered after the decoder's, are skipped: edgemoe decodes one token a step. So
-    are the zero-width shared-expert tensors of a checkpoint with `n_shared_experts` 0."""
+    """The checkpoint's MTP layers, numbered after the decoder's, are skipped but where the config has the head's
+    layer (`with_mtp`): its own tensors then go to the head (`_MTP_NAMES`), the rest to its decoder layer. So are the
+    zero-width shared-expert tensors of a checkpoint with `n_shared_experts` 0."""
+
+    mtp_class = Glm4MoeMTPHead
 
     def checkpoint_name(self, name: str) -> str | None:
         m = _LAYER_NAME.match(name)
@@ -235,6 +266,9 @@ class Glm4MoeForCausalLM(MoEForCausalLM):
             return None
         if ".shared_expert." in name and not self.config.shared_expert_intermediate_size:
             return None
+        if m and self.config.mtp_layers and int(m[1]) == self.config.decoder_layers:
+            own = _MTP_NAMES.get(name[m.end() :])
+            return name if own is None else f"mtp.{own}"
         return name
 
 

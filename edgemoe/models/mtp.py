@@ -24,7 +24,13 @@ from edgemoe.layers.norm import RMSNorm
 
 
 class MTPHead(nn.Module):
-    """The head's own weights (Hugging Face's names under `mtp.`); its layers are `decoder.layers[first:]`."""
+    """The head's own weights (Qwen3-Next's names under `mtp.`; a family whose checkpoints name them otherwise maps
+    them in its `checkpoint_name`); its layers are `decoder.layers[first:]`. A family's subclass may set `own_vocab`
+    (the head reads its own token embedding and lm_head, `embed_tokens` and `head`, which GLM-4.5's checkpoints carry
+    with it) and `mask_first` (position 0's embedding zeroed, as vLLM's GLM-4.5 head does)."""
+
+    own_vocab = False
+    mask_first = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -34,6 +40,13 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
         self.fc = DecodeLinear(2 * H, H, bias=False)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        if self.own_vocab:  # _weight: no random init (see `DecoderModel`)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, H, _weight=torch.empty(cfg.vocab_size, H))
+            self.head = DecodeLinear(H, cfg.vocab_size, bias=False)
+
+    def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The head's output rows (`forward`'s) -> logits [rows, vocab] (float32): the model's lm_head, or its own."""
+        return self.head(x).float() if self.own_vocab else model.logits(x)
 
     def forward(
         self, decoder: nn.Module, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, step: int = 0
@@ -41,7 +54,10 @@ class MTPHead(nn.Module):
         """hidden [tokens, H] (the decoder's final hidden states, or the head's own output for a chained step),
         next_ids [tokens] (the token after each position), positions [tokens] -> the head's hidden states [tokens, H],
         normalised (the lm_head's input). Runs in the forward context its caller set (the head layer's KV slots)."""
-        embedded = self.pre_fc_norm_embedding(decoder.embed_tokens(next_ids))
+        embedded = (self.embed_tokens if self.own_vocab else decoder.embed_tokens)(next_ids)
+        if self.mask_first:
+            embedded = embedded.masked_fill((positions == 0)[:, None], 0)
+        embedded = self.pre_fc_norm_embedding(embedded)
         x = self.fc(torch.cat([embedded, self.pre_fc_norm_hidden(hidden)], dim=-1))
         x, residual = decoder.layers[self.first + step % self.count](x, positions, None)
         x, _ = self.norm(x, residual)

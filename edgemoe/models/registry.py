@@ -77,7 +77,7 @@ def with_mtp(cfg: ModelConfig, family: ModuleType, hf: dict) -> ModelConfig:
     if hook is None:
         raise EdgeMoEError(
             f"{cfg.model_type} checkpoints carry no multi-token-prediction head that edgemoe reads (speculative mtp: "
-            "Qwen3-Next, Qwen3.5/3.6 MoE); use speculative ngram"
+            "Qwen3-Next, Qwen3.5/3.6 MoE, GLM-4.5); use speculative ngram"
         )
     return hook(cfg, hf)
 

@@ -49,32 +49,63 @@ def add_head(folder, model) -> dict[str, torch.Tensor]:
     return head
 
 
-@pytest.fixture(scope="module")
-def mtp_checkpoint(tmp_path_factory):
-    model = hf_model("qwen3_next")  # 4 layers: the last one full attention
+@pytest.fixture(scope="module", params=["qwen3_next", "glm4_moe"])
+def mtp_checkpoint(request, tmp_path_factory, tiny_checkpoint):
+    """(folder, transformers model, reference head) of a tiny checkpoint with a head: Qwen3-Next's (4 layers, the
+    last full attention), GLM-4.5's (conftest's case, its layer after the decoder's)."""
+    if request.param == "glm4_moe":
+        folder, model = tiny_checkpoint("glm-groups-qknorm-mtp", "per-expert")
+        return folder, model, glm_reference(model, folder)
+    model = hf_model("qwen3_next")
     assert model.config.layer_types[-1] == "full_attention"
     folder = save_checkpoint(model, tmp_path_factory.mktemp("qwen3next-mtp"), "per-expert")
-    return folder, model, add_head(folder, model)
+    return folder, model, qwen3_next_reference(model, add_head(folder, model))
+
+
+def qwen3_next_reference(model, head: dict[str, torch.Tensor]) -> ReferenceHead:
+    """Its layer a `Qwen3NextDecoderLayer` (full attention), its norms `Qwen3NextRMSNorm` ((1 + weight)), the
+    model's embedding and lm_head."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    cfg = model.config
+    layer = m.Qwen3NextDecoderLayer(cfg, cfg.num_hidden_layers - 1).eval()
+    own = {k.removeprefix("mtp.layers.0."): v for k, v in head.items() if ".layers." in k and ".experts." not in k}
+    layer.load_state_dict(model.model.layers[-1].state_dict() | own)
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = m.Qwen3NextRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[name].load_state_dict({"weight": head[f"mtp.{name}.weight"]})
+    embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
+    return ReferenceHead(model, layer, norms, head["mtp.fc.weight"], embed, lm_head, mask_first=False)
+
+
+def glm_reference(model, folder) -> ReferenceHead:
+    """Its layer a `Glm4MoeDecoderLayer` (the checkpoint's layer after the decoder's is a copy of the decoder's last,
+    `tests.conftest.add_mtp_layers`), its norms `Glm4MoeRMSNorm`, its own embedding and lm_head, position 0's
+    embedding zeroed (as vLLM's GLM-4.5 head)."""
+    from transformers.models.glm4_moe import modeling_glm4_moe as m
+
+    cfg, state = model.config, load_file(str(folder / "model.safetensors"))
+    n = cfg.num_hidden_layers
+    layer = m.Glm4MoeDecoderLayer(cfg, n - 1).eval()
+    layer.load_state_dict(model.model.layers[-1].state_dict())
+    norms = {}
+    for ours, theirs in (("pre_fc_norm_embedding", "enorm"), ("pre_fc_norm_hidden", "hnorm"),
+                         ("norm", "shared_head.norm")):  # fmt: skip
+        norms[ours] = m.Glm4MoeRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[ours].load_state_dict({"weight": state[f"model.layers.{n}.{theirs}.weight"]})
+    at = f"model.layers.{n}."
+    fc, embed, lm_head = (state[at + k] for k in ("eh_proj.weight", "embed_tokens.weight", "shared_head.head.weight"))
+    return ReferenceHead(model, layer, norms, fc, embed, lm_head, mask_first=True)
 
 
 class ReferenceHead:
-    """The head from transformers' own modules: its layer a `Qwen3NextDecoderLayer` (full attention), its norms
-    `Qwen3NextRMSNorm`, over whole sequences at once (a causal mask, no cache)."""
+    """The head from transformers' own modules (a decoder layer and RMSNorms of the family's modeling file, loaded
+    with the head's weights) over whole sequences at once: a causal mask, no cache."""
 
-    def __init__(self, model, head: dict[str, torch.Tensor]) -> None:
-        from transformers.models.qwen3_next import modeling_qwen3_next as m
-
-        cfg = model.config
-        self.model, H = model, cfg.hidden_size
-        self.layer = m.Qwen3NextDecoderLayer(cfg, cfg.num_hidden_layers - 1).eval()
-        own = {k.removeprefix("mtp.layers.0."): v for k, v in head.items() if ".layers." in k and ".experts." not in k}
-        self.layer.load_state_dict(model.model.layers[-1].state_dict() | own)
-        self.norms = {}
-        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-            norm = m.Qwen3NextRMSNorm(H, eps=cfg.rms_norm_eps)
-            norm.load_state_dict({"weight": head[f"mtp.{name}.weight"]})
-            self.norms[name] = norm
-        self.fc = head["mtp.fc.weight"]
+    def __init__(self, model, layer, norms: dict, fc, embed, lm_head, mask_first: bool) -> None:
+        self.model, self.layer, self.norms = model, layer, norms
+        self.fc, self.embed, self.lm_head, self.mask_first = fc, embed, lm_head, mask_first
 
     @torch.no_grad()
     def hidden(self, tokens: list[int]) -> torch.Tensor:
@@ -85,7 +116,10 @@ class ReferenceHead:
     def run(self, hidden: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
         """The head at positions 0..n-1 (hidden [n, H], next_ids [n]) -> its output [n, H] (normalised)."""
         n = hidden.shape[0]
-        embedded = self.norms["pre_fc_norm_embedding"](self.model.model.embed_tokens(torch.tensor(next_ids)))
+        embedded = self.embed[torch.tensor(next_ids)]
+        if self.mask_first:
+            embedded[0] = 0
+        embedded = self.norms["pre_fc_norm_embedding"](embedded)
         x = torch.cat([embedded, self.norms["pre_fc_norm_hidden"](hidden)], dim=-1) @ self.fc.T
         positions = torch.arange(n)[None]
         rope = self.model.model.rotary_emb(x[None], positions)
@@ -101,7 +135,7 @@ class ReferenceHead:
         rows_h, rows_t, out = hidden, list(tokens[1:]), []
         for _ in range(k):
             g = self.run(rows_h, rows_t)
-            out.append(int(self.model.lm_head(g[-1]).argmax()))
+            out.append(int((self.lm_head @ g[-1]).argmax()))
             rows_h, rows_t = torch.cat([rows_h, g[-1:]]), rows_t + [out[-1]]
         return out
 
@@ -111,14 +145,13 @@ def test_drafts_match_transformers_reference(mtp_checkpoint, steered: bool) -> N
     check_drafts(*mtp_checkpoint, steered, progress=False, dtype="float32", max_num_seqs=4)
 
 
-def check_drafts(folder, model, head, steered: bool, **opts) -> None:
+def check_drafts(folder, model, ref: ReferenceHead, steered: bool, **opts) -> None:
     """After every step, the head's drafts are the reference's. Random heads' drafts all fail: `steered` replaces
     each step's drafts (once checked) with the greedy continuation, wrong from a varying position on, so that verify
     steps also keep 1 to K drafts and the head then runs over several kept positions (or, where a draft failed, over
     the positions the hybrid layers compute again)."""
     llm = LLM(str(folder), speculative="mtp", speculative_tokens=K, **opts)
     llm.engine.gate = Open()
-    ref = ReferenceHead(model, head)
     engine, mtp = llm.engine, llm.engine.mtp
     prompt = torch.randint(3, 400, (13,), generator=torch.Generator().manual_seed(2)).tolist()
     want = prompt + generate(LLM(str(folder), **opts), [prompt], PARAMS)[0]
@@ -165,4 +198,7 @@ def test_checkpoints_without_a_head_are_refused(tiny_checkpoint) -> None:
         LLM(progress=False, speculative="mtp")
     folder, _ = tiny_checkpoint("qwen3next-dense", "per-expert")
     with pytest.raises(EdgeMoEError, match="no multi-token-prediction head .no mtp_num_hidden_layers"):
+        LLM(str(folder), progress=False, speculative="mtp")
+    folder, _ = tiny_checkpoint("glm-air-dense2", "per-expert")
+    with pytest.raises(EdgeMoEError, match="no multi-token-prediction layer .num_nextn_predict_layers is 0"):
         LLM(str(folder), progress=False, speculative="mtp")

@@ -317,7 +317,8 @@ class ModelRunner:
     def warm_up(self, length: int) -> None:
         """Prefill a prompt of `length` tokens and sample its next token (thrown away). Its blocks are all the KV
         cache's pad block, which padding rows write and read too: no block is allocated or cached, no sequence's K/V
-        is touched. Logits processors are not called (they may expect real requests)."""
+        is touched. Logits processors are not called (they may expect real requests). A model with a
+        multi-token-prediction head runs it over the same rows."""
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)  # every filter of the sampler
         # varied ids, so that routing spreads as a real prompt's does: one token repeated routes every position to
         # the same top_k experts, and the prefill paths of many experts (quantized experts' dequantized waves, the
@@ -326,6 +327,8 @@ class ModelRunner:
         seq = Sequence([(7919 * i + 13) % vocab for i in range(length)], params, None, None)
         seq.block_table = [self.kv.pad_block] * -(-length // self.kv.block_size)
         _, logits = self.compute_logits(Batch([seq], [length], True))
+        if self.keeps_hidden:  # the MTP head's kernels too, on the same pad blocks (a decode step's rows at length 1)
+            self.mtp_forward([seq], [0], [length], self.hidden, self.to_device(seq.token_ids), 0, [length - 1])
         gen = torch.Generator(self.device).manual_seed(0)  # not the global generator
         floats = [self.to_device([v], torch.float32) for v in (params.temperature, params.top_p, params.min_p)]
         self.sampler(logits, floats[0], self.to_device([params.top_k]), *floats[1:], [gen]).tolist()

@@ -159,7 +159,7 @@ class ModelRunner:
         routed = None if self.routed_ids is None else self.routed_ids[:, :b]
         ctx = d.context(b, routed_ids=routed, forced_ids=forced_ids)
         logits = self._forward(d.ids[:b], d.positions[:b], ctx, logits_rows=None)
-        if self.keeps_hidden:  # the graph captured last for b is the one replayed: its output stays
+        if self.keeps_hidden:  # a graph of b captures this call last: its output stays the graph's
             self._graph_hidden[b] = self.hidden
         return logits
 

@@ -18,8 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from edgemoe import LLM, SamplingParams
+from edgemoe.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from edgemoe.errors import EdgeMoEError
 from tests.conftest import hf_model, save_checkpoint
+from tests.engine.test_decode_graphs import emulate_capture
 from tests.engine.test_speculative import Open, generate
 
 K = 3  # drafts a step
@@ -193,6 +195,22 @@ def check_greedy(folder, **opts) -> None:
     batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (21, 9, 30)]
     params = [PARAMS, PARAMS, SamplingParams(max_tokens=12, temperature=0.9, seed=3)]
     assert generate(spec, batch, params) == generate(base, batch, params)
+    assert spec.engine.speculative.drafted > 0
+
+
+def test_greedy_identical_through_decode_graphs(mtp_checkpoint) -> None:
+    """Decode steps through graphs (emulated on the CPU by eager calls of the same static-buffer forward): the head
+    reads the graphs' static hidden states."""
+    folder = mtp_checkpoint[0]
+    opts = dict(progress=False, dtype="float32", max_num_seqs=6)
+    base = LLM(str(folder), **opts)
+    spec = LLM(str(folder), speculative="mtp", speculative_tokens=K, **opts)
+    spec.engine.gate = Open()
+    graphs = DecodeGraphs(default_batch_sizes(6))
+    emulate_capture(graphs, spec.engine.runner.forward_static)
+    spec.engine.runner.graphs = graphs
+    batch = [torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(9)).tolist() for n in (12, 25)]
+    assert generate(spec, batch, PARAMS) == generate(base, batch, PARAMS)
     assert spec.engine.speculative.drafted > 0
 
 

@@ -61,6 +61,14 @@ def kernel(attn: PagedAttention, q, tables, lens, **opts) -> torch.Tensor:
     return paged_decode_attention(*args, window=attn.window, sinks=attn.sinks, **opts)
 
 
+def exact_tol(attn: PagedAttention, dtype) -> dict:
+    """Against the float64 reference: float32's tolerance doubled for a layer that does not scale its scores (Gemma-4's
+    scale 1 over 256 dims: scores 16x larger, so the softmax's float32 rounding is larger too; seen on an H100 at
+    2.3e-5 for atol 2e-5, one element of 20,480)."""
+    loose = attn.scale == 1.0 and dtype == torch.float32
+    return {k: 2 * v for k, v in TOL[dtype].items()} if loose else TOL[dtype]
+
+
 def ref_tol(attn: PagedAttention, dtype) -> dict:
     # the reference's sinks path rounds scores and probabilities to bf16 (transformers' eager attention)
     loose = attn.sinks is not None and dtype == torch.bfloat16
@@ -79,7 +87,9 @@ def test_matches_references(name: str, dtype) -> None:
     for splits in (None, 1, 8, MAX_SPLITS):
         out = kernel(attn, q, tables, lens, splits=splits)
         assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
-        torch.testing.assert_close(out.double(), expected, **TOL[dtype], msg=lambda m, s=splits: f"S={s}: {m}")
+        torch.testing.assert_close(
+            out.double(), expected, **exact_tol(attn, dtype), msg=lambda m, s=splits: f"S={s}: {m}"
+        )
     out = attn._decode(q, decode_ctx(tables, lens))  # the layer's path: the kernel with its window and sinks
     assert torch.equal(out, kernel(attn, q, tables, lens))
     torch.testing.assert_close(out, attn._decode_torch(q, decode_ctx(tables, lens)), **ref_tol(attn, dtype))
@@ -139,7 +149,7 @@ def test_cuda_graph_replays_new_lengths_tables_and_sinks(name: str, dtype) -> No
             attn.sinks.data.copy_(3 * torch.randn(heads, generator=gen))
         graph.replay()
         msg = lambda m, rl=round_lens: f"lens {rl}: {m}"  # noqa: E731
-        torch.testing.assert_close(out.double(), plain(q, k, v, tables, lens, attn), **TOL[dtype], msg=msg)
+        torch.testing.assert_close(out.double(), plain(q, k, v, tables, lens, attn), **exact_tol(attn, dtype), msg=msg)
         expected = attn._decode_torch(q, decode_ctx(tables, lens))
         torch.testing.assert_close(out, expected, **ref_tol(attn, dtype), msg=msg)
 

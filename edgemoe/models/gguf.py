@@ -42,6 +42,15 @@ _LAYER = {
 }
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
 _GLOBAL["output.weight"] = "lm_head.weight"
+# a next-n (MTP) block's own tensors -> the head's parameters (`edgemoe.models.mtp`; the rest of the block is a layer)
+_NEXTN = {
+    "eh_proj": "mtp.fc",
+    "enorm": "mtp.pre_fc_norm_embedding",
+    "hnorm": "mtp.pre_fc_norm_hidden",
+    "shared_head_norm": "mtp.norm",
+    "shared_head_head": "mtp.head",
+    "embed_tokens": "mtp.embed_tokens",
+}
 EXPERT_PARTS = ("gate", "up", "down")
 _FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type ids
 _KERNEL_TYPES = {q.ggml_type for q in QUANT_TYPES.values()}  # the block formats the quantized kernels read
@@ -78,6 +87,7 @@ class GGUFCheckpoint:
         # names only its architecture uses (llama.cpp's with suffix -> Hugging Face's)
         self.permuted_qk = False
         self.layer_tensors: dict[str, str] = {}
+        self.mtp_blocks = 0  # the next-n blocks read as a multi-token-prediction head (`--speculative mtp`): 0 or 1
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer and chat template the file's metadata holds."""
@@ -96,7 +106,7 @@ class GGUFCheckpoint:
     @property
     def layers(self) -> int:
         """The decoder's blocks: llama.cpp counts the next-token-prediction (MTP) blocks that follow them in
-        block_count; edgemoe does not read those."""
+        block_count; edgemoe reads the first as an MTP head where asked (`mtp_blocks`), else none."""
         a = self.arch
         return int(self.field(f"{a}.block_count")) - int(self.field(f"{a}.nextn_predict_layers", 0))
 
@@ -128,13 +138,20 @@ class GGUFCheckpoint:
         return self.tensors[name]
 
     def dense_tensors(self) -> list[tuple[str, Any]]:
-        """(Hugging Face name, reader tensor) of every tensor of the decoder's layers but the experts' weights."""
-        out, layers, blocks = [], self.layers, int(self.field(f"{self.arch}.block_count"))
+        """(Hugging Face name, reader tensor) of every tensor of the decoder's layers but the experts' weights, and of
+        the next-n blocks read as an MTP head (`mtp_blocks`: its own tensors under `mtp.`, `_NEXTN`)."""
+        out, layers, blocks = [], self.layers + self.mtp_blocks, int(self.field(f"{self.arch}.block_count"))
         for name, tensor in self.tensors.items():
             block = re.match(r"^blk\.(\d+)\.", name)
             if block and int(block[1]) >= blocks:
                 raise EdgeMoEError(f"{self.path.name}: tensor {name} is past the file's block_count {blocks}")
             if name.endswith("_exps.weight") or block and int(block[1]) >= layers:  # (experts' biases are dense)
+                continue
+            nextn = re.match(r"^blk\.\d+\.nextn\.(\w+)\.weight$", name)
+            if nextn and int(block[1]) >= self.layers:  # the head's own (a decoder block's: unexpected, below)
+                if nextn[1] not in _NEXTN:
+                    raise EdgeMoEError(f"{self.path.name}: unexpected tensor {name}")
+                out.append((f"{_NEXTN[nextn[1]]}.weight", tensor))
                 continue
             hf = _GLOBAL.get(name)
             m = re.match(r"^blk\.(\d+)\.(\w+)(?:\.(weight|bias))?$", name)  # (suffixless: qwen3next's ssm_a)

@@ -3,7 +3,7 @@ limits, an ungated shared expert, the first `first_k_dense_replace` layers dense
 each head by default), q/k/v bias, an optional per-head q/k norm. Checkpoints carry multi-token-prediction (MTP)
 layers after the decoder's (`num_nextn_predict_layers`; llama.cpp's next-n blocks): for `--speculative mtp` the first
 is read as the head of `edgemoe.models.mtp` (`with_mtp`; its eh_proj, enorm, hnorm and shared_head, with the copy of
-the token embedding and the lm_head it carries), else they are skipped.
+the token embedding and the lm_head it carries; in a GGUF file the first next-n block), else they are skipped.
 
 GLM-4.7-Flash is another model type (`glm4_moe_lite`, multi-head latent attention), not this family."""
 
@@ -80,8 +80,7 @@ def with_mtp(cfg: ModelConfig, hf: dict) -> ModelConfig:
     not read)."""
     if not hf.get("num_nextn_predict_layers"):
         raise EdgeMoEError(
-            "this checkpoint has no multi-token-prediction layer (num_nextn_predict_layers is 0; a GGUF file's next-n "
-            "blocks are not read yet): use speculative ngram"
+            "this checkpoint has no multi-token-prediction layer (num_nextn_predict_layers is 0): use speculative ngram"
         )
     return replace(cfg, num_layers=cfg.num_layers + 1, moe_layers=cfg.moe_layers + (True,), mtp_layers=1)
 
@@ -174,6 +173,7 @@ def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
         partial_rotary_factor=rotary / common["head_dim"],
         attention_bias=ckpt.has("blk.0.attn_q.bias"),
         use_qk_norm=ckpt.has("blk.0.attn_q_norm.weight"),
+        num_nextn_predict_layers=int(ckpt.field(f"{a}.nextn_predict_layers", 0)),
     )
     return common | fields | {"model_type": MODEL_TYPE}
 

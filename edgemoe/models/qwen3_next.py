@@ -12,8 +12,9 @@ Checkpoints: Qwen3-Next (`Qwen3NextForCausalLM`) interleaves each key head's q, 
 rows in `in_proj_ba` (kept: one projection); Qwen3.5 writes four projections. Qwen3.5 ships as
 `Qwen3_5MoeForConditionalGeneration` (its language model under `model.language_model`, a vision tower under
 `model.visual`, skipped) or as `Qwen3_5MoeForCausalLM` (`qwen3_5_moe_text`). The multi-token-prediction head the
-checkpoints carry (`mtp.*`: `edgemoe.models.mtp`) is read for `--speculative mtp` (`with_mtp`), else skipped; its
-layer is a gated full-attention layer with routed and shared experts. llama.cpp's converter does not write it.
+checkpoints carry (`mtp.*`: `edgemoe.models.mtp`; in GGUF files llama.cpp's next-n block after the decoder's, its norms
+with their 1 added as the others') is read for `--speculative mtp` (`with_mtp`), else skipped; its layer is a gated
+full-attention layer with routed and shared experts.
 
 GGUF files (llama.cpp's `qwen3next` and `qwen35moe`) hold the norms with their 1 added, A as -exp(A_log), the
 projections split, and for `qwen35moe` the value heads in tiled order (`edgemoe.layers.linear_attention`): read as
@@ -118,8 +119,8 @@ def with_mtp(cfg: ModelConfig, hf: dict) -> ModelConfig:
     n = text_config(hf).get("mtp_num_hidden_layers") or 0
     if not n:
         raise EdgeMoEError(
-            "this checkpoint has no multi-token-prediction head (no mtp_num_hidden_layers; llama.cpp's converter "
-            "drops it from GGUF files): use speculative ngram"
+            "this checkpoint has no multi-token-prediction head (no mtp_num_hidden_layers, or in a GGUF file no "
+            "next-n block): use speculative ngram"
         )
     s: HybridSettings = cfg.family_config
     return replace(
@@ -178,6 +179,7 @@ def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
         partial_rotary_factor=int(ckpt.field(f"{a}.rope.dimension_count", common["head_dim"])) / common["head_dim"],
         attention_bias=ckpt.has(f"blk.{first_full}.attn_q.bias"),
         value_heads_tiled=a == "qwen35moe" and v_heads != k_heads,
+        mtp_num_hidden_layers=min(1, int(ckpt.field(f"{a}.nextn_predict_layers", 0))),  # the first next-n block
     )
     sparse = gguf_sparse_fields(ckpt, renormalise=True)
     return common | sparse | fields | {"model_type": _GGUF_MODEL_TYPES[a]}

@@ -105,7 +105,10 @@ def read_checkpoint(path: Path, mtp: bool = False) -> tuple[ModelConfig, ModuleT
         try:
             hf = family.gguf_config(ckpt)
             cfg = family.normalise(hf)
-            return (with_mtp(cfg, family, hf) if mtp else cfg), family, ckpt
+            if mtp:
+                cfg = with_mtp(cfg, family, hf)
+                ckpt.mtp_blocks = cfg.mtp_layers
+            return cfg, family, ckpt
         except EdgeMoEError as exc:  # the family refuses what it does not support, named by the file
             message = str(exc)
             raise EdgeMoEError(message if path.name in message else f"{path.name}: {message}") from None

@@ -214,6 +214,29 @@ def test_greedy_identical_through_decode_graphs(mtp_checkpoint) -> None:
     assert spec.engine.speculative.drafted > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "glm4_moe"])
+def test_gguf_next_n_block_is_the_head(family: str, tmp_path) -> None:
+    """llama.cpp's own converter writes the head as a next-n block after the decoder's (`blk.N.nextn.*` plus the
+    layer's tensors; Qwen3-Next's norms with their 1 added): read from the f32 file, the drafts are the reference's,
+    and greedy output is the same with and without them."""
+    pytest.importorskip("gguf")
+    from tests.models.llama_converter import convert
+    from tests.models.test_llama_converter import CASES, GLM_TOKENS, add_special_tokens
+
+    if family == "glm4_moe":
+        model = hf_model("glm4_moe", **CASES["glm4_moe"][1])  # its MTP layer written by `save_checkpoint`
+        folder = save_checkpoint(model, tmp_path / "hf", "per-expert")
+        add_special_tokens(folder, GLM_TOKENS)
+        ref = glm_reference(model, folder)
+    else:
+        model = hf_model("qwen3_next")
+        folder = save_checkpoint(model, tmp_path / "hf", "per-expert")
+        ref = qwen3_next_reference(model, add_head(folder, model))
+    path = convert(folder, tmp_path / f"{family}.gguf")
+    check_drafts(path, model, ref, True, progress=False, dtype="float32", max_num_seqs=4)
+    check_greedy(path, progress=False, dtype="float32", max_num_seqs=6)
+
+
 def test_checkpoints_without_a_head_are_refused(tiny_checkpoint) -> None:
     with pytest.raises(EdgeMoEError, match="no multi-token-prediction head that edgemoe reads"):
         LLM(progress=False, speculative="mtp")

@@ -214,6 +214,22 @@ def test_greedy_identical_through_decode_graphs(mtp_checkpoint) -> None:
     assert spec.engine.speculative.drafted > 0
 
 
+def test_a_cached_prefix_carries_the_heads_kv(mtp_checkpoint) -> None:
+    """A sampled request runs the head too (drafting nothing), so that a greedy request which the prefix cache starts
+    after its prompt finds the head's K/V there: its drafts are the reference's over the whole sequence."""
+    folder, _, ref = mtp_checkpoint
+    llm = LLM(str(folder), progress=False, dtype="float32", max_num_seqs=4, speculative="mtp", speculative_tokens=K)
+    llm.engine.gate = Open()
+    engine = llm.engine
+    prompt = torch.randint(3, 400, (48,), generator=torch.Generator().manual_seed(4)).tolist()  # 3 whole blocks
+    generate(llm, [prompt], SamplingParams(max_tokens=4, temperature=1.0, seed=1))
+    seq = engine.add_request(prompt + [7, 8], PARAMS)
+    engine.step()
+    assert seq.num_cached == 48, seq.num_cached  # the prompt came from the cache (a hybrid: its state snapshot too)
+    drafted = engine.mtp.drafts.get(seq, [])
+    assert drafted and drafted == ref.drafts(seq.token_ids, len(drafted))
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "glm4_moe"])
 def test_gguf_next_n_block_is_the_head(family: str, tmp_path) -> None:
     """llama.cpp's own converter writes the head as a next-n block after the decoder's (`blk.N.nextn.*` plus the

@@ -306,6 +306,11 @@ class EngineConfig:
     )
     speculative_tokens: int = option(4, "speculative: tokens drafted a step at most")
     speculative_ngram: int = option(3, "speculative ngram: the longest tail matched (down to one token)")
+    tensor_parallel: int = option(
+        1,
+        "processes the model is split over, one a GPU on CUDA (attention heads and every expert's intermediate axis "
+        "split; resident float experts of qwen2_moe, qwen3_moe, mixtral and glm4_moe so far)",
+    )
     seed: int | None = option(
         None, "seed of the seeds of requests that give none (None: a fresh one per engine)", cli=False
     )
@@ -341,7 +346,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         names = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens")
-        for name in (*names, "speculative_tokens", "speculative_ngram"):
+        for name in (*names, "speculative_tokens", "speculative_ngram", "tensor_parallel"):
             value = getattr(self, name)
             optional = ("max_num_batched_tokens", "max_model_len", "kv_cache_tokens")
             if (value is not None or name not in optional) and not _count(value):

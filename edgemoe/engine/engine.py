@@ -29,6 +29,8 @@ from edgemoe.engine.grammar import GrammarConstraint
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.mtp import MTPDrafter
+from edgemoe.engine.parallel import TensorParallel, shard_config, shard_model
+from edgemoe.engine.parallel import check as check_parallel
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.speculative import NgramIndex, SpeculationGate, SpeculativeStats
@@ -69,14 +71,24 @@ def _unreadable_checkpoint(folder: Path, exc: SafetensorError) -> str:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: TensorParallel | None = None) -> None:
+        """`parallel`: this process's rank where it is a worker of a tensor-parallel engine (`edgemoe.engine.parallel`;
+        the engine is then its shard and its runner, which serves rank 0's steps); rank 0 starts the workers."""
         start = time.perf_counter()
         self.config = config
         path = Path(config.model) if config.model else demo_model_path()
         self.model_name = path.resolve().name if config.model else "the demo model"
         self.model_config, family, gguf = read_checkpoint(path, mtp=config.speculative == "mtp")
         self.num_params = count_parameters(self.model_config, family)
+        if config.tensor_parallel > 1:
+            check_parallel(config, self.model_config, config.tensor_parallel)
+            if gguf is not None:
+                raise EdgeMoEError(f"tensor_parallel {config.tensor_parallel}: a GGUF file's experts are not split yet")
+            parallel = parallel or TensorParallel.start(config)
+        self.parallel = parallel
         self.device = resolve_device(config.device)
+        if parallel is not None:
+            self.device = parallel.device(self.device)
         self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device, self.model_config, self.num_params)
         if gguf is not None and config.moe.expert_dtype != "auto":  # a bad flag: before the loading line
             raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
@@ -117,6 +129,9 @@ class LLMEngine:
         self.plan: dict[str, int] = {}  # device bytes by part, as `_place` planned them
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at start-up: placement onwards
+        if parallel is not None:  # this rank's shard; its KV cache holds its heads
+            shard_model(self.model, parallel.rank, parallel.world)
+            self.model_config = shard_config(self.model_config, parallel.world)
         self.expert_cache = self._place(moe)
         seqs, invariant = config.max_num_seqs, config.batch_invariant
         drafter = self._draft if config.speculative != "off" else None
@@ -124,7 +139,9 @@ class LLMEngine:
         self._ngrams: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
         self.scheduler = Scheduler(self.kv, seqs, self.max_num_batched_tokens, invariant, self.states, drafter)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv, self.device, seqs, max_blocks, self.states)
+        self.runner = ModelRunner(self.model, self.kv, self.device, seqs, max_blocks, self.states, parallel)
+        if parallel is not None and parallel.rank:
+            return  # a worker: `TensorParallel.serve` runs rank 0's steps through this runner
         self.mtp = MTPDrafter(self.runner, self.scheduler) if config.speculative == "mtp" else None
         # Callables (sequences due a token, their logits [due, vocab]) -> logits, run in order before the sampler:
         # constrained decoding, banned tokens; the server tests force scripted outputs through one.
@@ -138,7 +155,7 @@ class LLMEngine:
             set_shared_expert_stream(self.model, side_stream(index))
         if self.device.type == "cuda" and config.warmup:
             self._warm_up()
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs and parallel is None:  # (not split yet: eager)
             self._capture_graphs()
         self.memory_line = self._memory_line(moe) if self.device.type == "cuda" else None
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -152,6 +169,11 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._constraint: GrammarConstraint | None = None  # the grammars of the requests that have one
         self.load_seconds = time.perf_counter() - start  # the whole start-up: weights, KV cache, warm-up, graphs
+
+    def close(self) -> None:
+        """End a tensor-parallel engine's workers (also at exit); nothing otherwise."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     def _place(self, moe: ExpertCacheConfig) -> ExpertCache | None:
         """Choose the prefill chunk (`_prefill_chunk`) and allocate the KV cache, the state cache where the model's
@@ -196,6 +218,8 @@ class LLMEngine:
         if offload and kv_room is not None:
             kv_room //= 4  # KV "auto" under a budget takes at most a quarter: the rest caches experts
         blocks, why = kv_blocks(self.config, per_block, self.max_model_len, self.device, kv_room)
+        if self.parallel is not None:  # rank 0's count on every rank: its block tables index every rank's cache
+            blocks = self.parallel.common(blocks)
         try:
             self.kv = KVCache(cfg, blocks, self.config.block_size, self.dtype, self.device, self.config.prefix_cache)
         except RuntimeError:  # torch's out-of-memory errors (CUDA's is a subclass)
@@ -396,10 +420,15 @@ class LLMEngine:
         if self.recorder:
             self.recorder.begin(batch)
         start = time.perf_counter()
-        if batch.verify:
-            tokens = self.runner.verify(batch)
-        else:
-            tokens = [None if t is None else [t] for t in self.runner.run(batch)]
+        try:
+            if batch.verify:
+                tokens = self.runner.verify(batch)
+            else:
+                tokens = [None if t is None else [t] for t in self.runner.run(batch)]
+        except RuntimeError as exc:  # a collective of a tensor-parallel step (an all-reduce) whose peer is gone
+            if self.parallel is None or isinstance(exc, torch.OutOfMemoryError):
+                raise
+            raise self.parallel.failure(exc) from None
         outputs, starts, kept = [], [seq.num_computed for seq in batch.seqs], []
         for seq, n, new in zip(batch.seqs, batch.num_new, tokens):
             if seq.draft:  # its next token and the accepted drafts are computed; the positions after, not

@@ -26,6 +26,7 @@ import torch
 from edgemoe.context import ForwardContext, set_context
 from edgemoe.engine.cuda_graphs import DecodeGraphs
 from edgemoe.engine.kv_cache import KVCache
+from edgemoe.engine.parallel import TensorParallel
 from edgemoe.engine.sampler import Sampler
 from edgemoe.engine.scheduler import Batch
 from edgemoe.engine.sequence import Sequence
@@ -121,9 +122,12 @@ class ModelRunner:
         max_num_seqs: int,
         max_blocks: int,
         states: StateCache | None = None,
+        parallel: TensorParallel | None = None,
     ) -> None:
-        """`states`: the state cache (already bound to the model), where the model keeps one."""
+        """`states`: the state cache (already bound to the model), where the model keeps one; `parallel`: this
+        process's rank of a tensor-parallel engine (rank 0 sends each eager step's inputs to the others)."""
         self.model, self.kv, self.device, self.states = model, kv, device, states
+        self.parallel = parallel
         self.sampler = Sampler()
         self.logits_processors: list[LogitsProcessor] = []  # applied in order, before the sampler
         self.graphs: DecodeGraphs | None = None  # once `capture_graphs` ran (CUDA)
@@ -225,7 +229,10 @@ class ModelRunner:
 
     def prepare(self, batch: Batch, inputs: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """Inputs of an eager step: tensors of the batch's own shape (`inputs`: `host_inputs(batch)`, if made)."""
-        ids, positions, slots, context_lens, state_slots, tables = inputs or self.host_inputs(batch)
+        inputs = inputs or self.host_inputs(batch)
+        if self.parallel is not None:  # rank 0: every rank runs this forward on its shard (`run_sent`)
+            self.parallel.send((batch.is_prefill, list(batch.num_new), inputs))
+        ids, positions, slots, context_lens, state_slots, tables = inputs
         self._before_step(ids)
         routed = None
         if self.routed_ids is not None and not batch.is_prefill:
@@ -257,6 +264,14 @@ class ModelRunner:
             routed_ids=routed,
             state_slots=states,
         )
+
+    @torch.inference_mode()
+    def run_sent(self, step: tuple) -> None:
+        """A worker rank: the forward rank 0's `prepare` sent (its logits are rank 0's to take)."""
+        prefill, counts, (ids, positions, slots, context_lens, state_slots, tables) = step
+        states = self.to_device(state_slots) if self.states is not None else None
+        ctx = self._context(prefill, counts, slots, context_lens, tables, None, states)
+        self._forward(self.to_device(ids), self.to_device(positions), ctx, [])
 
     @torch.inference_mode()
     def mtp_forward(

@@ -1,0 +1,76 @@
+"""Tensor parallelism (`--tensor-parallel N`, `edgemoe/engine/parallel.py`) on the CPU: two processes over gloo, each
+holding half of every attention layer's heads and half of every expert's intermediate axis. Greedy tokens equal one
+process's (which tests/models/test_hf_parity.py holds equal to transformers') for every family it splits, a seeded
+sampled request beside them draws the same tokens, each rank's KV cache holds its heads, what it does not split is
+refused in one line before anything is spawned, and a rank that dies ends the engine's next step with one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgemoe import LLM, SamplingParams
+from edgemoe.errors import EdgeMoEError
+from tests.engine.test_speculative import generate
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+FLOAT32 = dict(progress=False, dtype="float32")
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 400, (n,), generator=g).tolist() for n in (21, 9, 33)]
+
+
+@pytest.mark.parametrize("case", ["qwen2-gqa-shared-dense", "qwen3-head-dim", "mixtral-gqa", "glm-groups-qknorm-mtp"])
+def test_two_ranks_decode_as_one(tiny_checkpoint, case: str) -> None:
+    folder, _ = tiny_checkpoint(case, "per-expert")
+    params = [GREEDY, SamplingParams(max_tokens=12, temperature=0.8, seed=3), GREEDY]
+    want = generate(LLM(str(folder), **FLOAT32), prompts(), params)
+    llm = LLM(str(folder), **FLOAT32, tensor_parallel=2)
+    try:
+        assert generate(llm, prompts(), params) == want
+        attn = llm.engine.model.model.layers[0].self_attn
+        cfg = llm.engine.model_config  # the rank's share of the heads, which its KV cache holds
+        assert (attn.nq, attn.nkv) == (cfg.num_heads, cfg.num_kv_heads)
+        assert attn.attn.k_cache.shape[1:] == (cfg.num_kv_heads, cfg.head_dim)
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize(
+    ("case", "options", "message"),
+    [
+        ("qwen3-head-dim", dict(moe_strategy="offload", moe_cache_fraction=0.5), "offloaded experts are not split"),
+        ("qwen3-head-dim", dict(speculative="ngram"), "speculative decoding is not split"),
+        ("qwen3-head-dim", dict(expert_dtype="q8_0"), "quantized experts are not split"),
+        ("qwen3-mqa-tied", {}, "num_key_value_heads 1 does not split into 2 equal parts"),
+        ("olmoe-mha-clip", {}, "olmoe is not split yet"),
+        ("qwen3next-dense", {}, "qwen3_next is not split yet"),
+    ],
+)
+def test_what_is_not_split_is_refused(tiny_checkpoint, case: str, options: dict, message: str) -> None:
+    folder, _ = tiny_checkpoint(case, "per-expert")
+    with pytest.raises(EdgeMoEError, match=message) as info:
+        LLM(str(folder), **FLOAT32, tensor_parallel=2, **options)
+    assert "\n" not in str(info.value)
+
+
+def test_a_rank_that_dies_ends_the_next_step_in_one_line(tiny_checkpoint) -> None:
+    folder, _ = tiny_checkpoint("qwen3-head-dim", "per-expert")
+    llm = LLM(str(folder), **FLOAT32, tensor_parallel=2)
+    try:
+        assert len(llm.generate(prompts()[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+        worker = llm.engine.parallel.workers[0]
+        worker.kill()
+        worker.join(timeout=30)
+        with pytest.raises(EdgeMoEError, match=r"rank 1 \(exit code -9\) ended") as info:
+            llm.generate(prompts()[:1], GREEDY)
+        assert "\n" not in str(info.value)
+    finally:
+        llm.engine.close()
+    again = LLM(str(folder), **FLOAT32, tensor_parallel=2)  # the group was given up: a new engine starts one
+    try:
+        assert len(again.generate(prompts()[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    finally:
+        again.engine.close()

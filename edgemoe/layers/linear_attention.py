@@ -84,6 +84,8 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_state = torch.empty(0)
         self._decode_kernel = None  # `edgemoe.kernels.gated_delta.gated_delta_decode`, once `use_kernels` chose it
         self._prefill_kernel = None  # `edgemoe.kernels.gated_delta_prefill.delta_rule_prefill`, likewise
+        self._joined: list[DecodeLinear] = []  # decode's input projections as one (`join_projections`; unregistered)
+        self._join_sizes: list[int] = []
 
     def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """One sequence's states: the convolution's last inputs (the model's dtype) and the delta rule's matrices
@@ -103,6 +105,35 @@ class GatedDeltaNet(nn.Module):
 
             self._decode_kernel = gated_delta_decode  # 2 launches, the states updated in place, instead of ~45
             self._prefill_kernel = delta_rule_prefill  # 2 launches a batch instead of ~10 a chunk of each sequence
+        if self.join_projections():
+            self._joined[0].use_kernels(device)
+
+    def _projections(self) -> list[nn.Module]:
+        return [self.in_proj_qkv, self.in_proj_z, *self._ba_projections()]
+
+    def _ba_projections(self) -> list[nn.Module]:
+        return [self.in_proj_ba] if hasattr(self, "in_proj_ba") else [self.in_proj_b, self.in_proj_a]
+
+    def join_projections(self) -> bool:
+        """Decode's input projections (qkv, z, then b and a, or ba) as one weight, so that a decode step runs one GEMV
+        where it ran three or four (each row computed alike: the GEMV is row-invariant); the projections' weights
+        become views of it (no memory added). Only where all are float `DecodeLinear`s of one dtype (a GGUF file's
+        quantized ones keep theirs). -> whether they are joined."""
+        parts = self._projections()
+        if self._joined or any(type(p) is not DecodeLinear or p.bias is not None for p in parts):
+            return bool(self._joined)
+        if len({p.weight.dtype for p in parts}) != 1 or any(p.weight.is_meta for p in parts):
+            return False
+        weight = torch.cat([p.weight.detach() for p in parts])  # [rows, hidden]
+        start = 0
+        for p in parts:
+            p.weight = nn.Parameter(weight[start : start + p.out_features], requires_grad=False)
+            start += p.out_features
+        with torch.device("meta"):  # no init: its weight is the joined one
+            joined = DecodeLinear(weight.shape[1], weight.shape[0], bias=False)
+        joined.weight = nn.Parameter(weight, requires_grad=False)
+        self._joined, self._join_sizes = [joined], [p.out_features for p in parts]
+        return True
 
     def fuses_norm(self, *args) -> bool:
         """`DecoderLayer` asks every token mixer; this one runs its input norm apart."""
@@ -111,9 +142,12 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden] (normed) -> [tokens, hidden]. Positions are not used: the state carries the order."""
         ctx = get_context()
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        b, a = self._ba(x)
+        if self._joined and not ctx.is_prefill:  # one GEMV for all four (`join_projections`)
+            mixed, z, *ba = self._joined[0](x).split(self._join_sizes, dim=-1)
+            b, a = self._split_ba(*ba)
+        else:
+            mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)
+            b, a = self._split_ba(*(p(x) for p in self._ba_projections()))
         if ctx.is_prefill:
             out = self._prefill(mixed, *self.gates(b, a), ctx)
         elif self._decode_kernel is not None:  # the gates computed inside
@@ -130,14 +164,14 @@ class GatedDeltaNet(nn.Module):
         """The projections' b, a [tokens, v_heads] -> beta (sigmoid, b's dtype) and the log decay g (fp32, <= 0)."""
         return torch.sigmoid(b), self.A * F.softplus(a.float() + self.dt_bias)
 
-    def _ba(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [tokens, hidden] -> b, a [tokens, v_heads]: two projections, or one whose rows are per q/k head its value
-        heads' b then their a."""
-        if not hasattr(self, "in_proj_ba"):
-            return self.in_proj_b(x), self.in_proj_a(x)
-        ba = self.in_proj_ba(x).view(x.shape[0], self.k_heads, -1)
-        b, a = ba.chunk(2, dim=-1)
-        return b.reshape(x.shape[0], -1), a.reshape(x.shape[0], -1)
+    def _split_ba(self, *outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The b and a projections' outputs -> b, a [tokens, v_heads]: two outputs, or one whose rows are per q/k head
+        its value heads' b then their a (`in_proj_ba`)."""
+        if len(outputs) == 2:
+            return outputs
+        tokens = outputs[0].shape[0]
+        b, a = outputs[0].reshape(tokens, self.k_heads, -1).chunk(2, dim=-1)
+        return b.reshape(tokens, -1), a.reshape(tokens, -1)
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convolved channels [tokens, channels] -> q, k [tokens, k_heads, k_dim] (tiled: [tokens, v_heads, k_dim],

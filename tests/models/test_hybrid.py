@@ -217,3 +217,24 @@ def test_make_model_writes_what_transformers_and_edgemoe_read_alike(tmp_path, fa
     ours = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
     ref = hf.eval().generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
     assert ours == ref and len(set(ours)) > 3
+
+
+@pytest.mark.parametrize("case", ["qwen3next-dense", "qwen35-tied-mha"])
+def test_joined_input_projections_decode_as_transformers(tiny_checkpoint, case: str) -> None:
+    """Decode's input projections joined into one weight (`GatedDeltaNet.join_projections`, what a CUDA engine does
+    when it chooses kernels), here on the CPU: the projections' weights are views of the joined one, and greedy
+    tokens still equal transformers' (Qwen3-Next's b and a in one projection, Qwen3.5's apart)."""
+    from edgemoe.layers.linear_attention import GatedDeltaNet
+
+    folder, hf = tiny_checkpoint(case, "per-expert")
+    llm = LLM(str(folder), progress=False, dtype="float32")
+    mixers = [m for m in llm.engine.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert mixers and all(m.join_projections() for m in mixers)
+    for m in mixers:
+        joined = m._joined[0].weight
+        parts = [m.in_proj_qkv, m.in_proj_z, *m._ba_projections()]
+        assert sum(p.weight.shape[0] for p in parts) == joined.shape[0]
+        assert all(p.weight.untyped_storage().data_ptr() == joined.untyped_storage().data_ptr() for p in parts)
+    batch = prompts(4)
+    outs = llm.generate(batch, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p) for p in batch]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from edgemoe.engine.grammar import GrammarConstraint
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.mtp import MTPDrafter
-from edgemoe.engine.parallel import TensorParallel, shard_config, shard_model
+from edgemoe.engine.parallel import TensorParallel, cut, shard_config, shard_model
 from edgemoe.engine.parallel import check as check_parallel
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
@@ -85,6 +86,7 @@ class LLMEngine:
             if gguf is not None:
                 raise EdgeMoEError(f"tensor_parallel {config.tensor_parallel}: a GGUF file's experts are not split yet")
             parallel = parallel or TensorParallel.start(config)
+            self.model_config = shard_config(self.model_config, parallel.world)  # this rank's share of the shapes
         self.parallel = parallel
         self.device = resolve_device(config.device)
         if parallel is not None:
@@ -112,8 +114,9 @@ class LLMEngine:
             if moe.ram_budget is not None:
                 folder = None if moe.expert_store is None else Path(moe.expert_store).expanduser()
                 tier = TierOptions(ram_budget(moe.ram_budget), folder, config.max_num_seqs)
+            share = None if parallel is None else partial(cut, rank=parallel.rank, world=parallel.world)
             opts = LoadOptions(
-                self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, placed, tier
+                self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, placed, tier, share
             )
             if gguf is None:
                 self.model = load_model(path, self.model_config, family, opts)
@@ -129,9 +132,8 @@ class LLMEngine:
         self.plan: dict[str, int] = {}  # device bytes by part, as `_place` planned them
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at start-up: placement onwards
-        if parallel is not None:  # this rank's shard; its KV cache holds its heads
-            shard_model(self.model, parallel.rank, parallel.world)
-            self.model_config = shard_config(self.model_config, parallel.world)
+        if parallel is not None:  # the ranks' shares summed where layers return to the hidden size
+            shard_model(self.model)
         self.expert_cache = self._place(moe)
         seqs, invariant = config.max_num_seqs, config.batch_invariant
         drafter = self._draft if config.speculative != "off" else None

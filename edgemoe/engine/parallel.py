@@ -1,17 +1,20 @@
 """Tensor parallelism across processes (`--tensor-parallel N`): one process a rank, `torch.distributed` between them
 (NCCL on CUDA, one GPU a rank; gloo on the CPU).
 
-Rank 0 is the caller's engine: it schedules, samples and answers; ranks 1..N-1 are worker processes it spawns, each
-holding a shard of the model and the same KV block count. Before every forward, rank 0 sends the step's host inputs
-(`ModelRunner.prepare`), and every rank runs the forward on its shard: attention heads and KV heads split into N
-contiguous groups, every dense MLP and every routed and shared expert split along its intermediate axis, each rank
-computing its share of every projection back to the hidden size (`RowParallel`, `Reduced`: one all-reduce after
-attention and one after the MLP or MoE block of each layer). The router, norms, embedding and lm_head are whole on
-every rank, so every rank routes alike and holds the same hidden states.
+Rank 0 is the caller's engine: it schedules, samples and answers; ranks 1..N-1 are worker processes it spawns. Each
+rank builds the model of its share of the shapes (`shard_config`: its attention heads and KV heads, a contiguous
+group of them, and its part of every dense MLP's and every routed and shared expert's intermediate axis), and the
+loader hands it its share of each checkpoint tensor (`cut`): nothing is held whole, and offloaded experts need no
+change (each rank's host banks, expert cache and copies hold its share of every expert). Before every forward, rank 0
+sends the step's host inputs (`ModelRunner.prepare`) and every rank runs it, summing the ranks' shares where a layer
+returns to the hidden size (`RowParallel`, `Reduced`: one all-reduce after attention, one after the MLP or MoE block).
+The router, norms, embedding and lm_head are whole on every rank, so every rank holds the same hidden states and
+routes alike, and with a deterministic cache policy its expert cache decides alike. The KV block count is rank 0's.
 
-Built so far: resident float experts (safetensors checkpoints) of the families with plain attention; steps run
-eager (no CUDA graphs are captured). Refused in one line before anything is spawned: offloaded or quantized experts,
-GGUF files, speculative decoding, the hybrid, gpt-oss, OLMoE and Gemma-4 attention, shapes that do not split evenly.
+Built so far: float experts (safetensors checkpoints), resident or offloaded, of the families with plain attention;
+steps run eager (no CUDA graphs are captured). Refused in one line before anything is spawned: quantized experts, GGUF
+files, a RAM budget, the CPU split beside offloaded experts, speculative decoding, the hybrid, gpt-oss, OLMoE and
+Gemma-4 attention, shapes that do not split evenly.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import atexit
 import datetime
 import multiprocessing
 import os
+import re
 import socket
 import sys
 from dataclasses import replace
@@ -32,10 +36,6 @@ from torch import nn
 from edgemoe.config import EngineConfig, ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.attention import Attention
-from edgemoe.layers.linear import DecodeLinear
-from edgemoe.layers.mlp import GatedMLP
-from edgemoe.moe.experts import Experts
-from edgemoe.moe.layer import SparseMoE
 
 if TYPE_CHECKING:
     from edgemoe.engine.model_runner import ModelRunner
@@ -46,9 +46,13 @@ TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer: a ra
 
 def check(config: EngineConfig, cfg: ModelConfig, world: int) -> None:
     """One line for what tensor parallelism does not take yet (module docstring), before anything is spawned."""
-    what = f"tensor_parallel {world}"
-    if config.moe.moe_strategy != "resident":
-        raise EdgeMoEError(f"{what}: offloaded experts are not split yet (moe_strategy resident)")
+    what, moe = f"tensor_parallel {world}", config.moe
+    if moe.ram_budget is not None:
+        raise EdgeMoEError(f"{what}: a RAM budget (the disk tier) is not split yet")
+    if moe.moe_strategy == "offload" and config.device == "cuda" and str(moe.moe_cpu_compute) != "off":
+        raise EdgeMoEError(
+            f"{what}: offloaded experts need moe_cpu_compute off (each rank would measure its own split)"
+        )
     if config.speculative != "off":
         raise EdgeMoEError(f"{what}: speculative decoding is not split yet")
     if config.moe.expert_dtype != "auto":
@@ -70,8 +74,45 @@ def check(config: EngineConfig, cfg: ModelConfig, world: int) -> None:
 
 
 def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """A rank's view of the model for its KV cache: its share of the heads."""
-    return replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world)
+    """A rank's model: its share of the heads and of every intermediate axis."""
+    return replace(
+        cfg,
+        num_heads=cfg.num_heads // world,
+        num_kv_heads=cfg.num_kv_heads // world,
+        intermediate_size=cfg.intermediate_size // world,
+        moe_intermediate_size=cfg.moe_intermediate_size // world,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // world,
+    )
+
+
+_ROWS = re.compile(
+    r"\.(self_attn\.[qkv]_proj\.(weight|bias)|(mlp|shared_expert|experts\.\d+)\.(gate|up)_proj\.weight)$"
+)
+_COLUMNS = re.compile(r"\.(self_attn\.o_proj|(mlp|shared_expert|experts\.\d+)\.down_proj)\.weight$")
+
+
+def cut(name: str, t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """A checkpoint tensor (our name, as converted) -> rank `rank`'s share: q/k/v rows of its heads (heads are
+    contiguous rows), gate/up rows and down columns of its part of every intermediate axis (dense MLPs, shared and
+    routed experts, per expert or stacked), o_proj columns of its heads; o_proj's bias on rank 0 alone (the ranks'
+    outputs are summed). Anything else whole."""
+
+    def part(x: torch.Tensor, dim: int) -> torch.Tensor:
+        size = x.shape[dim] // world
+        return x.narrow(dim, rank * size, size)
+
+    if _ROWS.search(name):
+        return part(t, 0)
+    if _COLUMNS.search(name):
+        return part(t, 1)
+    if name.endswith(".self_attn.o_proj.bias"):
+        return t if rank == 0 else torch.zeros_like(t)
+    if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: each half's part
+        gate, up = t.chunk(2, dim=1)
+        return torch.cat([part(gate, 1), part(up, 1)], dim=1)
+    if name.endswith(".experts.down_proj"):  # [E, H, I]
+        return part(t, 2)
+    return t
 
 
 class RowParallel(nn.Module):
@@ -96,75 +137,16 @@ class Reduced(RowParallel):
         return False
 
 
-def shard_model(model: nn.Module, rank: int, world: int) -> None:
-    """Cut the loaded model down to rank `rank`'s shard, in place (module docstring)."""
+def shard_model(model: nn.Module) -> None:
+    """Sum the ranks' shares where a layer returns to the hidden size: after attention's o_proj (`RowParallel`) and
+    after its MLP or MoE block (`Reduced`). The model was built and loaded as this rank's share (`shard_config`,
+    `cut`)."""
     for layer in model.model.layers:
-        _shard_attention(layer.self_attn, rank, world)
-        mlp = layer.mlp
-        if isinstance(mlp, SparseMoE):
-            _shard_experts(mlp.experts, rank, world)
-            if mlp.shared_expert is not None:
-                _shard_mlp(mlp.shared_expert, rank, world)
-        else:
-            _shard_mlp(mlp, rank, world)
-        layer.mlp = Reduced(mlp)
-
-
-def _part(n: int, rank: int, world: int) -> slice:
-    size = n // world
-    return slice(rank * size, (rank + 1) * size)
-
-
-def _set(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
-    if value is not None:
-        setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=False))
-
-
-def _shard_attention(attn: nn.Module, rank: int, world: int) -> None:
-    if type(attn) is not Attention:
-        raise EdgeMoEError(f"tensor_parallel: {type(attn).__name__} is not split yet")
-    d, (q, k, _) = attn.d, attn.qkv_sizes
-    heads, kv_heads = _part(attn.nq, rank, world), _part(attn.nkv, rank, world)
-    rows = torch.arange(q + 2 * k).split([q, k, k])
-    keep = torch.cat([rows[0].view(attn.nq, d)[heads], *(r.view(attn.nkv, d)[kv_heads] for r in rows[1:])]).flatten()
-    proj = attn.qkv_proj
-    _set(proj, "weight", proj.weight[keep])
-    _set(proj, "bias", None if proj.bias is None else proj.bias[keep])
-    proj.out_features = keep.numel()
-    attn.nq, attn.nkv = attn.nq // world, attn.nkv // world
-    attn.qkv_sizes = [attn.nq * d, attn.nkv * d, attn.nkv * d]
-    attn.attn.num_heads, attn.attn.num_kv_heads = attn.nq, attn.nkv
-    attn.o_proj = RowParallel(_columns(attn.o_proj, slice(heads.start * d, heads.stop * d), rank))
-
-
-def _columns(linear: DecodeLinear, cols: slice, rank: int) -> DecodeLinear:
-    """`linear` keeping input features `cols` (its bias on rank 0 alone)."""
-    _set(linear, "weight", linear.weight[:, cols])
-    if linear.bias is not None and rank:
-        _set(linear, "bias", torch.zeros_like(linear.bias))
-    linear.in_features = cols.stop - cols.start
-    return linear
-
-
-def _shard_mlp(mlp: nn.Module, rank: int, world: int) -> None:
-    if type(mlp) is not GatedMLP:
-        raise EdgeMoEError(f"tensor_parallel: {type(mlp).__name__} is not split yet")
-    part = _part(mlp.gate_proj.out_features, rank, world)
-    for proj in (mlp.gate_proj, mlp.up_proj):
-        _set(proj, "weight", proj.weight[part])
-        proj.out_features = part.stop - part.start
-    _columns(mlp.down_proj, part, rank)
-
-
-def _shard_experts(experts: nn.Module, rank: int, world: int) -> None:
-    if type(experts) is not Experts or experts.gate_up_proj_bias is not None:
-        raise EdgeMoEError(f"tensor_parallel: {type(experts).__name__} experts are not split yet")
-    inter = experts.down_proj.shape[2]
-    part = _part(inter, rank, world)
-    up = slice(inter + part.start, inter + part.stop)
-    gate_up = experts.gate_up_proj
-    _set(experts, "gate_up_proj", torch.cat([gate_up[:, part], gate_up[:, up]], dim=1))  # [E, 2I/N, H]
-    _set(experts, "down_proj", experts.down_proj[:, :, part])  # [E, H, I/N]
+        attn = layer.self_attn
+        if type(attn) is not Attention:
+            raise EdgeMoEError(f"tensor_parallel: {type(attn).__name__} is not split yet")
+        attn.o_proj = RowParallel(attn.o_proj)
+        layer.mlp = Reduced(layer.mlp)
 
 
 class TensorParallel:

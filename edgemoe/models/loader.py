@@ -11,7 +11,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -69,6 +69,8 @@ class LoadOptions:
     host_embedding: bool = False
     dense_as_stored: bool = False
     tier: TierOptions | None = None  # `--ram-budget`: experts beyond it in an expert store on disk (offload)
+    # a checkpoint tensor (by our name) -> this process's share of it (`--tensor-parallel`: `edgemoe.engine.parallel`)
+    cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
 
 def build_model(cfg: ModelConfig, family: ModuleType) -> MoEForCausalLM:
@@ -125,7 +127,7 @@ def load_model(folder: Path | None, cfg: ModelConfig, family: ModuleType, opts: 
             _no_readers(readers, "random weights")
             fill_random(model, host)
         else:
-            load_weights(model, folder, family, opts.progress, host | _resident_targets(model), readers)
+            load_weights(model, folder, family, opts.progress, host | _resident_targets(model), readers, opts.cut)
     del host  # views of the expert store, if any: it is finished next
     return _ready(model, opts, plan)
 
@@ -307,9 +309,11 @@ def load_weights(
     progress: bool = True,
     host: dict | None = None,
     readers: dict[str, Reader] | None = None,
+    cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Fill the model's parameters, and the `host` tensors (name -> host bank) that stand in for some; hand the
-    tensors of `readers` (name -> reader) to their readers, unread."""
+    tensors of `readers` (name -> reader) to their readers, unread. `cut`: each tensor (by our name, once converted)
+    -> the share of it this process holds."""
     params, readers = dict(model.named_parameters()) | (host or {}), readers or {}
     filled = dict.fromkeys(params, 0)
     files = checkpoint_files(folder)
@@ -332,6 +336,8 @@ def load_weights(
                 filled[pname] += target.numel()
                 continue
             for converted, tensor in model.convert(name, handle.get_tensor(key)):
+                if cut is not None:
+                    tensor = cut(converted, tensor)
                 pname, target = _target(converted, params, model)
                 if target is None:
                     continue

@@ -1,8 +1,9 @@
 """Tensor parallelism (`--tensor-parallel N`, `edgemoe/engine/parallel.py`) on the CPU: two processes over gloo, each
-holding half of every attention layer's heads and half of every expert's intermediate axis. Greedy tokens equal one
-process's (which tests/models/test_hf_parity.py holds equal to transformers') for every family it splits, a seeded
-sampled request beside them draws the same tokens, each rank's KV cache holds its heads, what it does not split is
-refused in one line before anything is spawned, and a rank that dies ends the engine's next step with one line."""
+holding half of every attention layer's heads and half of every expert's intermediate axis, resident or offloaded.
+Greedy tokens equal one process's (which tests/models/test_hf_parity.py holds equal to transformers') for every family
+it splits, a seeded sampled request beside them draws the same tokens, each rank's KV cache holds its heads and its
+experts their half, what it does not split is refused in one line before anything is spawned, and a rank that dies
+ends the engine's next step with one line."""
 
 from __future__ import annotations
 
@@ -22,18 +23,38 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 400, (n,), generator=g).tolist() for n in (21, 9, 33)]
 
 
-@pytest.mark.parametrize("case", ["qwen2-gqa-shared-dense", "qwen3-head-dim", "mixtral-gqa", "glm-groups-qknorm-mtp"])
-def test_two_ranks_decode_as_one(tiny_checkpoint, case: str) -> None:
-    folder, _ = tiny_checkpoint(case, "per-expert")
+OFFLOAD = dict(moe_strategy="offload", moe_cache_fraction=0.5, moe_collect_stats=True)
+
+
+@pytest.mark.parametrize(
+    ("case", "layout", "options"),
+    [
+        ("qwen2-gqa-shared-dense", "per-expert", {}),
+        ("qwen3-head-dim", "per-expert", {}),
+        ("qwen3-head-dim", "fused", OFFLOAD),
+        ("mixtral-gqa", "per-expert", OFFLOAD),
+        ("glm-groups-qknorm-mtp", "per-expert", {}),
+        ("glm-air-dense2", "fused", OFFLOAD),
+    ],
+    ids=lambda v: "offloaded" if v == OFFLOAD else "resident" if v == {} else v,
+)
+def test_two_ranks_decode_as_one(tiny_checkpoint, case: str, layout: str, options: dict) -> None:
+    """Each rank loads its share of every tensor (per-expert and stacked checkpoints); offloaded, each rank's expert
+    cache holds its share of every expert and decides as the others do."""
+    folder, _ = tiny_checkpoint(case, layout)
     params = [GREEDY, SamplingParams(max_tokens=12, temperature=0.8, seed=3), GREEDY]
-    want = generate(LLM(str(folder), **FLOAT32), prompts(), params)
-    llm = LLM(str(folder), **FLOAT32, tensor_parallel=2)
+    want = generate(LLM(str(folder), **FLOAT32, **options), prompts(), params)
+    llm = LLM(str(folder), **FLOAT32, **options, tensor_parallel=2)
     try:
         assert generate(llm, prompts(), params) == want
         attn = llm.engine.model.model.layers[0].self_attn
         cfg = llm.engine.model_config  # the rank's share of the heads, which its KV cache holds
         assert (attn.nq, attn.nkv) == (cfg.num_heads, cfg.num_kv_heads)
         assert attn.attn.k_cache.shape[1:] == (cfg.num_kv_heads, cfg.head_dim)
+        moe = next(layer.mlp.inner for layer in llm.engine.model.model.layers if layer.is_moe)
+        assert moe.experts.down_proj.shape[-1] == cfg.moe_intermediate_size  # its half of each expert
+        if options:
+            assert llm.engine.moe_stats()["total"]["misses"] > 0  # its cache missed, and copied its share of experts
     finally:
         llm.engine.close()
 
@@ -41,7 +62,7 @@ def test_two_ranks_decode_as_one(tiny_checkpoint, case: str) -> None:
 @pytest.mark.parametrize(
     ("case", "options", "message"),
     [
-        ("qwen3-head-dim", dict(moe_strategy="offload", moe_cache_fraction=0.5), "offloaded experts are not split"),
+        ("qwen3-head-dim", dict(moe_strategy="offload", ram_budget=0.5), "a RAM budget .the disk tier. is not split"),
         ("qwen3-head-dim", dict(speculative="ngram"), "speculative decoding is not split"),
         ("qwen3-head-dim", dict(expert_dtype="q8_0"), "quantized experts are not split"),
         ("qwen3-mqa-tied", {}, "num_key_value_heads 1 does not split into 2 equal parts"),

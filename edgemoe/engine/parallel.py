@@ -13,8 +13,8 @@ routes alike, and with a deterministic cache policy its expert cache decides ali
 
 Built so far: float experts (safetensors checkpoints), resident or offloaded, of the families with plain attention;
 steps run eager (no CUDA graphs are captured). Refused in one line before anything is spawned: quantized experts, GGUF
-files, a RAM budget, the CPU split beside offloaded experts, speculative decoding, the hybrid, gpt-oss, OLMoE and
-Gemma-4 attention, shapes that do not split evenly.
+files, a RAM budget, the CPU split beside offloaded experts, MTP drafts (prompt lookup's verify steps are eager steps
+like any), the hybrid, gpt-oss, OLMoE and Gemma-4 attention, shapes that do not split evenly.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import os
 import re
 import socket
 import sys
+import threading
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -53,8 +55,8 @@ def check(config: EngineConfig, cfg: ModelConfig, world: int) -> None:
         raise EdgeMoEError(
             f"{what}: offloaded experts need moe_cpu_compute off (each rank would measure its own split)"
         )
-    if config.speculative != "off":
-        raise EdgeMoEError(f"{what}: speculative decoding is not split yet")
+    if config.speculative == "mtp":
+        raise EdgeMoEError(f"{what}: the MTP head is not split yet (speculative ngram is)")
     if config.moe.expert_dtype != "auto":
         raise EdgeMoEError(f"{what}: quantized experts are not split yet")
     if cfg.model_type not in FAMILIES:
@@ -238,6 +240,7 @@ def _worker(config: EngineConfig, rank: int, port: int) -> None:
 
     stderr = sys.stderr
     sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - rank 0 speaks for all; errors below go to the real stderr
+    threading.Thread(target=_follow, args=(os.getppid(),), daemon=True).start()
     try:
         _join(config, rank, port)
         parallel = TensorParallel(rank, config.tensor_parallel)
@@ -246,3 +249,10 @@ def _worker(config: EngineConfig, rank: int, port: int) -> None:
     except Exception as exc:  # noqa: BLE001 - one line for whatever stopped this rank
         print(f"edgemoe: tensor_parallel rank {rank} stopped: {exc}", file=stderr, flush=True)
         os._exit(1)
+
+
+def _follow(parent: int) -> None:
+    """A worker ends when rank 0's process does, however it ended (killed, it runs no exit handler to stop us)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)

@@ -31,7 +31,11 @@ def _model(engine: LLMEngine) -> str:
 
 def _compute(engine: LLMEngine) -> str:
     dtype = str(engine.dtype).removeprefix("torch.")
-    return f"on {_device(engine.device)}, {dtype} ({engine.dtype_reason})"
+    where = _device(engine.device)
+    if engine.parallel is not None:  # rank 0's device, and the others'
+        world = engine.parallel.world
+        where = f"{world} ranks (cuda:0-{world - 1})" if engine.device.type == "cuda" else f"{world} CPU ranks"
+    return f"on {where}, {dtype} ({engine.dtype_reason})"
 
 
 def _device(device: torch.device) -> str:
@@ -43,7 +47,8 @@ def _device(device: torch.device) -> str:
 def _parameters(engine: LLMEngine) -> str:
     """The parameters, dense apart from the routed experts, and where each lives."""
     cfg, cache, total = engine.model_config, engine.expert_cache, count(engine.num_params)
-    experts = cfg.expert_params * cfg.num_experts * sum(cfg.moe_layers)
+    world = 1 if engine.parallel is None else engine.parallel.world  # (a rank's config holds 1/world of each)
+    experts = cfg.expert_params * cfg.num_experts * sum(cfg.moe_layers) * world
     dense = count(engine.num_params - experts)
     stored = _expert_formats(engine)
     in_experts = f"{count(experts)} in {stored + ' ' if stored else ''}experts"

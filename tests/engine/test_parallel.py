@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
+from edgemoe.engine.summary import startup_line
 from edgemoe.errors import EdgeMoEError
-from tests.engine.test_speculative import generate
+from tests.engine.test_speculative import Open, generate
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 FLOAT32 = dict(progress=False, dtype="float32")
@@ -43,10 +44,13 @@ def test_two_ranks_decode_as_one(tiny_checkpoint, case: str, layout: str, option
     cache holds its share of every expert and decides as the others do."""
     folder, _ = tiny_checkpoint(case, layout)
     params = [GREEDY, SamplingParams(max_tokens=12, temperature=0.8, seed=3), GREEDY]
-    want = generate(LLM(str(folder), **FLOAT32, **options), prompts(), params)
+    base = LLM(str(folder), **FLOAT32, **options)
+    want = generate(base, prompts(), params)
     llm = LLM(str(folder), **FLOAT32, **options, tensor_parallel=2)
     try:
         assert generate(llm, prompts(), params) == want
+        one, two = startup_line(base.engine).split(": ", 2), startup_line(llm.engine).split(": ", 2)
+        assert " on 2 CPU ranks, " in two[1] and one[2].split(", context")[0] == two[2].split(", context")[0]
         attn = llm.engine.model.model.layers[0].self_attn
         cfg = llm.engine.model_config  # the rank's share of the heads, which its KV cache holds
         assert (attn.nq, attn.nkv) == (cfg.num_heads, cfg.num_kv_heads)
@@ -63,7 +67,7 @@ def test_two_ranks_decode_as_one(tiny_checkpoint, case: str, layout: str, option
     ("case", "options", "message"),
     [
         ("qwen3-head-dim", dict(moe_strategy="offload", ram_budget=0.5), "a RAM budget .the disk tier. is not split"),
-        ("qwen3-head-dim", dict(speculative="ngram"), "speculative decoding is not split"),
+        ("glm-groups-qknorm-mtp", dict(speculative="mtp"), "the MTP head is not split yet"),
         ("qwen3-head-dim", dict(expert_dtype="q8_0"), "quantized experts are not split"),
         ("qwen3-mqa-tied", {}, "num_key_value_heads 1 does not split into 2 equal parts"),
         ("olmoe-mha-clip", {}, "olmoe is not split yet"),
@@ -75,6 +79,20 @@ def test_what_is_not_split_is_refused(tiny_checkpoint, case: str, options: dict,
     with pytest.raises(EdgeMoEError, match=message) as info:
         LLM(str(folder), **FLOAT32, tensor_parallel=2, **options)
     assert "\n" not in str(info.value)
+
+
+def test_prompt_lookup_verify_steps_on_two_ranks(tiny_checkpoint) -> None:
+    """Verify steps are eager steps whose rows every rank computes: drafts accepted, tokens as one process's."""
+    folder, _ = tiny_checkpoint("qwen3-head-dim", "per-expert")
+    batch = [[5, 6, 7, 8, 9] * 6, prompts()[0]]  # a pattern that prompt lookup drafts, and random tokens
+    want = generate(LLM(str(folder), **FLOAT32), batch, GREEDY)
+    llm = LLM(str(folder), **FLOAT32, tensor_parallel=2, speculative="ngram", max_num_seqs=6)
+    llm.engine.gate = Open()
+    try:
+        assert generate(llm, batch, GREEDY) == want
+        assert llm.engine.speculative.drafted > 0
+    finally:
+        llm.engine.close()
 
 
 def test_a_rank_that_dies_ends_the_next_step_in_one_line(tiny_checkpoint) -> None:

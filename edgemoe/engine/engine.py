@@ -10,6 +10,7 @@ import time
 import weakref
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -39,6 +40,7 @@ from edgemoe.engine.state_cache import StateCache, bytes_per_slot
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.ple import PLEOptions
+from edgemoe.models.gguf import GGUFCheckpoint
 from edgemoe.models.loader import LoadOptions, checkpoint_files, count_parameters, load_gguf, load_model
 from edgemoe.models.registry import read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
@@ -81,13 +83,27 @@ class LLMEngine:
         self.model_name = path.resolve().name if config.model else "the demo model"
         self.model_config, family, gguf = read_checkpoint(path, mtp=config.speculative == "mtp")
         self.num_params = count_parameters(self.model_config, family)
+        started = False
         if config.tensor_parallel > 1:
             check_parallel(config, self.model_config, config.tensor_parallel)
             if gguf is not None:
                 raise EdgeMoEError(f"tensor_parallel {config.tensor_parallel}: a GGUF file's experts are not split yet")
+            started = parallel is None
             parallel = parallel or TensorParallel.start(config)
             self.model_config = shard_config(self.model_config, parallel.world)  # this rank's share of the shapes
         self.parallel = parallel
+        try:
+            self._build(config, path, family, gguf, start)
+        except BaseException:
+            if parallel is not None and started:  # the workers it spawned may wait in any collective
+                parallel.abort()
+            raise
+
+    def _build(
+        self, config: EngineConfig, path: Path, family: ModuleType, gguf: GGUFCheckpoint | None, start: float
+    ) -> None:
+        """The rest of start-up, once the checkpoint is read (and a tensor-parallel engine's ranks are up)."""
+        parallel = self.parallel
         self.device = resolve_device(config.device)
         if parallel is not None:
             self.device = parallel.device(self.device)

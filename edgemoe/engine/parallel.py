@@ -11,10 +11,11 @@ returns to the hidden size (`RowParallel`, `Reduced`: one all-reduce after atten
 The router, norms, embedding and lm_head are whole on every rank, so every rank holds the same hidden states and
 routes alike, and with a deterministic cache policy its expert cache decides alike. The KV block count is rank 0's.
 
-Built so far: float experts (safetensors checkpoints), resident or offloaded, of the families with plain attention;
-steps run eager (no CUDA graphs are captured). Refused in one line before anything is spawned: quantized experts, GGUF
-files, a RAM budget, the CPU split beside offloaded experts, MTP drafts (prompt lookup's verify steps are eager steps
-like any), the hybrid, gpt-oss, OLMoE and Gemma-4 attention, shapes that do not split evenly.
+Built so far: float experts of safetensors checkpoints, or quantized on load (`expert_dtype`: each rank quantizes its
+share), resident or offloaded, of the families with plain attention; steps run eager (no CUDA graphs are captured);
+prompt lookup's verify steps are eager steps like any. Refused in one line before anything is spawned: GGUF files, a
+RAM budget, the CPU split beside offloaded experts, MTP drafts, the hybrid, gpt-oss, OLMoE and Gemma-4 attention,
+shapes that do not split evenly.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 from edgemoe.config import EngineConfig, ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.attention import Attention
+from edgemoe.quant import quant_type
 
 if TYPE_CHECKING:
     from edgemoe.engine.model_runner import ModelRunner
@@ -57,8 +59,13 @@ def check(config: EngineConfig, cfg: ModelConfig, world: int) -> None:
         )
     if config.speculative == "mtp":
         raise EdgeMoEError(f"{what}: the MTP head is not split yet (speculative ngram is)")
-    if config.moe.expert_dtype != "auto":
-        raise EdgeMoEError(f"{what}: quantized experts are not split yet")
+    if moe.expert_dtype != "auto":  # quantized on load, each rank its share: the down rows' blocks must split
+        block, share = quant_type(moe.expert_dtype).block_weights, cfg.moe_intermediate_size // world
+        if share % block:
+            raise EdgeMoEError(
+                f"{what}: a rank's share of moe_intermediate_size, {share}, is not whole blocks of {block} weights "
+                f"(expert_dtype {moe.expert_dtype})"
+            )
     if cfg.model_type not in FAMILIES:
         raise EdgeMoEError(f"{what}: {cfg.model_type} is not split yet (split: {', '.join(FAMILIES)})")
     if config.device == "cuda" and torch.cuda.device_count() < world:
@@ -208,10 +215,21 @@ class TensorParallel:
         try:
             self.common(("stop", None))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             for proc in self.workers:
                 proc.join(timeout=30)
             self.workers = []
+
+    def abort(self) -> None:
+        """Rank 0, when its engine cannot start: the workers killed (they may wait in any collective), the group
+        ended."""
+        for proc in self.workers:
+            proc.kill()
+            proc.join(timeout=30)
+        self.workers = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def serve(self, runner: ModelRunner) -> None:
         """Ranks 1..N-1: run each forward rank 0 sends, until it says stop."""

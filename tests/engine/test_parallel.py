@@ -13,6 +13,7 @@ import torch
 from edgemoe import LLM, SamplingParams
 from edgemoe.engine.summary import startup_line
 from edgemoe.errors import EdgeMoEError
+from tests.conftest import hf_model, save_checkpoint
 from tests.engine.test_speculative import Open, generate
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -68,7 +69,7 @@ def test_two_ranks_decode_as_one(tiny_checkpoint, case: str, layout: str, option
     [
         ("qwen3-head-dim", dict(moe_strategy="offload", ram_budget=0.5), "a RAM budget .the disk tier. is not split"),
         ("glm-groups-qknorm-mtp", dict(speculative="mtp"), "the MTP head is not split yet"),
-        ("qwen3-head-dim", dict(expert_dtype="q8_0"), "quantized experts are not split"),
+        ("qwen3-head-dim", dict(expert_dtype="q8_0"), "share of moe_intermediate_size, 16, is not whole blocks of 32"),
         ("qwen3-mqa-tied", {}, "num_key_value_heads 1 does not split into 2 equal parts"),
         ("olmoe-mha-clip", {}, "olmoe is not split yet"),
         ("qwen3next-dense", {}, "qwen3_next is not split yet"),
@@ -79,6 +80,23 @@ def test_what_is_not_split_is_refused(tiny_checkpoint, case: str, options: dict,
     with pytest.raises(EdgeMoEError, match=message) as info:
         LLM(str(folder), **FLOAT32, tensor_parallel=2, **options)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("expert_dtype", ["q8_0", "q4_0"])
+def test_experts_quantized_on_load_by_each_rank(tmp_path, expert_dtype: str) -> None:
+    """Each rank quantizes its share of every expert (its down rows are whole blocks: 64 / 2 = 32 weights, one q8_0 or
+    q4_0 block), resident and offloaded: tokens as one process's with the same expert_dtype."""
+    folder = save_checkpoint(hf_model("qwen3_moe", num_key_value_heads=2, moe_intermediate_size=64), tmp_path, "fused")
+    for options in ({}, OFFLOAD):
+        opts = FLOAT32 | options | dict(expert_dtype=expert_dtype)
+        want = generate(LLM(str(folder), **opts), prompts(), GREEDY)
+        llm = LLM(str(folder), **opts, tensor_parallel=2)
+        try:
+            assert generate(llm, prompts(), GREEDY) == want
+            moe = next(layer.mlp.inner for layer in llm.engine.model.model.layers if layer.is_moe)
+            assert moe.experts.down_proj.dtype == torch.uint8  # blocks, as stored
+        finally:
+            llm.engine.close()
 
 
 def test_prompt_lookup_verify_steps_on_two_ranks(tiny_checkpoint) -> None:
@@ -113,3 +131,17 @@ def test_a_rank_that_dies_ends_the_next_step_in_one_line(tiny_checkpoint) -> Non
         assert len(again.generate(prompts()[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
     finally:
         again.engine.close()
+
+
+def test_an_engine_that_fails_after_spawning_leaves_no_group_behind(tiny_checkpoint) -> None:
+    """A start-up error after the ranks are up and loaded (here a KV cache too small for a block): one line, the
+    workers gone (they wait in a collective), and the next engine starts its own group."""
+    folder, _ = tiny_checkpoint("qwen3-head-dim", "per-expert")
+    with pytest.raises(EdgeMoEError, match="kv_cache_memory 1B holds no KV block") as info:
+        LLM(str(folder), **FLOAT32, tensor_parallel=2, kv_cache_memory="1B")
+    assert "\n" not in str(info.value)
+    llm = LLM(str(folder), **FLOAT32, tensor_parallel=2)
+    try:
+        assert len(llm.generate(prompts()[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.engine.close()

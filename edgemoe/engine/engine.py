@@ -5,9 +5,11 @@ Entry points (`LLM`, the CLI, the server) drive it with `add_request` / `step` /
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import weakref
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -31,7 +33,7 @@ from edgemoe.engine.grammar import GrammarConstraint
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.mtp import MTPDrafter
-from edgemoe.engine.parallel import TensorParallel, cut, shard_config, shard_model
+from edgemoe.engine.parallel import TensorParallel, cut, follow_parent, join, shard_config, shard_model
 from edgemoe.engine.parallel import check as check_parallel
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
@@ -89,7 +91,7 @@ class LLMEngine:
             if gguf is not None:
                 raise EdgeMoEError(f"tensor_parallel {config.tensor_parallel}: a GGUF file's experts are not split yet")
             started = parallel is None
-            parallel = parallel or TensorParallel.start(config)
+            parallel = parallel or TensorParallel.start(config, _rank_main)
             self.model_config = shard_config(self.model_config, parallel.world)  # this rank's share of the shapes
         self.parallel = parallel
         try:
@@ -525,3 +527,19 @@ class LLMEngine:
                 seq.stop_reason = token
         elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
+
+
+def _rank_main(config: EngineConfig, rank: int, port: int) -> None:
+    """A tensor-parallel worker's process (`edgemoe.engine.parallel`): its engine, quiet, then the forwards rank 0
+    sends; one line on the real stderr for whatever stops it."""
+    stderr = sys.stderr
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - rank 0 speaks for all ranks
+    follow_parent()
+    try:
+        join(config, rank, port)
+        parallel = TensorParallel(rank, config.tensor_parallel)
+        engine = LLMEngine(replace(config, progress=False), parallel=parallel)
+        parallel.serve(engine.runner.run_sent)
+    except Exception as exc:  # noqa: BLE001 - one line for whatever stopped this rank
+        print(f"edgemoe: tensor_parallel rank {rank} stopped: {exc}", file=stderr, flush=True)
+        os._exit(1)

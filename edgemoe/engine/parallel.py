@@ -26,11 +26,10 @@ import multiprocessing
 import os
 import re
 import socket
-import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,9 +39,6 @@ from edgemoe.config import EngineConfig, ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.attention import Attention
 from edgemoe.quant import quant_type
-
-if TYPE_CHECKING:
-    from edgemoe.engine.model_runner import ModelRunner
 
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")  # plain `Attention`, float experts
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer: a rank is gone
@@ -166,8 +162,9 @@ class TensorParallel:
         self.workers: list[multiprocessing.Process] = []
 
     @classmethod
-    def start(cls, config: EngineConfig) -> TensorParallel:
-        """Rank 0: spawn ranks 1..N-1 (each builds the engine of `config` as its rank) and join them in one group."""
+    def start(cls, config: EngineConfig, worker: Callable[[EngineConfig, int, int], None]) -> TensorParallel:
+        """Rank 0: spawn ranks 1..N-1, each a process running `worker(config, rank, port)` (which builds the engine of
+        `config` as its rank and serves), and join them in one group (`join`, at `port`)."""
         world = config.tensor_parallel
         with socket.socket() as s:  # a free port for the group's rendezvous
             s.bind(("127.0.0.1", 0))
@@ -175,10 +172,10 @@ class TensorParallel:
         context = multiprocessing.get_context("spawn")
         self = cls(0, world)
         for rank in range(1, world):
-            proc = context.Process(target=_worker, args=(config, rank, port), daemon=True)
+            proc = context.Process(target=worker, args=(config, rank, port), daemon=True)
             proc.start()
             self.workers.append(proc)
-        _join(config, 0, port)
+        join(config, 0, port)
         atexit.register(self.close)
         return self
 
@@ -231,17 +228,18 @@ class TensorParallel:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def serve(self, runner: ModelRunner) -> None:
-        """Ranks 1..N-1: run each forward rank 0 sends, until it says stop."""
+    def serve(self, run: Callable[[tuple], None]) -> None:
+        """Ranks 1..N-1: `run` each forward rank 0 sends (`ModelRunner.run_sent`), until it says stop."""
         while True:
             kind, step = self.common(None)
             if kind == "stop":
                 dist.destroy_process_group()
                 return
-            runner.run_sent(step)
+            run(step)
 
 
-def _join(config: EngineConfig, rank: int, port: int) -> None:
+def join(config: EngineConfig, rank: int, port: int) -> None:
+    """This process into the group of `config.tensor_parallel` ranks whose rendezvous is `port`."""
     backend = "nccl" if config.device == "cuda" else "gloo"
     try:
         dist.init_process_group(
@@ -252,25 +250,13 @@ def _join(config: EngineConfig, rank: int, port: int) -> None:
         raise EdgeMoEError(f"tensor_parallel: rank {rank} could not join the others: {exc}") from None
 
 
-def _worker(config: EngineConfig, rank: int, port: int) -> None:
-    """A rank's process: its engine (quiet), then the forwards rank 0 sends."""
-    from edgemoe.engine.engine import LLMEngine
+def follow_parent() -> None:
+    """A worker ends when rank 0's process does, however that ended (a killed one runs no exit handler to stop it)."""
+    parent = os.getppid()
 
-    stderr = sys.stderr
-    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - rank 0 speaks for all; errors below go to the real stderr
-    threading.Thread(target=_follow, args=(os.getppid(),), daemon=True).start()
-    try:
-        _join(config, rank, port)
-        parallel = TensorParallel(rank, config.tensor_parallel)
-        engine = LLMEngine(replace(config, progress=False), parallel=parallel)
-        parallel.serve(engine.runner)
-    except Exception as exc:  # noqa: BLE001 - one line for whatever stopped this rank
-        print(f"edgemoe: tensor_parallel rank {rank} stopped: {exc}", file=stderr, flush=True)
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
         os._exit(1)
 
-
-def _follow(parent: int) -> None:
-    """A worker ends when rank 0's process does, however it ended (killed, it runs no exit handler to stop us)."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()

@@ -536,6 +536,8 @@ def _rank_main(config: EngineConfig, rank: int, port: int) -> None:
     sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - rank 0 speaks for all ranks
     follow_parent()
     try:
+        if config.device == "cuda":  # its own GPU, before NCCL binds one (torch's "cuda" then means it too)
+            torch.cuda.set_device(rank)
         join(config, rank, port)
         parallel = TensorParallel(rank, config.tensor_parallel)
         engine = LLMEngine(replace(config, progress=False), parallel=parallel)

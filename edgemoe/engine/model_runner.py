@@ -344,6 +344,7 @@ class ModelRunner:
         _, logits = self.compute_logits(Batch([seq], [length], True))
         if self.keeps_hidden:  # the MTP head's kernels too, on the same pad blocks (a decode step's rows at length 1)
             self.mtp_forward([seq], [0], [length], self.hidden, self.to_device(seq.token_ids), 0, [length - 1])
+            self.hidden = None
         gen = torch.Generator(self.device).manual_seed(0)  # not the global generator
         floats = [self.to_device([v], torch.float32) for v in (params.temperature, params.top_p, params.min_p)]
         self.sampler(logits, floats[0], self.to_device([params.top_k]), *floats[1:], [gen]).tolist()

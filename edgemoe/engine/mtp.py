@@ -40,6 +40,12 @@ class MTPDrafter:
         starts[i]; then drafts for those that decode next, `room(seq)` tokens each (0: none). Every unfinished
         sequence, sampled ones too: the prefix cache may hand their blocks to later requests, the head's K/V
         included."""
+        try:
+            self._after_step(batch, starts, kept, room)
+        finally:
+            self.runner.hidden = None  # a prefill step's rows need not outlive it
+
+    def _after_step(self, batch: Batch, starts: list[int], kept: list[int], room: Callable[[Sequence], int]) -> None:
         runner = self.runner
         offsets = list(itertools.accumulate(batch.num_new, initial=0))  # each sequence's first row in the step
         picked = [i for i, (seq, n) in enumerate(zip(batch.seqs, kept)) if n and not seq.finish_reason]

@@ -235,6 +235,11 @@ def test_joined_input_projections_decode_as_transformers(tiny_checkpoint, case: 
         parts = [m.in_proj_qkv, m.in_proj_z, *m._ba_projections()]
         assert sum(p.weight.shape[0] for p in parts) == joined.shape[0]
         assert all(p.weight.untyped_storage().data_ptr() == joined.untyped_storage().data_ptr() for p in parts)
+    calls = []
+    for m in mixers:  # count the joined projection's calls: decode steps must run it, not the four apart
+        joined = m._joined[0]
+        joined.forward = lambda x, f=joined.forward: (calls.append(x.shape[0]), f(x))[1]
     batch = prompts(4)
     outs = llm.generate(batch, GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p) for p in batch]
+    assert len(calls) >= len(mixers) * (NEW - 1)  # every decode step, every linear-attention layer

@@ -2,6 +2,9 @@
 # Everything the GPU machine must prove, in one call: the GPU tests, then the GPU benchmarks.
 #   bash scripts/gpu_check.sh [OUT_DIR]      (repo root; torch with CUDA; nothing to install)
 #   GPU_TESTS="tests/gpu/test_a.py ..." GPU_TESTS_ONLY=1 bash scripts/gpu_check.sh OUT   (some test files, no benchmarks)
+#   GPU_WORKERS=4 bash scripts/gpu_check.sh OUT   (test files spread over 4 processes on the one GPU, with pytest-xdist:
+#   carry its wheel and execnet's in .whl; the suite is mostly compile and host time, so this runs it ~3x faster; the
+#   test files that time the CPU against the GPU (SERIAL) run alone afterwards)
 # The tests' whole log goes to OUT/gpu_tests.log as it is written (unbuffered, one line a test), so a run cut short
 # still says which tests passed and failed.
 # The engine imports llguidance (constrained decoding), which the GPU machine lacks: carry its wheel (and gguf's) in
@@ -19,9 +22,22 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 rc=0
-# shellcheck disable=SC2086 # GPU_TESTS is a list of paths
-PYTHONUNBUFFERED=1 GPU_REPORT="$out/bf16_report.json" python3 -m pytest -v -rf -s -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
-  > "$out/gpu_tests.log" 2>&1 || rc=1
+tests=${GPU_TESTS:-tests/gpu}
+SERIAL=tests/gpu/test_cpu_split_gpu.py
+export PYTHONUNBUFFERED=1 GPU_REPORT="$out/bf16_report.json"
+if [ "${GPU_WORKERS:-1}" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
+  # shellcheck disable=SC2086 # GPU_TESTS is a list of paths
+  OMP_NUM_THREADS=$(( $(nproc) / GPU_WORKERS )) python3 -m pytest -v -rf -s -p no:cacheprovider -n "$GPU_WORKERS" \
+    --dist loadfile --ignore=$SERIAL $tests > "$out/gpu_tests.log" 2>&1 || rc=1
+  case " $tests " in
+    *" tests/gpu "* | *" tests/gpu/ "* | *" $SERIAL "*)
+      python3 -m pytest -v -rf -s -p no:cacheprovider $SERIAL >> "$out/gpu_tests.log" 2>&1 || rc=1 ;;
+  esac
+else
+  [ "${GPU_WORKERS:-1}" -gt 1 ] && echo "gpu_check: pytest-xdist is missing (carry its wheel and execnet's in .whl): one process"
+  # shellcheck disable=SC2086 # GPU_TESTS is a list of paths
+  python3 -m pytest -v -rf -s -p no:cacheprovider $tests > "$out/gpu_tests.log" 2>&1 || rc=1
+fi
 grep -E "(FAILED|ERROR)( |$)|^(FAILED|ERROR) |^=+ .* in [0-9.]+s" "$out/gpu_tests.log" | tail -40
 [ -n "${GPU_TESTS_ONLY:-}" ] && exit $rc
 for dtype in bfloat16 float32; do

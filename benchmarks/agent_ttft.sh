@@ -7,9 +7,11 @@
 #                 installs them from wheels in .whl-server/, which the caller brings)
 #   CPU:          DEVICE=cpu PYTHON=.venv/bin/python bash benchmarks/agent_ttft.sh   (toy size, same steps)
 #
-# Knobs (environment): DEVICE cuda|cpu, PYTHON, OUT, LAYERS (4; cpu: 3), TURNS (6), MAX_TOKENS (128; cpu: 32), BUDGET (the
-# offloaded runs' --vram-budget, default LAYERS x 600 + 2600 MiB), RUNS (default "offload:on offload:off resident:on
-# resident:off"; on/off: the prefix cache), DEADLINE (240 s, cpu 480: a run that would start after DEADLINE - 45 s is skipped),
+# Knobs (environment): DEVICE cuda|cpu, PYTHON, OUT, FAMILY and SIZE (make-model's: qwen3_moe and qwen3-30b-a3b;
+# cpu: small; FAMILY=qwen3_5_moe_text SIZE=qwen3.5-35b-a3b runs a hybrid, whose turns resume from state snapshots),
+# LAYERS (4; cpu: 3), TURNS (6), MAX_TOKENS (128; cpu: 32), BUDGET (the offloaded runs' --vram-budget, default
+# LAYERS x 600 + 2600 MiB), RUNS (default "offload:on offload:off resident:on resident:off"; on/off: the prefix cache),
+# DEADLINE (240 s, cpu 480: a run that would start after DEADLINE - 45 s is skipped),
 # MODEL_DIR (an existing checkpoint there is reused).
 set -uo pipefail
 START=$SECONDS
@@ -33,12 +35,12 @@ print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '| edgemo
 # 2. the checkpoint and the flags of each kind of run
 if [ "$DEVICE" = cpu ]; then
   MODEL=${MODEL_DIR:-/tmp/agent_ttft_model_cpu}; LAYERS=${LAYERS:-3}; MAX_TOKENS=${MAX_TOKENS:-32}; DEADLINE=${DEADLINE:-480}
-  MAKE="--family qwen3_moe --size small --layers $LAYERS --dtype float32"
+  MAKE="--family ${FAMILY:-qwen3_moe} --size ${SIZE:-small} --layers $LAYERS --dtype float32"
   COMMON="--device cpu --max-model-len 4096 --max-num-seqs 2"
   OFFLOAD="--moe-strategy offload --moe-cache-slots 64"  # 2 of 3 layers of 32 experts: streamed prefill
 else
   MODEL=${MODEL_DIR:-/tmp/agent_ttft_model}; LAYERS=${LAYERS:-4}; MAX_TOKENS=${MAX_TOKENS:-128}; DEADLINE=${DEADLINE:-240}
-  MAKE="--family qwen3_moe --size qwen3-30b-a3b --layers $LAYERS --dtype bfloat16"
+  MAKE="--family ${FAMILY:-qwen3_moe} --size ${SIZE:-qwen3-30b-a3b} --layers $LAYERS --dtype bfloat16"
   COMMON="--device cuda --max-model-len 16384 --max-num-seqs 2"
   # dense 1.24 GB + 38 MB a layer, KV 2 MB a layer per 1K tokens, a layer's experts 1.2 GB: at 3-8 layers the budget
   # caches 2.3-4.4 layers' worth of experts (at least two, so that prefill streams whole layers; not all of them)

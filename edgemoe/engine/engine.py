@@ -37,7 +37,7 @@ from edgemoe.engine.parallel import TensorParallel, cut, follow_parent, join, sh
 from edgemoe.engine.parallel import check as check_parallel
 from edgemoe.engine.scheduler import Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
-from edgemoe.engine.speculative import NgramIndex, SpeculationGate, SpeculativeStats
+from edgemoe.engine.speculative import Acceptance, NgramIndex, SpeculationGate, SpeculativeStats
 from edgemoe.engine.state_cache import StateCache, bytes_per_slot
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
@@ -157,6 +157,7 @@ class LLMEngine:
         drafter = self._draft if config.speculative != "off" else None
         self.speculative, self.gate = SpeculativeStats(), SpeculationGate()
         self._ngrams: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+        self._acceptance: weakref.WeakKeyDictionary[Sequence, Acceptance] = weakref.WeakKeyDictionary()
         self.scheduler = Scheduler(self.kv, seqs, self.max_num_batched_tokens, invariant, self.states, drafter)
         max_blocks = self.scheduler.blocks_for(self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.device, seqs, max_blocks, self.states, parallel)
@@ -454,6 +455,7 @@ class LLMEngine:
             if seq.draft:  # its next token and the accepted drafts are computed; the positions after, not
                 accepted = len(new) - 1
                 self.speculative.add(len(seq.draft), accepted)
+                self._acceptance_of(seq).record(len(seq.draft), accepted)
                 n, seq.draft = self.runner.kept_positions(seq, accepted), []
             kept.append(n)
             seq.num_computed += n
@@ -471,7 +473,8 @@ class LLMEngine:
         if self.mtp is not None:  # the head at the kept positions, and the next step's drafts
             self.mtp.after_step(batch, starts, kept, self._draft_room)
         if self.scheduler.drafter is not None and not batch.is_prefill:  # what each kind of decode step yields
-            self.gate.record(batch.verify, sum(map(len, tokens)), len(tokens), time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.gate.record(batch.verify, sum(map(len, tokens)), len(tokens), seconds, sum(batch.num_new))
             # (an undone hybrid verify step's tokens still cost their recompute in a later step: counted there)
         if self.recorder:
             self.recorder.end(batch)
@@ -494,7 +497,8 @@ class LLMEngine:
         """How many tokens to draft after `seq`'s next one: up to speculative_tokens, within its max_tokens and the
         context; none (0) for a sampled sequence, one a logits processor may change (those that define
         `applies_to`, the grammar's, say which; the others read every sequence, one row a step), or while verify
-        steps yield fewer tokens a second than plain ones (`SpeculationGate`)."""
+        steps yield fewer tokens a second than plain ones, and fewer where this sequence's drafts fare too badly for
+        more to pay (`SpeculationGate`)."""
         p = seq.params
         if not p.greedy or not self.gate.open():
             return 0
@@ -503,8 +507,15 @@ class LLMEngine:
             for process in self.logits_processors
         ):
             return 0  # a processor that reads this sequence's logits: one row a step
-        return min(self.config.speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
+        most = min(self.config.speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
                    self.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
+        return self.gate.drafts(self._acceptance_of(seq), most, len(seq.token_ids))
+
+    def _acceptance_of(self, seq: Sequence) -> Acceptance:
+        acceptance = self._acceptance.get(seq)
+        if acceptance is None:
+            acceptance = self._acceptance[seq] = Acceptance()
+        return acceptance
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)

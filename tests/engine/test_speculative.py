@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
-from edgemoe.engine.speculative import NgramIndex, SpeculationGate, ngram_draft
+from edgemoe.engine.speculative import (
+    Acceptance,
+    NgramIndex,
+    SpeculationGate,
+    best_draft_count,
+    expected_tokens,
+    ngram_draft,
+)
 from edgemoe.errors import EdgeMoEError
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -207,10 +214,70 @@ def test_gate_follows_the_faster_kind_and_probes_the_other() -> None:
 
 
 class Open(SpeculationGate):
-    """Drafts every step (the tests that need drafts must not depend on this machine's timings)."""
+    """Drafts every step, every draft a sequence has room for (the tests that need drafts must not depend on this
+    machine's timings)."""
 
     def open(self) -> bool:
         return True
+
+    def drafts(self, seq: Acceptance, most: int, at: int) -> int:
+        return max(most, 0)
+
+
+def test_best_draft_count_against_brute_force() -> None:
+    """The count with the most tokens a unit of time, against simulated verify steps (each draft accepted with
+    probability a given the ones before were; a step of k drafts costs 1 + k * cost plain steps)."""
+    rng = random.Random(3)
+    for a, cost in [(0.0, 0.1), (0.9, 0.05), (0.7, 0.3), (0.4, 0.3), (0.2, 0.02), (0.95, 1.5), (1.0, 0.2)]:
+        rates = []
+        for k in range(5):
+            trials = 20_000
+            tokens = sum(1 + next((i for i in range(k) if rng.random() >= a), k) for _ in range(trials))
+            rates.append(tokens / trials / (1 + k * cost))
+        k = best_draft_count(a, cost, 4)
+        assert rates[k] >= max(rates) * 0.98, (a, cost, k, rates)
+        assert abs(expected_tokens(a, k) / (1 + k * cost) - rates[k]) < 0.03 * rates[k]
+    assert best_draft_count(0.0, 0.01, 4) == 0  # drafts that always fail: plain decoding
+    assert best_draft_count(1.0, 0.01, 4) == 4 and best_draft_count(1.0, 2.0, 4) == 0
+    assert best_draft_count(0.6, 0.0, 4) == 4  # free rows: every draft
+
+
+def test_acceptance_estimates_the_per_draft_probability() -> None:
+    rng = random.Random(4)
+    for a in (0.1, 0.5, 0.8):
+        seq = Acceptance(decay=0.999)
+        for _ in range(3000):
+            d = rng.randint(1, 5)
+            seq.record(d, next((i for i in range(d) if rng.random() >= a), d))
+        assert abs(seq.rate - a) < 0.05, (a, seq.rate)
+    seq = Acceptance(prior=0.5, weight=2.0, decay=0.5)
+    seq.record(4, 4)  # all kept: 4 tried, 4 accepted
+    assert seq.rate == (0.5 + 4) / (1 + 4)
+    seq.record(3, 0)  # the first refused: 1 tried
+    assert seq.rate == (0.5 * 4.5) / (0.5 * 5 + 1)
+    seq.record(0, 0)  # nothing drafted: nothing learnt
+    assert seq.rate == (0.5 * 4.5) / (0.5 * 5 + 1)
+
+
+def test_a_sequence_whose_drafts_fail_turns_down_and_probes() -> None:
+    gate = SpeculationGate(probe=4, weight=1.0, warmup=0)
+    seq = Acceptance()
+    assert gate.drafts(seq, 4, at=10) == 4  # no row cost measured yet: every draft
+    gate.record(False, tokens=1, seqs=1, seconds=0.010, rows=1)
+    gate.record(True, tokens=1, seqs=1, seconds=0.014, rows=5)  # 4 rows more: 1 ms each, 0.1 of a plain step
+    assert gate.row_cost() == pytest.approx(0.1)
+    assert gate.drafts(seq, 4, at=11) == best_draft_count(0.5, 0.1, 4) > 0
+    assert gate.drafts(seq, 2, at=11) == min(best_draft_count(0.5, 0.1, 4), 2)  # asked again: the same answer
+    for _ in range(6):
+        seq.record(4, 0)
+    assert seq.rate < 0.1
+    answers = [gate.drafts(seq, 4, at=12 + i) for i in range(9)]
+    assert answers == [0, 0, 0, 4, 0, 0, 0, 4, 0], answers  # plain decoding, and a probe every 4th step
+    for _ in range(8):
+        seq.record(4, 4)  # the probes' drafts all kept: the sequence drafts again
+    assert gate.drafts(seq, 4, at=30) == 4
+    gate.record(True, tokens=5, seqs=1, seconds=0.050, rows=5)  # rows now cost 1.0 of a plain step each
+    assert gate.row_cost() == pytest.approx(1.0) and gate.drafts(seq, 4, at=31) == 0  # not even all-accepted pays
 
 
 def test_a_closed_gate_drafts_nothing_and_changes_nothing(demo_pair) -> None:

@@ -44,6 +44,7 @@ from edgemoe.engine.kv_cache import KVCache
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.scheduler import Batch
 from edgemoe.engine.sequence import Sequence
+from edgemoe.engine.speculative import best_draft_count, expected_tokens
 from edgemoe.engine.state_cache import StateCache, stateful_modules
 from edgemoe.engine.streams import side_stream
 from edgemoe.errors import EdgeMoEError
@@ -364,16 +365,22 @@ def acceptances(spec: str) -> list[float]:
 
 def speculation(plain: dict, verify: dict, drafts: int, rates: list[float]) -> dict:
     """A verify step's time (its `rows` run) against a plain step's, and the decode rate it gives where each draft is
-    accepted with probability `rate` given the ones before were: rate^0 + ... + rate^drafts tokens a step."""
+    accepted with probability `rate` given the ones before were: rate^0 + ... + rate^drafts tokens a step. Beside
+    it, the count the engine's turn-down would draft (`best_draft_count`, with a drafted row's cost from these two
+    steps, as `SpeculationGate.row_cost` measures it) and the rate it models for that count (`turned_down`: a model,
+    for a count other than `drafts`, whose verify steps this run did not time)."""
     if "error" in verify:
         return {"drafts": drafts, "error": verify["error"]}
-    step = 1 / verify["tok_s"]  # decode() times steps: its tok/s is steps a second
-    out = {"drafts": drafts, "verify_step_ms": step * 1e3, "plain_step_ms": 1e3 / plain["tok_s"],
+    step, plain_step = 1 / verify["tok_s"], 1 / plain["tok_s"]  # decode() times steps: its tok/s is steps a second
+    row_cost = max(step - plain_step, 0.0) / drafts / plain_step
+    out = {"drafts": drafts, "verify_step_ms": step * 1e3, "plain_step_ms": plain_step * 1e3, "row_cost": row_cost,
            "verify_miss_bytes_per_step": verify["miss_bytes_per_token"], "at": []}  # fmt: skip
     for rate in rates:
-        tokens = sum(rate**i for i in range(drafts + 1))
+        tokens = expected_tokens(rate, drafts)
+        k = best_draft_count(rate, row_cost, drafts)
+        turned_down = {"drafts": k, "vs_plain": expected_tokens(rate, k) / (1 + k * row_cost)}
         out["at"].append({"acceptance": rate, "tokens_per_step": tokens, "tok_s": tokens / step,
-                          "vs_plain": tokens / step / plain["tok_s"]})  # fmt: skip
+                          "vs_plain": tokens / step / plain["tok_s"], "turned_down": turned_down})  # fmt: skip
     return out
 
 
@@ -387,7 +394,8 @@ def speculation_lines(spec: dict | None) -> list[str]:
             f"{spec['plain_step_ms']:.2f} ms a plain step, {copied:.1f} MiB copied a step")  # fmt: skip
     return [head] + [
         f"    acceptance {r['acceptance']:.2f}: {r['tokens_per_step']:.2f} tokens a step, {r['tok_s']:.1f} tok/s "
-        f"({r['vs_plain']:.2f}x plain decoding)"
+        f"({r['vs_plain']:.2f}x plain decoding); turned down: {r['turned_down']['drafts']} drafts, "
+        f"{r['turned_down']['vs_plain']:.2f}x (modelled)"
         for r in spec["at"]
     ]
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from edgemoe.cli import main
+from edgemoe.engine.speculative import best_draft_count
 
 
 def test_bench_runs_on_a_tiny_geometry(tmp_path, capsys) -> None:
@@ -224,6 +225,11 @@ def test_drafts_time_verify_steps_and_rate_them(tmp_path, capsys) -> None:
     assert full["tok_s"] == pytest.approx(4e3 / spec["verify_step_ms"])
     assert half["vs_plain"] == pytest.approx(half["tok_s"] / run["tok_s"])
     assert spec["verify_miss_bytes_per_step"] > run["miss_bytes_per_token"] > 0  # 4 tokens' experts: more misses
+    cost = max(spec["verify_step_ms"] - spec["plain_step_ms"], 0) / 3 / spec["plain_step_ms"]
+    assert spec["row_cost"] == pytest.approx(cost)
+    for at in spec["at"]:  # the engine's turn-down at that acceptance, never below plain decoding in its model
+        down = at["turned_down"]
+        assert down["drafts"] == best_draft_count(at["acceptance"], cost, 3) and down["vs_plain"] >= 1.0
     assert "verify steps of 3 drafts" in capsys.readouterr().err
     assert main(argv[:-2] + ["--acceptance", "1.5"]) == 2
     assert "--acceptance '1.5': comma-separated rates in [0, 1]" in capsys.readouterr().err

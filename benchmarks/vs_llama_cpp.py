@@ -38,11 +38,14 @@ import torch
 MiB = 2**20
 
 
-def run_edgemoe(model: str, budget: str, prompt: int, tokens: int) -> dict:
-    """One configuration (`budget`: "resident" or a --vram-budget), in this process."""
+def run_edgemoe(model: str, budget: str, prompt: int, tokens: int, fit_kv: bool = False) -> dict:
+    """One configuration (`budget`: "resident" or a --vram-budget), in this process. `fit_kv`: a KV cache of one
+    sequence's tokens (`kv_cache_tokens`), as llama-bench sizes its context; else the engine's own share."""
     from edgemoe import LLM, SamplingParams
 
     opts = {} if budget == "resident" else dict(moe_strategy="offload", vram_budget=budget)
+    if fit_kv:
+        opts["kv_cache_tokens"] = prompt + tokens + 16
     start = time.perf_counter()
     llm = LLM(model, device="cuda", progress=False, max_num_seqs=1, max_model_len=prompt + tokens + 16, **opts)
     load = time.perf_counter() - start
@@ -81,19 +84,10 @@ def run_edgemoe(model: str, budget: str, prompt: int, tokens: int) -> dict:
     }
 
 
-def edgemoe_in_subprocess(model: str, budget: str, prompt: int, tokens: int) -> dict:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--one",
-        budget,
-        "--model",
-        model,
-        "--prompt",
-        str(prompt),
-        "--tokens",
-        str(tokens),
-    ]
+def edgemoe_in_subprocess(model: str, budget: str, prompt: int, tokens: int, fit_kv: bool = False) -> dict:
+    cmd = [sys.executable, __file__, "--one", budget, "--model", model]
+    cmd += ["--prompt", str(prompt), "--tokens", str(tokens)]
+    cmd += ["--fit-kv"] if fit_kv else []
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in done.stderr.splitlines() if line.startswith("edgemoe:")]  # its start-up lines
     if done.returncode:
@@ -132,15 +126,16 @@ def main() -> None:
     ap.add_argument("--ncmoe", default="0", help="llama.cpp -ncmoe values")
     ap.add_argument("--prompt", type=int, default=500)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--fit-kv", action="store_true", help="edgemoe's KV cache: one sequence's tokens (llama-bench's)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # one edgemoe configuration, in this process
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(run_edgemoe(a.model, a.one, a.prompt, a.tokens)))
+        print(json.dumps(run_edgemoe(a.model, a.one, a.prompt, a.tokens, a.fit_kv)))
         return
     res = {"device": torch.cuda.get_device_name(), "model": a.model, "prompt": a.prompt, "tokens": a.tokens}
     configs = ([] if a.no_resident else ["resident"]) + [b for b in a.budgets.split(",") if b]
-    res["edgemoe"] = [edgemoe_in_subprocess(a.model, c, a.prompt, a.tokens) for c in configs]
+    res["edgemoe"] = [edgemoe_in_subprocess(a.model, c, a.prompt, a.tokens, a.fit_kv) for c in configs]
     res["llama.cpp"] = []
     if a.llama_bench:
         res["llama.cpp"] = [run_llama(a.llama_bench, a.model, int(n), a.prompt, a.tokens) for n in a.ncmoe.split(",")]

@@ -317,6 +317,8 @@ def chunked_delta_rule(
     A[t, s] = beta_t e^(G_t - G_s) k_t . k_s for s < t: one triangular solve a chunk instead of a step a token. Then
     o_t = e^(G_t) q_t^T S0 + sum_(s <= t) e^(G_t - G_s) (q_t . k_s) d_s, and the chunk's last state follows alike."""
     n, dtype = q.shape[0], v.dtype
+    if n == 0:  # an empty sequence (a padded batch's): no output, the state as it was
+        return v.new_zeros(v.shape), state
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     pad = -n % chunk
     if pad:

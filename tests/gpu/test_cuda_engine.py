@@ -63,7 +63,7 @@ def test_decode_steps_do_not_synchronise(graphs: bool) -> None:
 
     def sample(batch, due: list[int], logits: torch.Tensor) -> torch.Tensor:
         seqs = [batch.seqs[i] for i in due]
-        t = engine.runner._tensor
+        t = engine.runner.to_device
         return engine.runner.sampler(
             logits,
             t([0.7] * len(seqs), torch.float32),

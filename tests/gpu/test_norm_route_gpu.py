@@ -86,7 +86,7 @@ def test_sparse_moe_fuses_the_norm_in_decode_only(monkeypatch: pytest.MonkeyPatc
         head_dim=64, intermediate_size=512, num_experts=60, top_k=4, moe_intermediate_size=64, moe_layers=(True,),
         norm_topk_prob=True,
     )  # fmt: skip
-    layer = Qwen3MoeDecoderLayer(cfg, 0, RotaryEmbedding(64, 128, 10000.0), 16).to(device="cuda", dtype=torch.bfloat16)
+    layer = Qwen3MoeDecoderLayer(cfg, 0, RotaryEmbedding(64, 128, 10000.0)).to(device="cuda", dtype=torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(12)
     for p in layer.parameters():  # every weight from the seed (the experts' are allocated uninitialised)
         p.data.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)

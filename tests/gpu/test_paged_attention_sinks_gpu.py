@@ -61,16 +61,23 @@ def kernel(attn: PagedAttention, q, tables, lens, **opts) -> torch.Tensor:
     return paged_decode_attention(*args, window=attn.window, sinks=attn.sinks, **opts)
 
 
+def unscaled(attn: PagedAttention, dtype) -> bool:
+    """A float32 layer that does not scale its scores (Gemma-4's scale 1 over 256 dims): scores 16x larger, so the
+    softmax's float32 rounding is larger too (seen on an H100: up to 6.2e-5 over 40,960 tokens, a few elements of
+    20,480, against the float64 reference and against torch's float32 path alike)."""
+    return attn.scale == 1.0 and dtype == torch.float32
+
+
 def exact_tol(attn: PagedAttention, dtype) -> dict:
-    """Against the float64 reference: float32's tolerance doubled for a layer that does not scale its scores (Gemma-4's
-    scale 1 over 256 dims: scores 16x larger, so the softmax's float32 rounding is larger too; seen on an H100 at
-    2.3e-5 for atol 2e-5, one element of 20,480)."""
-    loose = attn.scale == 1.0 and dtype == torch.float32
-    return {k: 2 * v for k, v in TOL[dtype].items()} if loose else TOL[dtype]
+    """Against the float64 reference: float32's tolerance x4 for an unscaled layer."""
+    return {k: 4 * v for k, v in TOL[dtype].items()} if unscaled(attn, dtype) else TOL[dtype]
 
 
 def ref_tol(attn: PagedAttention, dtype) -> dict:
-    # the reference's sinks path rounds scores and probabilities to bf16 (transformers' eager attention)
+    """Against the layer's torch path: x2 where it rounds scores and probabilities to bf16 (transformers' eager
+    attention with sinks), x4 for an unscaled float32 layer."""
+    if unscaled(attn, dtype):
+        return {k: 4 * v for k, v in TOL[dtype].items()}
     loose = attn.sinks is not None and dtype == torch.bfloat16
     return {k: 2 * v for k, v in TOL[dtype].items()} if loose else TOL[dtype]
 

@@ -44,6 +44,20 @@ def test_prefill_chunks_carry_the_state() -> None:
     torch.testing.assert_close(s, whole_state, atol=2e-5, rtol=0)
 
 
+def test_an_empty_sequence_leaves_the_state() -> None:
+    """No tokens (a padded batch's empty sequence, as the prefill kernel's graph test replays): no output rows, and
+    the state is the one given, as transformers' rule keeps it."""
+    q, k, v, g, beta, state = inputs(3, 0)
+    out, new_state = chunked_delta_rule(q, k, v, g, beta, state)
+    assert out.shape == (0, 4, 8) and out.dtype == v.dtype and torch.equal(new_state, state)
+    q1, k1, v1, g1, beta1, _ = inputs(3, 1)
+    _, ref_state = hf.torch_recurrent_gated_delta_rule(
+        q1[None, :0], k1[None, :0], v1[None, :0], g1[None, :0], beta1[None, :0], initial_state=state[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    assert torch.equal(ref_state[0], state)
+
+
 def test_recurrent_step_is_transformers_and_the_chunked_rule() -> None:
     q, k, v, g, beta, state = inputs(2, 6)
     states = torch.stack([state, state.flip(0), state * 0.5, state.neg()])  # 4 sequences, one token each

@@ -26,10 +26,11 @@ tests=${GPU_TESTS:-tests/gpu}
 SERIAL=tests/gpu/test_cpu_split_gpu.py
 export PYTHONUNBUFFERED=1 GPU_REPORT="$out/bf16_report.json"
 if [ "${GPU_WORKERS:-1}" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
-  # shellcheck disable=SC2086 # GPU_TESTS is a list of paths
   parallel=$(echo " $tests " | sed "s# $SERIAL # #")
-  OMP_NUM_THREADS=$(( $(nproc) / GPU_WORKERS )) python3 -m pytest -v -rf -s -p no:cacheprovider -n "$GPU_WORKERS" \
-    --dist loadfile --ignore=$SERIAL $parallel > "$out/gpu_tests.log" 2>&1 || rc=1
+  : > "$out/gpu_tests.log"
+  # shellcheck disable=SC2086 # a list of paths
+  [ -n "${parallel// /}" ] && { OMP_NUM_THREADS=$(( $(nproc) / GPU_WORKERS )) python3 -m pytest -v -rf -s \
+    -p no:cacheprovider -n "$GPU_WORKERS" --dist loadfile --ignore=$SERIAL $parallel > "$out/gpu_tests.log" 2>&1 || rc=1; }
   case " $tests " in
     *" tests/gpu "* | *" tests/gpu/ "* | *" $SERIAL "*)
       python3 -m pytest -v -rf -s -p no:cacheprovider $SERIAL >> "$out/gpu_tests.log" 2>&1 || rc=1 ;;

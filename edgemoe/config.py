@@ -198,12 +198,13 @@ class ExpertCacheConfig:
     ram_budget: str | None = option(
         None,
         "offload: host memory for routed experts, e.g. 24GiB, or a fraction of them, e.g. 0.25; the rest are read "
-        "from an expert store on disk, written once (default: every expert in RAM)",
+        "from disk: in place from a GGUF that holds them as stored, else from an expert store written once (default: "
+        "every expert in RAM)",
     )
     expert_store: str | None = option(
         None,
-        "with ram_budget: the folder of the expert store (default: beside the checkpoint, else "
-        "~/.cache/edgemoe/experts)",
+        "with ram_budget: the folder of the expert store, written even where a GGUF could be read in place (default: "
+        "beside the checkpoint, else ~/.cache/edgemoe/experts)",
         metavar="DIR",
     )
     expert_dtype: str = option(

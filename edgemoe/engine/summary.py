@@ -63,7 +63,7 @@ def _parameters(engine: LLMEngine) -> str:
             if size >= 2**30
             else f"{tier.rows:,} in RAM ({size / 2**20:.1f} MiB)"
         )
-        disk = f"all on disk ({tier.store.path})"
+        disk = f"all on disk ({tier.source.where})"
         return f"{total} parameters ({dense} dense, {in_experts}: {disk}, {ram}, {slots} {where})"
     if engine.device.type == "cpu":
         return f"{total} parameters ({dense} dense, {in_experts}: host banks, {slots} in cache slots), all in RAM"

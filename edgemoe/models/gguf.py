@@ -3,7 +3,8 @@
 The config comes from the file's metadata, turned into the `config.json` fields our families normalise; tensors are
 named as llama.cpp names them (`blk.N.attn_q.weight`) and renamed to Hugging Face's here, so the loader fills them
 as it fills a safetensors checkpoint. Routed experts stay as stored (`expert_tensor`): the loader copies their raw
-blocks into the banks, never holding a dequantized copy.
+blocks into the banks, never holding a dequantized copy, or under a RAM budget leaves them where they are for the RAM
+tier to read in place (`expert_span`: where each expert's bytes lie in the files).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from edgemoe.errors import EdgeMoEError
+from edgemoe.offload.in_place import Span
 from edgemoe.quant import QUANT_TYPES, QuantType, dequantize, quant_type, row_bytes
 from edgemoe.tokenizer import Tokenizer
 
@@ -52,7 +54,7 @@ _NEXTN = {
     "embed_tokens": "mtp.embed_tokens",
 }
 EXPERT_PARTS = ("gate", "up", "down")
-_FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type ids
+FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML type ids
 _KERNEL_TYPES = {q.ggml_type for q in QUANT_TYPES.values()}  # the block formats the quantized kernels read
 
 
@@ -75,13 +77,14 @@ class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         from gguf import GGUFReader
 
-        self.path, self.readers = path, []
-        for file in gguf_files(path):
+        self.path, self.readers, self.files = path, [], gguf_files(path)
+        for file in self.files:
             try:
                 self.readers.append(GGUFReader(file, "c"))  # copy-on-write: torch takes its arrays as writable
             except (ValueError, OSError, IndexError, KeyError) as exc:  # a short file fails inside numpy's memmap
                 raise EdgeMoEError(f"cannot read {file}: not a complete GGUF file ({exc})") from None
         self.tensors = {t.name: t for r in self.readers for t in r.tensors}
+        self.file_of = {t.name: i for i, r in enumerate(self.readers) for t in r.tensors}  # index into `files`
         self.arch = str(self.field("general.architecture"))
         # what the family says (`read_checkpoint`): llama.cpp's RoPE row permutation of q and k; the per-layer tensor
         # names only its architecture uses (llama.cpp's with suffix -> Hugging Face's)
@@ -172,7 +175,7 @@ class GGUFCheckpoint:
         the shape of what it fills (`fit`)."""
         kind = int(tensor.tensor_type)
         data = tensor.data
-        if kind in _FLOATS:
+        if kind in FLOAT_TYPES:
             t = torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16) if kind == 30 else None
             t = (t if t is not None else torch.from_numpy(np.ascontiguousarray(data))).float()
         else:
@@ -215,6 +218,17 @@ class GGUFCheckpoint:
         """One layer's stacked experts (`part`: gate, up or down), as stored: `.data` [E, rows, row bytes or
         elements], `.tensor_type` its GGML type."""
         return self._tensor(f"blk.{layer}.ffn_{part}_exps.weight")
+
+    def expert_span(self, layer: int, part: str) -> Span:
+        """Where `expert_tensor(layer, part)` lies in `files`: each expert's bytes one run, one after the other."""
+        t = self.expert_tensor(layer, part)
+        count = int(t.shape[-1])  # GGML order: the experts are the last dimension
+        return Span(t.name, self.file_of[t.name], int(t.data_offset), int(t.n_bytes) // count, count)
+
+    @property
+    def native_order(self) -> bool:
+        """Whether the files' numbers are in this machine's byte order (not a byte-swapped file: read as stored)."""
+        return all(r.byte_order == "I" for r in self.readers)
 
 
 def fit(t: torch.Tensor, shape: Sequence[int], name: str) -> torch.Tensor:

@@ -35,12 +35,13 @@ from edgemoe.models.dense_store import (
     keep_quantized,
     quantized_buffers,
 )
-from edgemoe.models.gguf import EXPERT_PARTS, GGUFCheckpoint, fit, gguf_files
+from edgemoe.models.gguf import EXPERT_PARTS, FLOAT_TYPES, GGUFCheckpoint, fit, gguf_files
 from edgemoe.models.ple_store import Reader, place_ple
 from edgemoe.moe.experts import carry_biases
-from edgemoe.offload.banks import StorePlan, TierOptions
+from edgemoe.offload.banks import TierOptions, TierPlan
 from edgemoe.offload.expert_store import source_identity
 from edgemoe.offload.experts import ResidentExperts
+from edgemoe.offload.in_place import CheckpointSpans
 from edgemoe.offload.layout import QuantExpertLayout
 from edgemoe.quant import QUANT_TYPES, QuantType, quant_type, quantize, random_blocks
 
@@ -120,8 +121,8 @@ def load_model(folder: Path | None, cfg: ModelConfig, family: ModuleType, opts: 
         _check_rows(expert_dtype, cfg)
         q, (H, inter), act = quant_type(expert_dtype), (cfg.hidden_size, cfg.moe_intermediate_size), cfg.hidden_act
         layouts = {i: QuantExpertLayout(H, inter, q, q, dtype, act=act) for i, moe in enumerate(cfg.moe_layers) if moe}
-    source = {"random": 0, "config": repr(cfg)} if folder is None else source_identity(checkpoint_files(folder))
-    model, host, readers, _, plan = _empty_model(cfg, family, opts, layouts, near=folder, source=source)
+    identity = {"random": 0, "config": repr(cfg)} if folder is None else source_identity(checkpoint_files(folder))
+    model, host, readers, _, plan = _empty_model(cfg, family, opts, layouts, near=folder, identity=identity)
     with _discard_on_error(plan):
         if folder is None:
             _no_readers(readers, "random weights")
@@ -133,13 +134,13 @@ def load_model(folder: Path | None, cfg: ModelConfig, family: ModuleType, opts: 
 
 
 @contextlib.contextmanager
-def _discard_on_error(plan: StorePlan | None) -> Iterator[None]:
+def _discard_on_error(plan: TierPlan | None) -> Iterator[None]:
     """An expert store left unfinished by an error (or an interrupt) is removed."""
     try:
         yield
     except BaseException:
         if plan is not None:
-            plan.store.discard()
+            plan.source.discard()
         raise
 
 
@@ -178,14 +179,15 @@ def _empty_model(
     layouts: dict,
     dense_formats: dict[str, QuantType] | None = None,
     near: Path | None = None,
-    source: object = None,
-) -> tuple[MoEForCausalLM, dict[str, torch.Tensor], dict[str, Reader], dict[str, Rows], StorePlan | None]:
+    identity: object = None,
+    in_place: CheckpointSpans | None = None,
+) -> tuple[MoEForCausalLM, dict[str, torch.Tensor], dict[str, Reader], dict[str, Rows], TierPlan | None]:
     """The model built on the meta device, dense weights kept quantized where `dense_formats` (name -> block format)
     says (`keep_quantized`), experts, per-layer embeddings and maybe the token embedding placed (`_place_experts`,
     `place_ple`, `embedding_to_host`), then given uninitialised storage on the device -> (model, the host banks and
     tables by parameter name, the tensors a backend reads itself by parameter name, the weights kept as stored, the
-    expert store to finish once loaded where `opts.tier` asks for one: `near` the checkpoint's folder, `source` its
-    identity)."""
+    RAM tier's plan where `opts.tier` asks for one: its expert store to finish once loaded, `near` the checkpoint's
+    folder, `identity` the checkpoint's; or its experts read in place, where `in_place` says they can be)."""
     device, dtype = opts.device, opts.dtype
     with torch.device("meta"):
         model = build_model(cfg, family).to(dtype)
@@ -193,9 +195,9 @@ def _empty_model(
     kept = keep_quantized(model, dense_formats, dtype) if dense_formats else {}
     plan = None
     if opts.offload and opts.tier is not None:
-        from edgemoe.offload.banks import plan_store
+        from edgemoe.offload.banks import plan_tier
 
-        plan = plan_store(model, dtype, layouts, opts.tier, near, source)
+        plan = plan_tier(model, dtype, layouts, opts.tier, near, identity, in_place)
     with _discard_on_error(plan):  # the store's file exists from here
         host = _place_experts(model, layouts, dtype, device, opts.progress, opts.offload, plan)
         if opts.host_embedding:
@@ -218,7 +220,7 @@ def keep_float32(model: torch.nn.Module) -> None:
             setattr(owner, name, torch.nn.Parameter(getattr(owner, name).float(), requires_grad=False))
 
 
-def _ready(model: MoEForCausalLM, opts: LoadOptions, plan: StorePlan | None = None) -> MoEForCausalLM:
+def _ready(model: MoEForCausalLM, opts: LoadOptions, plan: TierPlan | None = None) -> MoEForCausalLM:
     """Weights in place: the expert store finished and its RAM tier attached (`plan`), the RoPE table built and the
     kernels chosen for the device."""
     device = opts.device
@@ -239,16 +241,16 @@ def _check_filled(params: dict[str, torch.Tensor], filled: dict[str, int], sourc
 
 def _place_experts(
     model: MoEForCausalLM, layouts: dict, dtype: torch.dtype, device: torch.device, progress: bool, offload: bool,
-    plan: StorePlan | None = None,
+    plan: TierPlan | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Routed experts (model still on the meta device) into host banks (`offload`; views of `plan`'s expert store
-    where there is one) or, where `layouts` lay them out other than as parameters, into resident storage. -> the host
-    banks by parameter name (the loader's targets)."""
+    """Routed experts (model still on the meta device) into host banks (`offload`; `plan`'s source's where there is
+    one: views of its expert store, or meta tensors) or, where `layouts` lay them out other than as parameters, into
+    resident storage. -> the host banks by parameter name (the loader's targets)."""
     if offload:
         from edgemoe.offload.banks import offload_experts
 
-        store = None if plan is None else plan.store
-        return offload_experts(model, dtype, device.type == "cuda", progress, layouts, store)
+        source = None if plan is None else plan.source
+        return offload_experts(model, dtype, device.type == "cuda", progress, layouts, source)
     for i, layout in layouts.items():
         mlp = model.model.layers[i].mlp
         resident = ResidentExperts(model.config.num_experts, layout)
@@ -414,9 +416,6 @@ def _param(params: dict[str, torch.nn.Parameter], pname: str, key: str) -> torch
     return params[pname]
 
 
-_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: experts stored so are loaded as dense experts
-
-
 def expert_layouts(ckpt: GGUFCheckpoint, cfg: ModelConfig, dtype: torch.dtype) -> dict[int, QuantExpertLayout]:
     """Per MoE layer, the layout of its experts as the GGUF file stores them. gate and up share one format, down may
     differ, and so may layers: every layout then shares the longest row. Empty where the experts cannot stay as
@@ -429,7 +428,7 @@ def expert_layouts(ckpt: GGUFCheckpoint, cfg: ModelConfig, dtype: torch.dtype) -
         try:
             gate, up, down = (quant_type(int(k)) for k in kinds)
         except ValueError:
-            other.update(getattr(k, "name", str(k)) for k in kinds if int(k) not in _FLOAT_TYPES)
+            other.update(getattr(k, "name", str(k)) for k in kinds if int(k) not in FLOAT_TYPES)
             continue
         if gate != up:
             other.add(f"gate {gate.name} with up {up.name}")
@@ -455,15 +454,19 @@ def expert_layouts(ckpt: GGUFCheckpoint, cfg: ModelConfig, dtype: torch.dtype) -
 
 def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: LoadOptions) -> MoEForCausalLM:
     """`load_model` for a GGUF checkpoint: routed experts kept as stored (their raw blocks copied from the
-    memory-mapped file into host banks or device storage) unless stored as floats; dense weights dequantized to the
-    dtype, or with `opts.dense_as_stored` kept as stored where the kernels read their format (`QuantLinear`: the
-    projections and lm_head of a Q4_K_M file)."""
+    memory-mapped file into host banks or device storage) unless stored as floats, or with a RAM tier read in place
+    from the file where it can (`_in_place`); dense weights dequantized to the dtype, or with `opts.dense_as_stored`
+    kept as stored where the kernels read their format (`QuantLinear`: the projections and lm_head of a Q4_K_M
+    file)."""
     if opts.expert_dtype != "auto":
         raise EdgeMoEError("expert_dtype quantizes a safetensors checkpoint's experts; a GGUF's stay as stored")
     layouts = expert_layouts(ckpt, cfg, opts.dtype)
     formats = ckpt.dense_formats() if opts.dense_as_stored else None
-    source = source_identity(gguf_files(ckpt.path))
-    model, host, readers, kept, plan = _empty_model(cfg, family, opts, layouts, formats, ckpt.path.parent, source)
+    identity = source_identity(gguf_files(ckpt.path))
+    spans = _in_place(ckpt, cfg, layouts, opts)
+    model, host, readers, kept, plan = _empty_model(
+        cfg, family, opts, layouts, formats, ckpt.path.parent, identity, spans
+    )
     progress = opts.progress
     with _discard_on_error(plan), torch.no_grad():
         _no_readers(readers, "GGUF files")
@@ -494,6 +497,23 @@ def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: 
     return _ready(model, opts, plan)
 
 
+def _in_place(ckpt: GGUFCheckpoint, cfg: ModelConfig, layouts: dict, opts: LoadOptions) -> CheckpointSpans | None:
+    """Where the file holds each MoE layer's experts as a host bank's row would, for the RAM tier to read them in place
+    (`edgemoe.offload.in_place`): every layer's blocks kept as stored (`layouts`), or floats of the compute dtype; None
+    where the loader converts a layer's experts (dequantized, or floats of another dtype), or no RAM tier reads them."""
+    if not opts.offload or opts.tier is None or not ckpt.native_order:
+        return None
+    layers = []
+    for i, moe in enumerate(cfg.moe_layers):
+        if not moe:
+            continue
+        kinds = [int(ckpt.expert_tensor(i, part).tensor_type) for part in EXPERT_PARTS]
+        if i not in layouts and any(FLOAT_TYPES.get(k) != opts.dtype for k in kinds):
+            return None
+        layers.append(tuple(ckpt.expert_span(i, part) for part in EXPERT_PARTS))
+    return CheckpointSpans(ckpt.files, layers)
+
+
 def _fill_experts(ckpt: GGUFCheckpoint, model: MoEForCausalLM, params: dict, layer: int, raw: bool) -> dict:
     """One layer's stacked experts into place: raw blocks as stored (`raw`), else as dense weights. -> filled counts."""
     prefix = f"model.layers.{layer}.mlp.experts"
@@ -502,6 +522,8 @@ def _fill_experts(ckpt: GGUFCheckpoint, model: MoEForCausalLM, params: dict, lay
     w2 = params.get(f"{prefix}.down_proj", experts.down_proj)
     inter = w13.shape[1] // 2
     for part, target in (("gate", w13[:, :inter]), ("up", w13[:, inter:]), ("down", w2)):
+        if target.is_meta:  # read by the RAM tier, in place or from a reused store: not read here
+            continue
         tensor = ckpt.expert_tensor(layer, part)
         if raw:  # blocks as stored: [E, rows, row bytes]
             t = fit(torch.from_numpy(np.asarray(tensor.data)), target.shape, f"{ckpt.path.name}: tensor {tensor.name}")

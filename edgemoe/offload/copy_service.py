@@ -31,7 +31,7 @@ from edgemoe.kernels.protocol import RING, CpuWait, PostTarget, row_width
 from edgemoe.offload.c_library import build_library
 from edgemoe.offload.cpu_experts import ERRORS, JOB, CpuExperts, Job
 from edgemoe.offload.layout import ExpertLayout
-from edgemoe.offload.ram_tier import RamTier, error_text
+from edgemoe.offload.ram_tier import RamTier
 
 SOURCE = Path(__file__).with_name("copy_service.c")
 CPU_BAD_LIST = 100  # copy_service.c's code for a CPU section it cannot serve
@@ -233,7 +233,7 @@ class CopyService:
         """Serve the lists the work queued so far posts, until it has all run (a host wait, the step's)."""
         err = library().edgemoe_copy_service_serve(ctypes.byref(self._state), self.driver.event())
         if self._state.tier_error:
-            raise EdgeMoEError(f"the RAM tier of the experts failed: {error_text(self._state.tier_error)}")
+            raise EdgeMoEError(self._tier.failure(self._state.tier_error))
         if err:
             raise EdgeMoEError(f"the expert copy service failed with CUDA error {err}")
         if self._state.cpu_error:

@@ -1,5 +1,6 @@
 """The expert store: every routed expert of a model in one file on disk, in the rows the host banks would hold, for
-the RAM tier (`edgemoe.offload.ram_tier`) to read the experts that do not fit the RAM budget.
+the RAM tier (`edgemoe.offload.ram_tier`) to read the experts that do not fit the RAM budget, where the checkpoint's
+own files cannot be read in place (`edgemoe.offload.in_place`), or `--expert-store` asks for a copy.
 
 Layout: a 4 KiB header (a magic line, then JSON: the geometry, each layer's expert format and the checkpoint's
 identity), then expert (moe layer l, expert e) at `HEADER_BYTES + (l * experts + e) * stride`, `stride` the row's
@@ -28,18 +29,13 @@ import torch
 
 from edgemoe.errors import EdgeMoEError
 from edgemoe.offload.layout import ExpertLayout
+from edgemoe.offload.ram_tier import row_stride
 
 CACHE_DIR = Path.home() / ".cache" / "edgemoe" / "experts"
-HEADER_BYTES = 4096
-ALIGN = 4096  # O_DIRECT's: offsets, lengths and buffers
+HEADER_BYTES = 4096  # a multiple of the RAM tier's ALIGN, so that every row is aligned for O_DIRECT
 MAGIC = b"edgemoe expert store\n"
 VERSION = 1
 GiB = 2**30
-
-
-def store_stride(row_bytes: int) -> int:
-    """Bytes from one stored expert (and one RAM row) to the next: the row rounded up to `ALIGN`."""
-    return -(-row_bytes // ALIGN) * ALIGN
 
 
 def layout_name(layout: ExpertLayout) -> str:
@@ -63,7 +59,7 @@ class ExpertStore:
             raise EdgeMoEError("the expert store needs offloaded MoE layers")
         self.experts, self.layers = experts, len(layouts)
         self.row_bytes = max(layout.row_bytes for layout in layouts)
-        self.stride = store_stride(self.row_bytes)
+        self.stride = row_stride(self.row_bytes)
         self.header = {
             "version": VERSION, "layers": self.layers, "experts": experts, "row_bytes": self.row_bytes,
             "stride": self.stride, "formats": [layout_name(layout) for layout in layouts], "source": source,
@@ -73,6 +69,7 @@ class ExpertStore:
         name = f"edgemoe-experts-{digest}.bin"
         self.path = next((f / name for f in folders if self._valid(f / name)), None)
         self.reused = self.path is not None
+        self.name = "the expert store"  # as errors say it
         self._map: mmap.mmap | None = None
         self._tmp: Path | None = None
         if not self.reused:
@@ -81,6 +78,22 @@ class ExpertStore:
             if others:  # not removed here: another configuration of the same folder may still use them
                 print(f"edgemoe: writing the expert store {self.path}; other stores in that folder (delete them if no "
                       f"longer used): {', '.join(others)}", file=sys.stderr)  # fmt: skip
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.path]
+
+    @property
+    def where(self) -> str:
+        return f"expert store {self.path}"
+
+    def segments(self) -> torch.Tensor:
+        """The RAM tier's table (`edgemoe.offload.ram_tier.TierSource`): each row one segment, whole and aligned."""
+        keys = torch.arange(self.layers * self.experts, dtype=torch.int64)
+        out = torch.zeros(keys.numel(), 1, 4, dtype=torch.int64)  # [keys, 1, (file, offset, bytes, at)]
+        out[:, 0, 1] = HEADER_BYTES + keys * self.stride
+        out[:, 0, 2] = self.stride
+        return out
 
     def _valid(self, path: Path) -> bool:
         """Whether `path` is a complete store of these experts (its header and size)."""

@@ -5,6 +5,8 @@ Storage is `[experts or slots, row]`: each row holds one expert's gate_up weight
 of memory, so a miss is one copy (`copy_service.c`). A layout gives
 - `views(joined)`: the gate_up and down views the expert kernels read (and the loader fills by name);
 - `copy_views(joined)`: the two halves the miss copy moves (rows of the same storage; the split may be any point);
+- `parts`: where gate, up and down lie in a row, in bytes (the RAM tier reads a checkpoint's weights into them in
+  place, `edgemoe.offload.in_place`);
 - `decode`: the decode function that reads `views` in place; `pair_outputs`, prefill's (every pair of a step in one
   call, rows -1 skipped: waves of offloaded experts equal one call), over `dense_gate_up`/`dense_down`;
 - `decode_cpu`: decode with some pairs' outputs computed on the CPU (`edgemoe.offload.cpu_split`).
@@ -68,6 +70,12 @@ class ExpertLayout:
     @property
     def row_bytes(self) -> int:
         return self.row * self.dtype.itemsize
+
+    @property
+    def parts(self) -> tuple[tuple[int, int], ...]:
+        """(offset, bytes) of an expert's gate, up and down weights in its row: gate_up's first and last halves."""
+        half = self.inter * self.hidden * self.dtype.itemsize
+        return (0, half), (half, half), (2 * half, self.hidden * self.inter * self.dtype.itemsize)
 
     def empty(self, rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Uninitialised storage of `rows` expert rows -> joined [rows, row]."""
@@ -168,6 +176,11 @@ class QuantExpertLayout(ExpertLayout):
 
     def copy_views(self, joined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return joined[:, : self.copy_split], joined[:, self.copy_split :]
+
+    @property
+    def parts(self) -> tuple[tuple[int, int], ...]:
+        half = self.inter * self.gu_bytes
+        return (0, half), (half, half), (self.split, self.hidden * self.down_bytes)
 
     def dense_gate_up(self, w13: torch.Tensor) -> torch.Tensor:
         return dequantize(w13, self.q_gate_up, self.hidden).to(self.compute_dtype)

@@ -1,12 +1,15 @@
-"""The RAM tier: host rows (pinned on CUDA) caching the experts of the store on disk (`edgemoe.offload.expert_store`),
-for models whose experts do not fit the RAM budget (`--ram-budget`). Three tiers then: the device's slot pool (the
-expert cache), these rows, the store.
+"""The RAM tier: host rows (pinned on CUDA) caching experts read from disk, for models whose experts do not fit the
+RAM budget (`--ram-budget`). Three tiers then: the device's slot pool (the expert cache), these rows, and the files
+the rows are read from: the expert store (`edgemoe.offload.expert_store`), or the checkpoint's own files where they
+hold each expert's weights as the rows do (`edgemoe.offload.in_place`).
 
-A miss of the device cache is copied from a RAM row, read first from the store where the RAM tier misses too
-(`ram_tier.c`: least recently used rows evicted, each call's reads in flight at once on a pool of reader threads, with
-O_DIRECT). Replayed decode graphs reach it through the copy service's serve loop, which fetches each posted list's
-experts before it queues their copies (`CopyService.attach_tier`); an eager step (prefill waves, eager decode, the
-CPU device) reads its copy list on the host (a sync) and copies the rows itself (`copy_missing`).
+Either source says where each expert lies as a table of segments, (file, offset, bytes, offset in the row) a piece
+(`TierSource.segments`): one a row for the store, one a weight for a GGUF read in place. A miss of the device cache is
+copied from a RAM row, read first from those files where the RAM tier misses too (`ram_tier.c`: least recently used
+rows evicted, each call's reads in flight at once on a pool of reader threads, with O_DIRECT). Replayed decode graphs
+reach it through the copy service's serve loop, which fetches each posted list's experts before it queues their copies
+(`CopyService.attach_tier`); an eager step (prefill waves, eager decode, the CPU device) reads its copy list on the
+host (a sync) and copies the rows itself (`copy_missing`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import mmap
 import os
 import weakref
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -24,19 +28,43 @@ from edgemoe.config import ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.kernels.protocol import Ensured
 from edgemoe.offload.c_library import build_library
-from edgemoe.offload.expert_store import ALIGN, HEADER_BYTES, ExpertStore
 
 SOURCE = Path(__file__).with_name("ram_tier.c")
 READERS = 8  # reads in flight at once: one an expert, each split by the kernel into requests of the drive's size
 STATS = ("accesses", "hits", "reads", "bytes_read", "read_ns", "direct", "error")
+ALIGN = 4096  # O_DIRECT's: offsets, lengths and buffers
+SEGMENT = ("file", "offset", "bytes", "at")  # a segment's fields; file -1: `bytes` zeros at `at` in the row
+
+
+def row_stride(row_bytes: int) -> int:
+    """Bytes from one RAM row to the next (and one stored expert to the next): the row rounded up to `ALIGN`."""
+    return -(-row_bytes // ALIGN) * ALIGN
+
+
+class TierSource(Protocol):
+    """Where the RAM tier reads experts from: `layers` x `experts` rows of `row_bytes`, `stride` apart in RAM (a
+    multiple of `ALIGN`), held by `files`; `name` says it in errors, `where` in the start-up line."""
+
+    files: list[Path]
+    layers: int
+    experts: int
+    row_bytes: int
+    stride: int
+    name: str
+    where: str
+
+    def segments(self) -> torch.Tensor:
+        """int64 [layers * experts, per row, len(SEGMENT)]: where each expert's row comes from, piece by piece
+        (expert (l, e) at l * experts + e; pieces of 0 bytes skipped)."""
+        ...
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
     lib = build_library(SOURCE, "ram-tier", "the RAM tier of the experts", ["-O2", "-pthread"])
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.edgemoe_ram_tier_open.argtypes = [ctypes.c_char_p, i64, i64, i64, i64, i64, p, i64, ctypes.c_int,
-                                          ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+    lib.edgemoe_ram_tier_open.argtypes = [ctypes.POINTER(ctypes.c_char_p), i64, p, i64, i64, i64, i64, i64, p, i64,
+                                          ctypes.c_int, ctypes.POINTER(ctypes.c_int)]  # fmt: skip
     lib.edgemoe_ram_tier_open.restype = p
     lib.edgemoe_ram_tier_close.argtypes, lib.edgemoe_ram_tier_close.restype = [p], None
     lib.edgemoe_ram_tier_fetch.argtypes = [p, i64, p, i64, p]
@@ -67,35 +95,41 @@ def check_rows(rows: int, stride: int, cfg: ModelConfig, seqs: int, budget: obje
         )
 
 
-def error_text(code: int) -> str:
-    if code == 116:  # ESTALE
-        return "the expert store changed on disk since it was opened"
-    if code == 5:  # EIO: also a read that came back short
-        return "a read of the expert store failed or came back short (the file truncated?)"
-    return os.strerror(code)
-
-
 class RamTier:
-    """`rows` host rows over `store` (see the module docstring); `pin`: page-locked, for the copy engine."""
+    """`rows` host rows over `source` (see the module docstring); `pin`: page-locked, for the copy engine."""
 
-    def __init__(self, store: ExpertStore, rows: int, pin: bool, readers: int = READERS) -> None:
+    def __init__(self, source: TierSource, rows: int, pin: bool, readers: int = READERS) -> None:
         if rows < 1:
             raise EdgeMoEError("the RAM tier needs at least one row")
-        self.store, self.rows, self.stride, self.row_bytes = store, rows, store.stride, store.row_bytes
-        self.layers, self.experts = store.layers, store.experts
-        self._map = mmap.mmap(-1, rows * store.stride)  # page-aligned, as O_DIRECT needs
-        self.pool = torch.frombuffer(self._map, dtype=torch.uint8).view(rows, store.stride)  # [rows, stride]
+        self.source, self.rows, self.stride, self.row_bytes = source, rows, source.stride, source.row_bytes
+        self.layers, self.experts = source.layers, source.experts
+        self._map = mmap.mmap(-1, rows * source.stride)  # page-aligned, as O_DIRECT needs
+        self.pool = torch.frombuffer(self._map, dtype=torch.uint8).view(rows, source.stride)  # [rows, stride]
         if pin:
             pin_in_place(self.pool, "the RAM tier of the experts")
+        segments = source.segments().to(torch.int64).contiguous()  # [layers * experts, per row, 4]
+        assert segments.shape[0] == source.layers * source.experts and segments.shape[2] == len(SEGMENT)
+        paths = (ctypes.c_char_p * len(source.files))(*(str(f).encode() for f in source.files))
         err = ctypes.c_int(0)
         self.handle = library().edgemoe_ram_tier_open(
-            str(store.path).encode(), store.layers, store.experts, store.row_bytes, store.stride, HEADER_BYTES,
-            self.pool.data_ptr(), rows, readers, ctypes.byref(err),
+            paths, len(source.files), segments.data_ptr(), segments.shape[1], source.layers, source.experts,
+            source.row_bytes, source.stride, self.pool.data_ptr(), rows, readers, ctypes.byref(err),
         )  # fmt: skip
         if not self.handle:
-            raise EdgeMoEError(f"cannot open the expert store {store.path}: {os.strerror(err.value)}")
+            raise EdgeMoEError(f"cannot open {source.name} for the RAM tier: {os.strerror(err.value)}")
         self._finalizer = weakref.finalize(self, library().edgemoe_ram_tier_close, self.handle)
         assert self.pool.data_ptr() % ALIGN == 0
+
+    def failure(self, code: int) -> str:
+        """The one line for error `code` (an errno) of a fetch."""
+        name = self.source.name
+        if code == 116:  # ESTALE
+            why = f"{name} changed on disk since it was opened"
+        elif code == 5:  # EIO: also a read that came back short
+            why = f"a read of {name} failed or came back short (the file truncated?)"
+        else:
+            why = os.strerror(code)
+        return f"the RAM tier of the experts failed: {why}"
 
     @property
     def c_entry(self) -> tuple[int, int]:
@@ -110,7 +144,7 @@ class RamTier:
         code = library().edgemoe_ram_tier_fetch(self.handle, layer, experts.data_ptr(), experts.numel(),
                                                 addrs.data_ptr())  # fmt: skip
         if code:
-            raise EdgeMoEError(f"the RAM tier of the experts failed: {error_text(code)}")
+            raise EdgeMoEError(self.failure(code))
         return (addrs - self.pool.data_ptr()) // self.stride
 
     def copy_missing(self, copy: Ensured, layer: int, joined: torch.Tensor, counters: tuple | None) -> None:
@@ -151,18 +185,18 @@ class RamTier:
         self._finalizer()
 
 
-def read_bandwidth(store: ExpertStore, per_call: int, budget: int = 2**31, seed: int = 0) -> dict:
+def read_bandwidth(source: TierSource, per_call: int, budget: int = 2**31, seed: int = 0) -> dict:
     """The drive's read rate as the tier reads: calls of `per_call` distinct random experts of one random layer (a
     decode step's misses of a layer), about `budget` bytes in all, through a fresh tier (O_DIRECT where the file system
     allows it, so cold: not from the page cache)."""
     gen = torch.Generator().manual_seed(seed)
-    per_call = min(per_call, store.experts)
-    calls = max(1, min(store.layers * store.experts, budget // store.stride) // per_call)
-    tier = RamTier(store, per_call, pin=False)
+    per_call = min(per_call, source.experts)
+    calls = max(1, min(source.layers * source.experts, budget // source.stride) // per_call)
+    tier = RamTier(source, per_call, pin=False)
     try:
         for _ in range(calls):
-            layer = int(torch.randint(store.layers, (), generator=gen))
-            tier.fetch(layer, torch.randperm(store.experts, generator=gen)[:per_call])
+            layer = int(torch.randint(source.layers, (), generator=gen))
+            tier.fetch(layer, torch.randperm(source.experts, generator=gen)[:per_call])
         got = tier.stats()
     finally:
         tier.close()

@@ -259,8 +259,8 @@ def run_bench(a: argparse.Namespace) -> dict:
     kv_bytes = 2 * kv.k.numel() * kv.k.element_size()
     bw = bandwidths(device, per_expert)
     if tier is not None:
-        print(f"expert store {tier.store.path}; measuring its read rate ...", file=sys.stderr)
-        bw |= read_bandwidth(tier.store, cfg.top_k)
+        print(f"experts on disk: {tier.source.where}; measuring the read rate ...", file=sys.stderr)
+        bw |= read_bandwidth(tier.source, cfg.top_k)
         bw["host_rss_after_load"] = host_rss()  # the RAM tier's rows, not the experts
     trace = routing(a.routing_trace, total_steps + a.prewarm, L, cfg.num_experts, cfg.top_k)
     result = {

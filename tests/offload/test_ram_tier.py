@@ -388,7 +388,7 @@ def test_a_failing_tier_raises_and_still_releases_the_waiters(tmp_path: Path, jo
     gpu.service.serve()
     assert slot_bytes(pools, 0) == want[0, 1] and slot_bytes(pools, 1) == want[0, 2]
     before, writes = tuple(p.clone() for p in pools), len(gpu.writes)
-    os.truncate(tier.store.path, HEADER_BYTES + E * tier.store.stride)
+    os.truncate(tier.source.path, HEADER_BYTES + E * tier.source.stride)
     failing = [(1, [3, 4, 5], [2, 3, 4]), (0, [1], [5])]  # misses; then a hit, after the error (sticky)
     gpu.tier_lists = list(failing)
     with pytest.raises(EdgeMoEError, match="the RAM tier of the experts failed: the expert store changed on disk"):

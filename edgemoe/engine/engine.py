@@ -35,7 +35,7 @@ from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.mtp import MTPDrafter
 from edgemoe.engine.parallel import TensorParallel, cut, follow_parent, join, shard_config, shard_model
 from edgemoe.engine.parallel import check as check_parallel
-from edgemoe.engine.scheduler import Scheduler
+from edgemoe.engine.scheduler import Batch, Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
 from edgemoe.engine.speculative import Acceptance, NgramIndex, SpeculationGate, SpeculativeStats
 from edgemoe.engine.state_cache import StateCache, bytes_per_slot
@@ -48,7 +48,7 @@ from edgemoe.models.registry import read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.routing_trace import RoutingRecorder
 from edgemoe.offload.banks import TierOptions
-from edgemoe.offload.expert_cache import ExpertCache
+from edgemoe.offload.expert_cache import ExpertCache, RefusedDrafts
 from edgemoe.offload.experts import MiB, attach_expert_cache, cache_slots, expert_bytes, min_cache_slots
 from edgemoe.sampling_params import SamplingParams
 from edgemoe.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -164,6 +164,7 @@ class LLMEngine:
         if parallel is not None and parallel.rank:
             return  # a worker: `TensorParallel.serve` runs rank 0's steps through this runner
         self.mtp = MTPDrafter(self.runner, self.scheduler) if config.speculative == "mtp" else None
+        self._refused = self._refused_drafts() if drafter is not None else None  # before the graphs: they record it
         # Callables (sequences due a token, their logits [due, vocab]) -> logits, run in order before the sampler:
         # constrained decoding, banned tokens; the server tests force scripted outputs through one.
         self.logits_processors = self.runner.logits_processors
@@ -443,7 +444,11 @@ class LLMEngine:
         start = time.perf_counter()
         try:
             if batch.verify:
+                if self._refused is not None:
+                    self._refused.clear()
                 tokens = self.runner.verify(batch)
+                if self._refused is not None:
+                    self._count_refused(self._refused, batch, tokens)
             else:
                 tokens = [None if t is None else [t] for t in self.runner.run(batch)]
         except RuntimeError as exc:  # a collective of a tensor-parallel step (an all-reduce) whose peer is gone
@@ -479,6 +484,29 @@ class LLMEngine:
         if self.recorder:
             self.recorder.end(batch)
         return outputs
+
+    def _refused_drafts(self) -> RefusedDrafts | None:
+        """The record of what refused drafts cost the expert cache (offloaded experts, stats collected), kept by the
+        cache's `fetch`; None where there is none to keep, or the drafts verify as a prefill chunk (the hybrids:
+        their experts come in prefill's waves, which it does not see)."""
+        cache = self.expert_cache
+        if cache is None or not cache.collect_stats or self.states is not None:
+            return None
+        rows, top_k = self.config.max_num_seqs, self.model_config.top_k
+        cache.drafts = RefusedDrafts(cache.num_layers, cache.num_experts, rows, top_k, cache.expert_bytes, self.device)
+        return cache.drafts
+
+    def _count_refused(self, drafts: RefusedDrafts, batch: Batch, tokens: list[list[int]]) -> None:
+        """A verify step's rows, kept (a sequence's next position and its accepted drafts) or refused (the drafts
+        after the first one refused), to the record (device tensors: no host sync)."""
+        kept, refused = [], []
+        for seq, n, new in zip(batch.seqs, batch.num_new, tokens):
+            used = len(new) if seq.draft else n
+            kept += [True] * used + [False] * (n - used)
+            refused += [False] * used + [True] * (n - used)
+        pad = drafts.ids.shape[1] - len(kept)
+        to = self.runner.to_device
+        drafts.count(to(kept + [False] * pad, torch.bool), to(refused + [False] * pad, torch.bool))
 
     def _draft(self, seq: Sequence) -> list[int]:
         """The scheduler's drafter: the MTP head's drafts (`edgemoe.engine.mtp`) or prompt lookup, for the sequences

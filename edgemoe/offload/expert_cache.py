@@ -62,6 +62,7 @@ class ExpertCache:
         self.prefill_stream = None  # an `edgemoe.offload.prefill_stream.PrefillStream` where the pool has 2E slots
         self.cpu_split = None  # a CpuSplit (edgemoe.offload.cpu_split) when decode computes some misses on the CPU
         self.tier = None  # the RAM tier (edgemoe.offload.ram_tier) the misses come from, where there is one
+        self.drafts: RefusedDrafts | None = None  # what refused drafts cost (speculative decoding with stats)
         # the implementation, chosen once for the device: one Triton launch on CUDA, plain torch elsewhere
         if self.device.type == "cuda":
             from edgemoe.kernels.ensure import ensure_fused
@@ -101,6 +102,8 @@ class ExpertCache:
         self.owner.fill_(-1)
         self.clock.zero_()
         self.stats.zero_()
+        if self.drafts is not None:
+            self.drafts.reset()
         for state in vars(self.policy).values():
             if isinstance(state, torch.Tensor):
                 state.zero_()
@@ -258,6 +261,9 @@ class ExpertCache:
         copy service and returns the wait for their rows. A plain-torch decode (a family whose activation the
         kernels lack) reads every slot at once: the stream waits for the whole copy here."""
         split = self.cpu_split
+        if self.drafts is not None:  # before `ensure` changes what the layer holds
+            E = self.num_experts
+            self.drafts.note(layer, ids, self.slot_of[layer * E : (layer + 1) * E])
         got = self.ensure(layer, ids, source.banks, cpu_take=None if split is None else split.table, x=x)
         wait = None if split is None else self.cpu_wait(got)
         on_cpu = split.pairs(ids, got.slots, x) if split is not None and wait is None else None
@@ -282,8 +288,54 @@ class ExpertCache:
         per_layer = [{"layer": i, **dict(zip(STAT_FIELDS, r))} for i, r in zip(layer_ids, rows)]
         total = {f: sum(r[j] for r in rows) for j, f in enumerate(STAT_FIELDS)}
         total["hit_rate"] = total["hits"] / total["accesses"] if total["accesses"] else 0.0
+        if self.drafts is not None:
+            refused = self.drafts.bytes.tolist()
+            for row, b in zip(per_layer, refused):
+                row["refused_draft_bytes"] = b
+            total["refused_draft_bytes"] = sum(refused)
         got = {"slots": self.num_slots, "policy": self.policy_name, "layers": per_layer, "total": total}
         return got if self.tier is None else got | {"ram_tier": self.tier.stats()}
+
+
+class RefusedDrafts:
+    """What drafted rows that the model then refused cost the expert cache (speculative decoding, with stats): the
+    bytes of the experts a decode step missed (copied, or computed on the CPU) that only refused rows routed to, per
+    MoE layer. Each decode step's routed ids and the experts each layer lacked before its `ensure` are kept on the
+    device in fixed shapes (`note`: a captured step records them too); after a verify step, `count` takes which rows
+    were kept and which refused (rows in neither, as a graph's padding, count for nothing)."""
+
+    def __init__(self, layers: int, experts: int, rows: int, top_k: int, expert_bytes: int, device) -> None:
+        self.experts, self.expert_bytes = experts, expert_bytes
+        self.ids = torch.full((layers, rows, top_k), experts, dtype=torch.long, device=device)  # `experts`: none
+        self.absent = torch.zeros(layers, experts + 1, dtype=torch.bool, device=device)
+        self.bytes = torch.zeros(layers, dtype=torch.long, device=device)
+
+    def note(self, layer: int, ids: torch.Tensor, slot_of: torch.Tensor) -> None:
+        """A decode step's MoE layer `layer`: its routed `ids` [rows, top_k] and `slot_of` [E] before `ensure`."""
+        self.ids[layer, : ids.shape[0]].copy_(ids)
+        self.absent[layer, : self.experts].copy_(slot_of < 0)
+
+    def clear(self) -> None:
+        """Before a verify step: no row routed anywhere, so that a layer the step does not run (an MTP head's) or a
+        row it does not have counts for nothing."""
+        self.ids.fill_(self.experts)
+
+    def count(self, kept: torch.Tensor, refused: torch.Tensor) -> None:
+        """After a verify step: `kept`, `refused` [rows] bool, the step's rows in order (the rest in neither)."""
+        self.bytes += self.refused(kept, refused)
+
+    def refused(self, kept: torch.Tensor, refused: torch.Tensor) -> torch.Tensor:
+        """[L] what `count` would add for these rows (a benchmark weighs several outcomes of one step)."""
+        only = self._routed(refused) & ~self._routed(kept) & self.absent
+        return only[:, : self.experts].sum(1) * self.expert_bytes
+
+    def _routed(self, rows: torch.Tensor) -> torch.Tensor:
+        """[L, E + 1] bool: the experts `rows` routed to, by layer (column E: none)."""
+        ids = torch.where(rows[None, :, None], self.ids, self.experts).flatten(1)
+        return torch.zeros_like(self.absent).scatter_(1, ids, True)
+
+    def reset(self) -> None:
+        self.bytes.zero_()
 
 
 class ExpertSource(Protocol):

@@ -321,3 +321,5 @@ class EngineLoop:
             self.metrics.expert_cache_hit_rate().set(total["hit_rate"])
             self.metrics.expert_cache_misses().labels("copy").set(total["misses"] - total["cpu_computed"])
             self.metrics.expert_cache_misses().labels("cpu").set(total["cpu_computed"])
+            if "refused_draft_bytes" in total:
+                self.metrics.refused_draft_bytes().set(total["refused_draft_bytes"])

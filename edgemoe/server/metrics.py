@@ -55,6 +55,7 @@ class Metrics:
         self._hit_rate: Gauge | None = None
         self._misses: Gauge | None = None
         self._speculative: tuple[Gauge, Gauge, Gauge] | None = None
+        self._refused: Gauge | None = None
         self.ready = Gauge("edgemoe_ready", "1 once the model is loaded and the server accepts requests", registry=r)
 
     def prefix_cache(self, queried: int, hits: int) -> None:
@@ -80,6 +81,14 @@ class Metrics:
             doc = "Expert-cache misses since start, all MoE layers, by how they were served (offload with stats)"
             self._misses = Gauge("edgemoe_expert_cache_misses", doc, ["served"], registry=self.registry)
         return self._misses
+
+    def refused_draft_bytes(self) -> Gauge:
+        """Created on first use, as the hit rate: bytes of missed experts that only refused drafts routed to (offload
+        with --moe-collect-stats and --speculative)."""
+        if self._refused is None:
+            doc = "Bytes of experts missed only for drafted rows the model refused, since start (offload with stats)"
+            self._refused = Gauge("edgemoe_spec_decode_refused_expert_bytes", doc, registry=self.registry)
+        return self._refused
 
     def speculative(self, steps: int, drafted: int, accepted: int) -> None:
         """Speculative decoding's totals since start (created on first use: only a server that drafts exports them)."""

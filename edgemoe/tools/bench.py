@@ -55,6 +55,7 @@ from edgemoe.models.registry import FAMILIES
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.offload import cpu_split
 from edgemoe.offload.banks import TierOptions, ram_rows, replace_ram_tier
+from edgemoe.offload.expert_cache import ExpertCache, RefusedDrafts
 from edgemoe.offload.experts import MiB, OffloadedExperts, attach_expert_cache, cache_slots, expert_bytes
 from edgemoe.offload.ram_tier import read_bandwidth
 from edgemoe.quant import QUANT_TYPES
@@ -153,6 +154,26 @@ class Decoder:
             t[:r].add_(r)
         if self.trace is not None:
             self.step_ix.add_(r).remainder_(self.trace.shape[0])
+
+
+def refused_costs(dec: Decoder, cache: ExpertCache, steps: int) -> list[float]:
+    """After a timed run of verify steps, `steps` more, eager and untimed, each recorded as the engine records a
+    verify step (`RefusedDrafts`): per m = 0 .. rows - 1, the mean bytes of missed experts that only the rows after
+    the m-th draft routed to, were the step to keep m drafts (what refused drafts cost at each outcome)."""
+    rows = dec.rows
+    top_k = dec.runner.model.config.top_k
+    cache.drafts = drafts = RefusedDrafts(cache.num_layers, cache.num_experts, rows, top_k,
+                                          cache.expert_bytes, dec.device)  # fmt: skip
+    kept = torch.arange(rows, device=dec.device)[None, :] <= torch.arange(rows, device=dec.device)[:, None]  # [m, r]
+    total = torch.zeros(rows, dtype=torch.long, device=dec.device)
+    try:
+        for _ in range(steps):
+            drafts.clear()
+            dec.step()
+            total += torch.stack([drafts.refused(kept[m], ~kept[m]).sum() for m in range(rows)])
+    finally:
+        cache.drafts = None
+    return (total.double() / steps).tolist()
 
 
 def prewarm(model: MoEForCausalLM, rows: torch.Tensor) -> None:
@@ -375,12 +396,19 @@ def speculation(plain: dict, verify: dict, drafts: int, rates: list[float]) -> d
     row_cost = max(step - plain_step, 0.0) / drafts / plain_step
     out = {"drafts": drafts, "verify_step_ms": step * 1e3, "plain_step_ms": plain_step * 1e3, "row_cost": row_cost,
            "verify_miss_bytes_per_step": verify["miss_bytes_per_token"], "at": []}  # fmt: skip
+    if_kept = verify.get("refused_bytes_if_kept")  # per m drafts kept: bytes only the refused rows missed
+    if if_kept is not None:
+        out["refused_bytes_if_kept"] = if_kept
     for rate in rates:
         tokens = expected_tokens(rate, drafts)
         k = best_draft_count(rate, row_cost, drafts)
         turned_down = {"drafts": k, "vs_plain": expected_tokens(rate, k) / (1 + k * row_cost)}
-        out["at"].append({"acceptance": rate, "tokens_per_step": tokens, "tok_s": tokens / step,
-                          "vs_plain": tokens / step / plain["tok_s"], "turned_down": turned_down})  # fmt: skip
+        at = {"acceptance": rate, "tokens_per_step": tokens, "tok_s": tokens / step,
+              "vs_plain": tokens / step / plain["tok_s"], "turned_down": turned_down}  # fmt: skip
+        if if_kept is not None:  # m drafts kept with probability rate^m (1 - rate), all of them rate^drafts
+            chance = [rate**m * (1 - rate) for m in range(drafts)] + [rate**drafts]
+            at["refused_bytes_per_step"] = sum(p * b for p, b in zip(chance, if_kept))
+        out["at"].append(at)
     return out
 
 
@@ -394,10 +422,15 @@ def speculation_lines(spec: dict | None) -> list[str]:
             f"{spec['plain_step_ms']:.2f} ms a plain step, {copied:.1f} MiB copied a step")  # fmt: skip
     return [head] + [
         f"    acceptance {r['acceptance']:.2f}: {r['tokens_per_step']:.2f} tokens a step, {r['tok_s']:.1f} tok/s "
-        f"({r['vs_plain']:.2f}x plain decoding); turned down: {r['turned_down']['drafts']} drafts, "
+        f"({r['vs_plain']:.2f}x plain decoding){refused_text(r)}; turned down: {r['turned_down']['drafts']} drafts, "
         f"{r['turned_down']['vs_plain']:.2f}x (modelled)"
         for r in spec["at"]
     ]
+
+
+def refused_text(at: dict) -> str:
+    got = at.get("refused_bytes_per_step")
+    return "" if got is None else f", {got / MiB:.1f} MiB a step missed for refused drafts only"
 
 
 def overlaps(a: argparse.Namespace, device: torch.device, model: MoEForCausalLM) -> list[bool]:
@@ -478,6 +511,8 @@ def decode(
                 run["run_vram_bytes"] = run["peak_vram_bytes"] - before  # this run's own peak (graph pool etc.)
             if mode == "graph" and a.profile:
                 run["profile"] = profile_steps(dec.step, a.profile)
+            if rows > 1 and cache is not None:
+                run["refused_bytes_if_kept"] = refused_costs(dec, cache, a.steps)
     except Exception as exc:  # a capture that fails is reported, not fatal
         run["error"] = f"{type(exc).__name__}: {exc}"
         return run

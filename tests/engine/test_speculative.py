@@ -302,3 +302,64 @@ def test_ngram_index_drafts_as_the_search_while_the_sequence_grows() -> None:
             tokens += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]  # one token a step, or a verify's few
             k = rng.randrange(0, 6)
             assert index.draft(tokens, k) == ngram_draft(tokens, max_n, k)
+
+
+def test_refused_drafts_count_what_only_refused_rows_missed() -> None:
+    """`RefusedDrafts.count` against sets: per layer, the experts missed before the step that refused rows routed
+    to and kept rows did not, in bytes."""
+    from edgemoe.offload.expert_cache import RefusedDrafts
+
+    g = torch.Generator().manual_seed(6)
+    L, E, R, K = 3, 10, 6, 2
+    drafts = RefusedDrafts(L, E, R, K, expert_bytes=7, device="cpu")
+    want = [0] * L
+    for _ in range(4):
+        drafts.clear()
+        rows = int(torch.randint(1, R + 1, (), generator=g))
+        state = []
+        for layer in range(L):
+            ids = torch.randint(0, E, (rows, K), generator=g)
+            slot_of = torch.where(torch.rand(E, generator=g) < 0.5, -1, 3)
+            drafts.note(layer, ids, slot_of)
+            state.append((ids.tolist(), {e for e in range(E) if slot_of[e] < 0}))
+        kind = torch.randint(0, 3, (R,), generator=g).tolist()  # 0 kept, 1 refused, 2 neither (padding)
+        kind = [k if r < rows else 2 for r, k in enumerate(kind)]
+        drafts.count(torch.tensor([k == 0 for k in kind]), torch.tensor([k == 1 for k in kind]))
+        for layer, (ids, absent) in enumerate(state):
+            by = {k: {e for r, row in enumerate(ids) if kind[r] == k for e in row} for k in (0, 1)}
+            want[layer] += 7 * len((by[1] - by[0]) & absent)
+    assert drafts.bytes.tolist() == want and sum(want) > 0
+
+
+def test_refused_drafts_in_the_expert_stats(tiny_checkpoint) -> None:
+    """Offloaded experts with stats: drafts that are always right cost no refused bytes; drafts wrong from the first
+    cost some (the rows after the first draft route to experts the kept row did not), never more than was missed;
+    greedy tokens as without speculation."""
+    folder, _ = tiny_checkpoint("qwen3-head-dim", "per-expert")
+    opts = dict(progress=False, dtype="float32", max_num_seqs=6, moe_strategy="offload", moe_cache_fraction=0.5,
+                moe_collect_stats=True)  # fmt: skip
+    base = LLM(str(folder), **opts)
+    g = torch.Generator().manual_seed(8)
+    batch = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (17, 9)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = generate(base, batch, params)
+    refused = {}
+    for wrong_from in (4, 0):  # 4: every draft right (k = 4); 0: every draft wrong
+        spec = speculative(str(folder), **opts)
+        right = {tuple(b): w for b, w in zip(batch, want)}
+
+        def draft(seq, wrong_from=wrong_from, right=right) -> list[int]:
+            done = len(seq.output_ids)
+            tokens = right[tuple(seq.token_ids[: seq.num_prompt_tokens])][done : done + 4]
+            return tokens[:wrong_from] + [(t + 1) % 400 for t in tokens[wrong_from:]]
+
+        spec.engine.scheduler.drafter = draft
+        assert generate(spec, batch, params) == want
+        total = spec.engine.moe_stats()["total"]
+        refused[wrong_from] = total["refused_draft_bytes"]
+        assert (
+            0
+            <= refused[wrong_from]
+            <= total["bytes_copied"] + total["cpu_computed"] * spec.engine.expert_cache.expert_bytes
+        )
+    assert refused[4] == 0 and refused[0] > 0, refused

@@ -365,8 +365,9 @@ def test_metric_counts_match_what_was_sent(http, client):
 
 def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
     # experts offloaded with statistics on: /metrics then carries the expert-cache hit rate and the misses, copied and
-    # computed on the CPU (one a layer-step)
-    flags = ("--moe-strategy", "offload", "--moe-cache-slots", "64", "--moe-collect-stats", "--moe-cpu-compute", "1")
+    # computed on the CPU (one a layer-step), and with prompt lookup what refused drafts cost (nothing drafted here)
+    flags = ("--moe-strategy", "offload", "--moe-cache-slots", "64", "--moe-collect-stats", "--moe-cpu-compute", "1",
+             "--speculative", "ngram")  # fmt: skip
     server = ServerProcess(tmp_path, "--api-key", "s3cret", "--kv-cache-memory", "6MB", *flags)  # 52 KV blocks
     try:
         server.wait_ready()
@@ -388,6 +389,7 @@ def test_api_key_kv_limit_and_graceful_shutdown(tmp_path):
             assert 0 < hit_rate < 1
             for served in ("copy", "cpu"):
                 assert float(re.search(rf'^edgemoe_expert_cache_misses{{served="{served}"}} (\S+)$', text, re.M)[1]) > 0
+            assert float(re.search(r"^edgemoe_spec_decode_refused_expert_bytes (\S+)$", text, re.M)[1]) >= 0
 
             # fits the context (2048) but not the KV cache: refused before any SSE byte, naming max_tokens
             for stream in (False, True):

@@ -225,6 +225,13 @@ def test_drafts_time_verify_steps_and_rate_them(tmp_path, capsys) -> None:
     assert full["tok_s"] == pytest.approx(4e3 / spec["verify_step_ms"])
     assert half["vs_plain"] == pytest.approx(half["tok_s"] / run["tok_s"])
     assert spec["verify_miss_bytes_per_step"] > run["miss_bytes_per_token"] > 0  # 4 tokens' experts: more misses
+    # what refused drafts cost, by the drafts a step keeps: less the more it keeps, nothing when it keeps all three
+    if_kept = spec["refused_bytes_if_kept"]
+    assert len(if_kept) == 4 and if_kept[0] > 0 and if_kept[-1] == 0
+    assert all(a >= b for a, b in zip(if_kept, if_kept[1:]))
+    assert full["refused_bytes_per_step"] == 0
+    chance = [0.5, 0.25, 0.125, 0.125]  # 0, 1, 2 or 3 drafts kept at acceptance 0.5
+    assert half["refused_bytes_per_step"] == pytest.approx(sum(p * b for p, b in zip(chance, if_kept)))
     cost = max(spec["verify_step_ms"] - spec["plain_step_ms"], 0) / 3 / spec["plain_step_ms"]
     assert spec["row_cost"] == pytest.approx(cost)
     for at in spec["at"]:  # the engine's turn-down at that acceptance, never below plain decoding in its model

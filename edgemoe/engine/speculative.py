@@ -174,9 +174,9 @@ class Acceptance:
     """One sequence's drafts as they fared: the probability that a draft is accepted given the ones before it were,
     estimated from its verify steps (a step that drafted d tokens and kept m tried m + 1 drafts, or d where all were
     kept, and m were accepted; older steps count `decay` times less at each new one), starting from `prior` as if
-    `weight` drafts had been tried."""
+    `weight` drafts had been tried: optimistic, so that a new sequence drafts until its own drafts say otherwise."""
 
-    def __init__(self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.8) -> None:
+    def __init__(self, prior: float = 0.8, weight: float = 1.0, decay: float = 0.8) -> None:
         self.accepted, self.tried, self.decay = prior * weight, weight, decay
         self.since = 0  # the sequence's steps since it last drafted (see `SpeculationGate.drafts`)
         self.decided: tuple[int, int] | None = None  # (the sequence's length, the drafts decided for it then)

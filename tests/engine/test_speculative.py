@@ -266,8 +266,8 @@ def test_a_sequence_whose_drafts_fail_turns_down_and_probes() -> None:
     gate.record(False, tokens=1, seqs=1, seconds=0.010, rows=1)
     gate.record(True, tokens=1, seqs=1, seconds=0.014, rows=5)  # 4 rows more: 1 ms each, 0.1 of a plain step
     assert gate.row_cost() == pytest.approx(0.1)
-    assert gate.drafts(seq, 4, at=11) == best_draft_count(0.5, 0.1, 4) > 0
-    assert gate.drafts(seq, 2, at=11) == min(best_draft_count(0.5, 0.1, 4), 2)  # asked again: the same answer
+    assert gate.drafts(seq, 4, at=11) == best_draft_count(seq.rate, 0.1, 4) > 0
+    assert gate.drafts(seq, 2, at=11) == min(best_draft_count(seq.rate, 0.1, 4), 2)  # asked again: the same answer
     for _ in range(6):
         seq.record(4, 0)
     assert seq.rate < 0.1

@@ -10,7 +10,6 @@ import sys
 import time
 import weakref
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -33,7 +32,7 @@ from edgemoe.engine.grammar import GrammarConstraint
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.mtp import MTPDrafter
-from edgemoe.engine.parallel import TensorParallel, cut, follow_parent, join, shard_config, shard_model
+from edgemoe.engine.parallel import Cut, TensorParallel, expert_unit, follow_parent, join, shard_config, shard_model
 from edgemoe.engine.parallel import check as check_parallel
 from edgemoe.engine.scheduler import Batch, Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
@@ -86,13 +85,14 @@ class LLMEngine:
         self.model_config, family, gguf = read_checkpoint(path, mtp=config.speculative == "mtp")
         self.num_params = count_parameters(self.model_config, family)
         started = False
+        self._unit = 1  # the weights the routed experts' intermediate axis splits in among tensor-parallel ranks
         if config.tensor_parallel > 1:
-            check_parallel(config, self.model_config, config.tensor_parallel)
-            if gguf is not None:
-                raise EdgeMoEError(f"tensor_parallel {config.tensor_parallel}: a GGUF file's experts are not split yet")
+            self._unit = expert_unit(config, None if gguf is None else gguf.expert_blocks(self.model_config))
+            check_parallel(config, self.model_config, config.tensor_parallel, self._unit)
             started = parallel is None
             parallel = parallel or TensorParallel.start(config, _rank_main)
-            self.model_config = shard_config(self.model_config, parallel.world)  # this rank's share of the shapes
+            # this rank's share of the shapes
+            self.model_config = shard_config(self.model_config, parallel.world, parallel.rank, self._unit)
         self.parallel = parallel
         try:
             self._build(config, path, family, gguf, start)
@@ -132,9 +132,10 @@ class LLMEngine:
             if moe.ram_budget is not None:
                 folder = None if moe.expert_store is None else Path(moe.expert_store).expanduser()
                 tier = TierOptions(ram_budget(moe.ram_budget), folder, config.max_num_seqs)
-            share = None if parallel is None else partial(cut, rank=parallel.rank, world=parallel.world)
+            share = None if parallel is None else Cut(parallel.rank, parallel.world, self._unit)
+            as_stored = placed and parallel is None  # (a tensor-parallel rank dequantizes its share of each)
             opts = LoadOptions(
-                self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, placed, tier, share
+                self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, as_stored, tier, share
             )
             if gguf is None:
                 self.model = load_model(path, self.model_config, family, opts)
@@ -267,6 +268,8 @@ class LLMEngine:
         )
         if offload and cache is None:
             slots = cache_slots(moe, cfg, self.config.max_num_seqs, per_expert, budget - weights - acts - kv_bytes)
+            if self.parallel is not None:  # uneven shares of the experts: the fewest slots, so every rank decides alike
+                slots = self.parallel.least(slots)
             note = (
                 f"; budget {budget / MiB:.1f} MiB: dense {(weights - state) / MiB:.1f} MiB, "
                 + (f"state {state / MiB:.1f} MiB, " if state else "")

@@ -11,11 +11,18 @@ returns to the hidden size (`RowParallel`, `Reduced`: one all-reduce after atten
 The router, norms, embedding and lm_head are whole on every rank, so every rank holds the same hidden states and
 routes alike, and with a deterministic cache policy its expert cache decides alike. The KV block count is rank 0's.
 
-Built so far: float experts of safetensors checkpoints, or quantized on load (`expert_dtype`: each rank quantizes its
-share), resident or offloaded, of the families with plain attention; steps run eager (no CUDA graphs are captured);
-prompt lookup's verify steps are eager steps like any. Refused in one line before anything is spawned: GGUF files, a
-RAM budget, the CPU split beside offloaded experts, MTP drafts, the hybrid, gpt-oss, OLMoE and Gemma-4 attention,
-shapes that do not split evenly.
+The routed experts' intermediate axis splits in whole blocks of their format where they are quantized (`Cut.unit`:
+a GGUF's down rows, or `expert_dtype`'s blocks), as evenly as whole blocks allow: qwen3-30b-a3b's 768 in Q4_K's
+256-weight blocks go 512 + 256 to two ranks. Uneven shares give the ranks expert rows of different sizes, so under a
+VRAM budget each would fit another number of slots: every rank takes the fewest (`TensorParallel.least`), so that
+their caches decide alike.
+
+Built so far: experts of safetensors checkpoints (float, or quantized on load by each rank) and of GGUF files (kept as
+stored, each rank its rows; dense weights dequantized), resident or offloaded, of the families with plain attention;
+steps run eager (no CUDA graphs are captured); prompt lookup's verify steps are eager steps like any. Refused in one
+line before anything is spawned: a RAM budget, the CPU split beside offloaded experts, MTP drafts, the hybrid, gpt-oss,
+OLMoE and Gemma-4 attention, heads and dense intermediate sizes that do not split evenly, expert rows of fewer blocks
+than ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -44,8 +51,9 @@ FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")  # plain `Attention
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer: a rank is gone
 
 
-def check(config: EngineConfig, cfg: ModelConfig, world: int) -> None:
-    """One line for what tensor parallelism does not take yet (module docstring), before anything is spawned."""
+def check(config: EngineConfig, cfg: ModelConfig, world: int, unit: int = 1) -> None:
+    """One line for what tensor parallelism does not take yet (module docstring), before anything is spawned. `unit`:
+    the weights the routed experts' intermediate axis splits in (`expert_unit`)."""
     what, moe = f"tensor_parallel {world}", config.moe
     if moe.ram_budget is not None:
         raise EdgeMoEError(f"{what}: a RAM budget (the disk tier) is not split yet")
@@ -55,20 +63,16 @@ def check(config: EngineConfig, cfg: ModelConfig, world: int) -> None:
         )
     if config.speculative == "mtp":
         raise EdgeMoEError(f"{what}: the MTP head is not split yet (speculative ngram is)")
-    if moe.expert_dtype != "auto":  # quantized on load, each rank its share: the down rows' blocks must split
-        block, share = quant_type(moe.expert_dtype).block_weights, cfg.moe_intermediate_size // world
-        if share % block:
-            raise EdgeMoEError(
-                f"{what}: a rank's share of moe_intermediate_size, {share}, is not whole blocks of {block} weights "
-                f"(expert_dtype {moe.expert_dtype})"
-            )
     if cfg.model_type not in FAMILIES:
         raise EdgeMoEError(f"{what}: {cfg.model_type} is not split yet (split: {', '.join(FAMILIES)})")
     if config.device == "cuda" and torch.cuda.device_count() < world:
         raise EdgeMoEError(f"{what}: {torch.cuda.device_count()} CUDA devices, one a rank needed")
+    if any(cfg.moe_layers) and cfg.moe_intermediate_size // unit < world:
+        raise EdgeMoEError(
+            f"{what}: moe_intermediate_size {cfg.moe_intermediate_size} is {cfg.moe_intermediate_size // unit} "
+            f"blocks of {unit} weights, fewer than the ranks"
+        )
     shapes = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads}
-    if any(cfg.moe_layers):
-        shapes["moe_intermediate_size"] = cfg.moe_intermediate_size
     if not all(cfg.moe_layers):
         shapes["intermediate_size"] = cfg.intermediate_size
     if cfg.shared_expert_intermediate_size:
@@ -78,46 +82,84 @@ def check(config: EngineConfig, cfg: ModelConfig, world: int) -> None:
             raise EdgeMoEError(f"{what}: {name} {n} does not split into {world} equal parts")
 
 
-def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """A rank's model: its share of the heads and of every intermediate axis."""
+def expert_unit(config: EngineConfig, gguf_blocks: int | None) -> int:
+    """The weights the routed experts' intermediate axis splits in: a GGUF's down rows' blocks (`gguf_blocks`, the
+    largest of its layers'), `expert_dtype`'s blocks where the experts are quantized on load, else one."""
+    if gguf_blocks is not None:
+        return gguf_blocks
+    return 1 if config.moe.expert_dtype == "auto" else quant_type(config.moe.expert_dtype).block_weights
+
+
+def shares(n: int, world: int, unit: int = 1) -> list[tuple[int, int]]:
+    """`n` (a multiple of `unit`) split into `world` runs of whole units, as even as they go, the larger first: each
+    rank's (start, size)."""
+    units = n // unit
+    sizes = [(units // world + (r < units % world)) * unit for r in range(world)]
+    return [(sum(sizes[:r]), sizes[r]) for r in range(world)]
+
+
+def shard_config(cfg: ModelConfig, world: int, rank: int = 0, unit: int = 1) -> ModelConfig:
+    """A rank's model: its share of the heads and of every intermediate axis (the routed experts' in whole `unit`s)."""
     return replace(
         cfg,
         num_heads=cfg.num_heads // world,
         num_kv_heads=cfg.num_kv_heads // world,
         intermediate_size=cfg.intermediate_size // world,
-        moe_intermediate_size=cfg.moe_intermediate_size // world,
+        moe_intermediate_size=shares(cfg.moe_intermediate_size, world, unit)[rank][1],
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // world,
     )
 
 
-_ROWS = re.compile(
-    r"\.(self_attn\.[qkv]_proj\.(weight|bias)|(mlp|shared_expert|experts\.\d+)\.(gate|up)_proj\.weight)$"
-)
-_COLUMNS = re.compile(r"\.(self_attn\.o_proj|(mlp|shared_expert|experts\.\d+)\.down_proj)\.weight$")
+_ROWS = re.compile(r"\.(self_attn\.[qkv]_proj\.(weight|bias)|(mlp|shared_expert)\.(gate|up)_proj\.weight)$")
+_COLUMNS = re.compile(r"\.(self_attn\.o_proj|(mlp|shared_expert)\.down_proj)\.weight$")
+_EXPERT_ROWS = re.compile(r"\.experts\.\d+\.(gate|up)_proj\.weight$")
+_EXPERT_COLUMNS = re.compile(r"\.experts\.\d+\.down_proj\.weight$")
 
 
-def cut(name: str, t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """A checkpoint tensor (our name, as converted) -> rank `rank`'s share: q/k/v rows of its heads (heads are
-    contiguous rows), gate/up rows and down columns of its part of every intermediate axis (dense MLPs, shared and
-    routed experts, per expert or stacked), o_proj columns of its heads; o_proj's bias on rank 0 alone (the ranks'
-    outputs are summed). Anything else whole."""
+@dataclass(frozen=True)
+class Cut:
+    """A rank's share of each checkpoint tensor (the loader calls it with our name, once converted): q/k/v rows of its
+    heads (heads are contiguous rows), gate/up rows and down columns of its part of every intermediate axis (dense
+    MLPs and shared experts evenly; routed experts, per expert or stacked, in whole `unit`s: `shares`), o_proj
+    columns of its heads; o_proj's bias on rank 0 alone (the ranks' outputs are summed). Anything else whole."""
 
-    def part(x: torch.Tensor, dim: int) -> torch.Tensor:
-        size = x.shape[dim] // world
-        return x.narrow(dim, rank * size, size)
+    rank: int
+    world: int
+    unit: int = 1
 
-    if _ROWS.search(name):
-        return part(t, 0)
-    if _COLUMNS.search(name):
-        return part(t, 1)
-    if name.endswith(".self_attn.o_proj.bias"):
-        return t if rank == 0 else torch.zeros_like(t)
-    if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: each half's part
-        gate, up = t.chunk(2, dim=1)
-        return torch.cat([part(gate, 1), part(up, 1)], dim=1)
-    if name.endswith(".experts.down_proj"):  # [E, H, I]
-        return part(t, 2)
-    return t
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if _ROWS.search(name):
+            return self._even(t, 0)
+        if _COLUMNS.search(name):
+            return self._even(t, 1)
+        if name.endswith(".self_attn.o_proj.bias"):
+            return t if self.rank == 0 else torch.zeros_like(t)
+        if _EXPERT_ROWS.search(name):
+            return self.experts(t, 0)
+        if _EXPERT_COLUMNS.search(name):
+            return self.experts(t, 1)
+        if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: each half's part
+            gate, up = t.chunk(2, dim=1)
+            return torch.cat([self.experts(gate, 1), self.experts(up, 1)], dim=1)
+        if name.endswith(".experts.down_proj"):  # [E, H, I]
+            return self.experts(t, 2)
+        return t
+
+    def _even(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        size = t.shape[dim] // self.world
+        return t.narrow(dim, self.rank * size, size)
+
+    def experts(self, t: torch.Tensor, dim: int, per_unit: int | None = None) -> torch.Tensor:
+        """The rank's share of a routed expert tensor's intermediate axis `dim`, counted in weights, or where
+        `per_unit` is given in stored elements, `per_unit` of them a unit (a GGUF row's bytes of one block)."""
+        if per_unit is None:
+            start, size = shares(t.shape[dim], self.world, self.unit)[self.rank]
+        else:
+            blocks = t.shape[dim] // per_unit
+            start, size = (
+                x // self.unit * per_unit for x in shares(blocks * self.unit, self.world, self.unit)[self.rank]
+            )
+        return t.narrow(dim, start, size)
 
 
 class RowParallel(nn.Module):
@@ -200,6 +242,15 @@ class TensorParallel:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         why = f"{', '.join(gone)} ended" if gone else first
         return EdgeMoEError(f"tensor_parallel: the ranks lost each other ({why}); start the engine again")
+
+    def least(self, value: int) -> int:
+        """The smallest of the ranks' `value`s, on every rank (each rank calls it at the same point)."""
+        values = [None] * self.world
+        try:
+            dist.all_gather_object(values, value)
+        except RuntimeError as exc:
+            raise self.failure(exc) from None
+        return min(values)
 
     def send(self, step: tuple) -> None:
         """Rank 0: a forward's inputs to the other ranks (`serve` runs it there)."""

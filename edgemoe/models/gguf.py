@@ -219,6 +219,17 @@ class GGUFCheckpoint:
         elements], `.tensor_type` its GGML type."""
         return self._tensor(f"blk.{layer}.ffn_{part}_exps.weight")
 
+    def expert_blocks(self, cfg: object) -> int:
+        """The most weights a block of a routed expert's down rows holds, over `cfg`'s MoE layers (1 where they are
+        floats, or in a format the loader dequantizes): where a down row may be cut."""
+        most = 1
+        for i, moe in enumerate(cfg.moe_layers):
+            if moe:
+                kind = int(self.expert_tensor(i, "down").tensor_type)
+                if kind in _KERNEL_TYPES:
+                    most = max(most, quant_type(kind).block_weights)
+        return most
+
     def expert_span(self, layer: int, part: str) -> Span:
         """Where `expert_tensor(layer, part)` lies in `files`: each expert's bytes one run, one after the other."""
         t = self.expert_tensor(layer, part)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -71,7 +72,21 @@ class LoadOptions:
     dense_as_stored: bool = False
     tier: TierOptions | None = None  # `--ram-budget`: experts beyond it in an expert store on disk (offload)
     # a checkpoint tensor (by our name) -> this process's share of it (`--tensor-parallel`: `edgemoe.engine.parallel`)
-    cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    cut: TensorCut | None = None
+
+
+class TensorCut(Protocol):
+    """A tensor-parallel rank's share of each checkpoint tensor (`edgemoe.engine.parallel.Cut`): of `world` ranks, the
+    routed experts' intermediate axis split in whole `unit`s of weights."""
+
+    world: int
+    unit: int
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor: ...
+
+    def experts(self, t: torch.Tensor, dim: int, per_unit: int | None = None) -> torch.Tensor:
+        """The share of a routed expert tensor's intermediate axis `dim` (`per_unit`: stored elements a unit)."""
+        ...
 
 
 def build_model(cfg: ModelConfig, family: ModuleType) -> MoEForCausalLM:
@@ -472,7 +487,9 @@ def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: 
         _no_readers(readers, "GGUF files")
         params = dict(model.named_parameters()) | host | quantized_buffers(model)
         filled = dict.fromkeys(params, 0)
-        heads = (cfg.num_heads, cfg.num_kv_heads)
+        cut = opts.cut
+        world = 1 if cut is None else cut.world
+        heads = (cfg.num_heads * world, cfg.num_kv_heads * world)  # the file's (a rank's cfg has its share)
         tensors = ckpt.dense_tensors()
         for hf_name, tensor in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress or None):
             if hf_name in kept:  # blocks as stored
@@ -485,16 +502,30 @@ def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: 
             name, target = _target(hf_name, params, model)
             if target is None:
                 continue
-            target.copy_(ckpt.to_torch(tensor, hf_name, heads, target.shape))
+            if cut is None:
+                target.copy_(ckpt.to_torch(tensor, hf_name, heads, target.shape))
+            else:  # the whole tensor, then this rank's share of it
+                whole = ckpt.to_torch(tensor, hf_name, heads, stored_shape(tensor))
+                target.copy_(fit(cut(hf_name, whole), target.shape, f"{ckpt.path.name}: tensor {tensor.name}"))
             filled[name] += target.numel()
         for i, moe in enumerate(
             tqdm(cfg.moe_layers, desc="loading experts", unit="layer", disable=not progress or None)
         ):
             if moe:
-                filled.update(_fill_experts(ckpt, model, params, i, i in layouts))
+                filled.update(_fill_experts(ckpt, model, params, i, i in layouts, cut))
         _check_filled(params, filled, ckpt.path.name)
     del host, params  # views of the expert store, if any: it is finished next
     return _ready(model, opts, plan)
+
+
+def stored_shape(tensor: object) -> list[int]:
+    """A GGUF tensor's shape in numpy's order, as stored (`fit` to it changes nothing)."""
+    return [int(d) for d in reversed(tensor.shape)]
+
+
+def _unit_bytes(q: QuantType, cut: TensorCut) -> int:
+    """The bytes of one unit of the split (`cut.unit` weights) in a row of format `q`."""
+    return cut.unit // q.block_weights * q.block_bytes
 
 
 def _in_place(ckpt: GGUFCheckpoint, cfg: ModelConfig, layouts: dict, opts: LoadOptions) -> CheckpointSpans | None:
@@ -514,8 +545,11 @@ def _in_place(ckpt: GGUFCheckpoint, cfg: ModelConfig, layouts: dict, opts: LoadO
     return CheckpointSpans(ckpt.files, layers)
 
 
-def _fill_experts(ckpt: GGUFCheckpoint, model: MoEForCausalLM, params: dict, layer: int, raw: bool) -> dict:
-    """One layer's stacked experts into place: raw blocks as stored (`raw`), else as dense weights. -> filled counts."""
+def _fill_experts(
+    ckpt: GGUFCheckpoint, model: MoEForCausalLM, params: dict, layer: int, raw: bool, cut: TensorCut | None = None
+) -> dict:
+    """One layer's stacked experts into place: raw blocks as stored (`raw`), else as dense weights; with `cut`, a
+    tensor-parallel rank's rows of gate and up and its blocks of each down row. -> filled counts."""
     prefix = f"model.layers.{layer}.mlp.experts"
     experts = model.model.layers[layer].mlp.experts
     w13 = params.get(f"{prefix}.gate_up_proj", experts.gate_up_proj)
@@ -526,9 +560,15 @@ def _fill_experts(ckpt: GGUFCheckpoint, model: MoEForCausalLM, params: dict, lay
             continue
         tensor = ckpt.expert_tensor(layer, part)
         if raw:  # blocks as stored: [E, rows, row bytes]
-            t = fit(torch.from_numpy(np.asarray(tensor.data)), target.shape, f"{ckpt.path.name}: tensor {tensor.name}")
+            t = torch.from_numpy(np.asarray(tensor.data))
+            if cut is not None and part == "down":  # each row's blocks of the rank's share
+                t = cut.experts(t, 2, per_unit=_unit_bytes(quant_type(int(tensor.tensor_type)), cut))
+            elif cut is not None:
+                t = cut.experts(t, 1)
+        elif cut is not None:  # [E, I, H] gate and up, [E, H, I] down
+            t = cut.experts(ckpt.to_torch(tensor, "", (1, 1), stored_shape(tensor)), 2 if part == "down" else 1)
         else:
             t = ckpt.to_torch(tensor, "", (1, 1), target.shape)
-        target.copy_(t)
+        target.copy_(fit(t, target.shape, f"{ckpt.path.name}: tensor {tensor.name}"))
     counts = {f"{prefix}.gate_up_proj": w13.numel(), f"{prefix}.down_proj": w2.numel()}
     return {name: n for name, n in counts.items() if name in params}

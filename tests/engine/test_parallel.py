@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from edgemoe import LLM, SamplingParams
+from edgemoe.engine.parallel import shares
 from edgemoe.engine.summary import startup_line
 from edgemoe.errors import EdgeMoEError
-from tests.conftest import hf_model, save_checkpoint
+from tests.conftest import TINY, hf_model, save_checkpoint
 from tests.engine.test_speculative import Open, generate
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -69,7 +70,7 @@ def test_two_ranks_decode_as_one(tiny_checkpoint, case: str, layout: str, option
     [
         ("qwen3-head-dim", dict(moe_strategy="offload", ram_budget=0.5), "a RAM budget .the disk tier. is not split"),
         ("glm-groups-qknorm-mtp", dict(speculative="mtp"), "the MTP head is not split yet"),
-        ("qwen3-head-dim", dict(expert_dtype="q8_0"), "share of moe_intermediate_size, 16, is not whole blocks of 32"),
+        ("qwen3-head-dim", dict(expert_dtype="q8_0"), "moe_intermediate_size 32 is 1 blocks of 32 weights, fewer than"),
         ("qwen3-mqa-tied", {}, "num_key_value_heads 1 does not split into 2 equal parts"),
         ("olmoe-mha-clip", {}, "olmoe is not split yet"),
         ("qwen3next-dense", {}, "qwen3_next is not split yet"),
@@ -97,6 +98,34 @@ def test_experts_quantized_on_load_by_each_rank(tmp_path, expert_dtype: str) -> 
             assert moe.experts.down_proj.dtype == torch.uint8  # blocks, as stored
         finally:
             llm.engine.close()
+
+
+@pytest.mark.parametrize("options", [{}, OFFLOAD], ids=["resident", "offloaded"])
+def test_a_gguf_files_experts_split_in_whole_blocks(tmp_path, options: dict) -> None:
+    """A Q8_0 file that llama.cpp's converter wrote, experts 96 wide (three blocks of 32 in each down row): the ranks
+    take 64 and 32 of every expert's intermediate axis (uneven, whole blocks: `parallel.shares`), as stored, dense
+    weights dequantized: tokens as one process's."""
+    pytest.importorskip("gguf")
+    from tests.models.llama_converter import convert
+
+    model = hf_model("qwen3_moe", **dict(TINY["qwen3-head-dim"][1], mlp_only_layers=[], moe_intermediate_size=96))
+    file = convert(save_checkpoint(model, tmp_path / "hf", "per-expert"), tmp_path / "experts.gguf", "q8_0")
+    want = generate(LLM(str(file), **FLOAT32, **options), prompts(), GREEDY)
+    llm = LLM(str(file), **FLOAT32, **options, tensor_parallel=2)
+    try:
+        assert generate(llm, prompts(), GREEDY) == want
+        assert llm.engine.model_config.moe_intermediate_size == 64  # rank 0's two blocks (rank 1: one)
+        moe = next(layer.mlp.inner for layer in llm.engine.model.model.layers if layer.is_moe)
+        assert moe.experts.down_proj.dtype == torch.uint8  # blocks, as stored
+    finally:
+        llm.engine.close()
+
+
+def test_shares_are_whole_units_as_even_as_they_go() -> None:
+    assert shares(768, 2, 256) == [(0, 512), (512, 256)]
+    assert shares(96, 2, 32) == [(0, 64), (64, 32)] and shares(64, 2) == [(0, 32), (32, 32)]
+    assert shares(1408, 4, 32) == [(0, 352), (352, 352), (704, 352), (1056, 352)]
+    assert shares(1280, 3, 256) == [(0, 512), (512, 512), (1024, 256)]
 
 
 def test_prompt_lookup_verify_steps_on_two_ranks(tiny_checkpoint) -> None:

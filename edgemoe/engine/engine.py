@@ -32,7 +32,16 @@ from edgemoe.engine.grammar import GrammarConstraint
 from edgemoe.engine.kv_cache import KVCache, bytes_per_block, kv_blocks
 from edgemoe.engine.model_runner import ModelRunner, warmup_lengths
 from edgemoe.engine.mtp import MTPDrafter
-from edgemoe.engine.parallel import Cut, TensorParallel, expert_unit, follow_parent, join, shard_config, shard_model
+from edgemoe.engine.parallel import (
+    Cut,
+    TensorParallel,
+    expert_unit,
+    follow_parent,
+    join,
+    shard_config,
+    shard_model,
+    stored_unit_bytes,
+)
 from edgemoe.engine.parallel import check as check_parallel
 from edgemoe.engine.scheduler import Batch, Scheduler
 from edgemoe.engine.sequence import RequestOutput, Sequence
@@ -87,7 +96,8 @@ class LLMEngine:
         started = False
         self._unit = 1  # the weights the routed experts' intermediate axis splits in among tensor-parallel ranks
         if config.tensor_parallel > 1:
-            self._unit = expert_unit(config, None if gguf is None else gguf.expert_blocks(self.model_config))
+            blocks = None if gguf is None else gguf.expert_blocks(self.model_config)
+            self._unit = expert_unit(config, self.model_config, blocks)
             check_parallel(config, self.model_config, config.tensor_parallel, self._unit)
             started = parallel is None
             parallel = parallel or TensorParallel.start(config, _rank_main)
@@ -132,7 +142,10 @@ class LLMEngine:
             if moe.ram_budget is not None:
                 folder = None if moe.expert_store is None else Path(moe.expert_store).expanduser()
                 tier = TierOptions(ram_budget(moe.ram_budget), folder, config.max_num_seqs)
-            share = None if parallel is None else Cut(parallel.rank, parallel.world, self._unit)
+            share = None
+            if parallel is not None:
+                packed = stored_unit_bytes(self.model_config, self._unit) if gguf is None else None
+                share = Cut(parallel.rank, parallel.world, self._unit, packed)
             as_stored = placed and parallel is None  # (a tensor-parallel rank dequantizes its share of each)
             opts = LoadOptions(
                 self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, as_stored, tier, share

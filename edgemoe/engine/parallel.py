@@ -12,15 +12,16 @@ The router, norms, embedding and lm_head are whole on every rank, so every rank 
 routes alike, and with a deterministic cache policy its expert cache decides alike. The KV block count is rank 0's.
 
 The routed experts' intermediate axis splits in whole blocks of their format where they are quantized (`Cut.unit`:
-a GGUF's down rows, or `expert_dtype`'s blocks), as evenly as whole blocks allow: qwen3-30b-a3b's 768 in Q4_K's
-256-weight blocks go 512 + 256 to two ranks. Uneven shares give the ranks expert rows of different sizes, so under a
-VRAM budget each would fit another number of slots: every rank takes the fewest (`TensorParallel.least`), so that
-their caches decide alike.
+a GGUF's down rows, gpt-oss's MXFP4, or `expert_dtype`'s blocks), as evenly as whole blocks allow: qwen3-30b-a3b's 768
+in Q4_K's 256-weight blocks go 512 + 256 to two ranks. Uneven shares give the ranks expert rows of different sizes, so
+under a VRAM budget each would fit another number of slots: every rank takes the fewest (`TensorParallel.least`), so
+that their caches decide alike and their misses come at the same steps (each step waits for the slowest rank).
 
-Built so far: experts of safetensors checkpoints (float, or quantized on load by each rank) and of GGUF files (kept as
-stored, each rank its rows; dense weights dequantized), resident or offloaded, of the families with plain attention;
-steps run eager (no CUDA graphs are captured); prompt lookup's verify steps are eager steps like any. Refused in one
-line before anything is spawned: a RAM budget, the CPU split beside offloaded experts, MTP drafts, the hybrid, gpt-oss,
+Built so far: experts of safetensors checkpoints (float, gpt-oss's MXFP4 as stored, or quantized on load by each
+rank) and of GGUF files (kept as stored, each rank its rows; dense weights dequantized), resident or offloaded, of the
+families with plain attention (gpt-oss's sinks split with its heads; its expert and o_proj biases added by rank 0
+alone); steps run eager (no CUDA graphs are captured); prompt lookup's verify steps are eager steps like any. Refused
+in one line before anything is spawned: a RAM budget, the CPU split beside offloaded experts, MTP drafts, the hybrid,
 OLMoE and Gemma-4 attention, heads and dense intermediate sizes that do not split evenly, expert rows of fewer blocks
 than ranks.
 """
@@ -45,9 +46,9 @@ from torch import nn
 from edgemoe.config import EngineConfig, ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.attention import Attention
-from edgemoe.quant import quant_type
+from edgemoe.quant import QUANT_TYPES, quant_type
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")  # plain `Attention`, float experts
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")  # plain `Attention` (gpt-oss: and sinks)
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer: a rank is gone
 
 
@@ -82,12 +83,24 @@ def check(config: EngineConfig, cfg: ModelConfig, world: int, unit: int = 1) -> 
             raise EdgeMoEError(f"{what}: {name} {n} does not split into {world} equal parts")
 
 
-def expert_unit(config: EngineConfig, gguf_blocks: int | None) -> int:
+def expert_unit(config: EngineConfig, cfg: ModelConfig, gguf_blocks: int | None) -> int:
     """The weights the routed experts' intermediate axis splits in: a GGUF's down rows' blocks (`gguf_blocks`, the
-    largest of its layers'), `expert_dtype`'s blocks where the experts are quantized on load, else one."""
+    largest of its layers'), the blocks of a checkpoint's own format (gpt-oss's MXFP4) or of `expert_dtype` where the
+    experts are quantized on load, else one."""
     if gguf_blocks is not None:
         return gguf_blocks
-    return 1 if config.moe.expert_dtype == "auto" else quant_type(config.moe.expert_dtype).block_weights
+    stored = cfg.expert_format if cfg.expert_format in QUANT_TYPES else None
+    kind = stored or (None if config.moe.expert_dtype == "auto" else config.moe.expert_dtype)
+    return 1 if kind is None else quant_type(kind).block_weights
+
+
+def stored_unit_bytes(cfg: ModelConfig, unit: int) -> int | None:
+    """The bytes of `unit` weights of a down row where a safetensors checkpoint's experts come as blocks (gpt-oss's
+    MXFP4, which the family repacks into rows of blocks), else None (floats: cut by weights)."""
+    if cfg.expert_format not in QUANT_TYPES:
+        return None
+    q = quant_type(cfg.expert_format)
+    return unit // q.block_weights * q.block_bytes
 
 
 def shares(n: int, world: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -126,23 +139,26 @@ class Cut:
     rank: int
     world: int
     unit: int = 1
+    unit_bytes: int | None = None  # a stacked down_proj of blocks (gpt-oss's MXFP4): the bytes of a unit in its rows
 
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        if _ROWS.search(name):
+        if _ROWS.search(name) or name.endswith(".self_attn.attn.sinks"):  # (sinks: one a head)
             return self._even(t, 0)
         if _COLUMNS.search(name):
             return self._even(t, 1)
-        if name.endswith(".self_attn.o_proj.bias"):
+        if name.endswith((".self_attn.o_proj.bias", ".experts.down_proj_bias")):  # added once, to the sum
             return t if self.rank == 0 else torch.zeros_like(t)
         if _EXPERT_ROWS.search(name):
             return self.experts(t, 0)
         if _EXPERT_COLUMNS.search(name):
             return self.experts(t, 1)
-        if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: each half's part
+        if name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_bias")):  # [E, 2I, H], [E, 2I]: each half's
             gate, up = t.chunk(2, dim=1)
             return torch.cat([self.experts(gate, 1), self.experts(up, 1)], dim=1)
-        if name.endswith(".experts.down_proj"):  # [E, H, I]
-            return self.experts(t, 2)
+        if name.endswith((".experts.gate_proj_bias", ".experts.up_proj_bias")):  # a GGUF's [E, I]
+            return self.experts(t, 1)
+        if name.endswith(".experts.down_proj"):  # [E, H, I], or [E, H, row bytes] of blocks
+            return self.experts(t, 2, self.unit_bytes if t.dtype == torch.uint8 else None)
         return t
 
     def _even(self, t: torch.Tensor, dim: int) -> torch.Tensor:

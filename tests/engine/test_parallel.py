@@ -2,8 +2,9 @@
 holding half of every attention layer's heads and half of every expert's intermediate axis, resident or offloaded.
 Greedy tokens equal one process's (which tests/models/test_hf_parity.py holds equal to transformers') for every family
 it splits, a seeded sampled request beside them draws the same tokens, each rank's KV cache holds its heads and its
-experts their half, what it does not split is refused in one line before anything is spawned, and a rank that dies
-ends the engine's next step with one line."""
+experts their half (quantized experts whole blocks of it, unevenly where the blocks are odd: GGUF files, gpt-oss's
+MXFP4), what it does not split is refused in one line before anything is spawned, and a rank that dies ends the
+engine's next step with one line."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ OFFLOAD = dict(moe_strategy="offload", moe_cache_fraction=0.5, moe_collect_stats
         ("mixtral-gqa", "per-expert", OFFLOAD),
         ("glm-groups-qknorm-mtp", "per-expert", {}),
         ("glm-air-dense2", "fused", OFFLOAD),
+        ("gpt-oss-yarn-window", "per-expert", {}),
+        ("gpt-oss-yarn-window", "per-expert", OFFLOAD),
     ],
     ids=lambda v: "offloaded" if v == OFFLOAD else "resident" if v == {} else v,
 )
@@ -117,6 +120,26 @@ def test_a_gguf_files_experts_split_in_whole_blocks(tmp_path, options: dict) -> 
         assert llm.engine.model_config.moe_intermediate_size == 64  # rank 0's two blocks (rank 1: one)
         moe = next(layer.mlp.inner for layer in llm.engine.model.model.layers if layer.is_moe)
         assert moe.experts.down_proj.dtype == torch.uint8  # blocks, as stored
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("options", [{}, OFFLOAD], ids=["resident", "offloaded"])
+def test_gpt_oss_mxfp4_experts_split_in_whole_blocks(tiny_checkpoint, tmp_path, options: dict) -> None:
+    """gpt-oss as the Hub ships it, MXFP4 experts kept as stored: each rank takes whole 32-weight blocks of every down
+    row (the repacked rows' bytes: 17 a block) and its rows of gate/up, its heads' sinks, and adds the expert and
+    o_proj biases on rank 0 alone: tokens as one process's."""
+    from tests.models.test_gpt_oss import mxfp4_checkpoint
+
+    source, _ = tiny_checkpoint("gpt-oss-yarn-window", "per-expert")
+    folder = mxfp4_checkpoint(source, tmp_path / "mxfp4")
+    want = generate(LLM(str(folder), **FLOAT32, **options), prompts(), GREEDY)
+    llm = LLM(str(folder), **FLOAT32, **options, tensor_parallel=2)
+    try:
+        assert generate(llm, prompts(), GREEDY) == want
+        layer = llm.engine.model.model.layers[0]
+        assert layer.mlp.inner.experts.down_proj.dtype == torch.uint8  # blocks, as stored
+        assert layer.self_attn.attn.sinks.shape == (llm.engine.model_config.num_heads,)  # its heads' sinks
     finally:
         llm.engine.close()
 

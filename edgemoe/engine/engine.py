@@ -52,7 +52,7 @@ from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.ple import PLEOptions
 from edgemoe.models.gguf import GGUFCheckpoint
 from edgemoe.models.loader import LoadOptions, checkpoint_files, count_parameters, load_gguf, load_model
-from edgemoe.models.registry import read_checkpoint
+from edgemoe.models.registry import family_value, read_checkpoint
 from edgemoe.moe.layer import set_shared_expert_stream
 from edgemoe.moe.routing_trace import RoutingRecorder
 from edgemoe.offload.banks import TierOptions
@@ -145,7 +145,8 @@ class LLMEngine:
             share = None
             if parallel is not None:
                 packed = stored_unit_bytes(self.model_config, self._unit) if gguf is None else None
-                share = Cut(parallel.rank, parallel.world, self._unit, packed)
+                heads = family_value(self.model_config.model_type, "SPLIT_WITH_HEADS", ())
+                share = Cut(parallel.rank, parallel.world, self._unit, packed, heads)
             as_stored = placed and parallel is None  # (a tensor-parallel rank dequantizes its share of each)
             opts = LoadOptions(
                 self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, as_stored, tier, share

@@ -19,11 +19,11 @@ that their caches decide alike and their misses come at the same steps (each ste
 
 Built so far: experts of safetensors checkpoints (float, gpt-oss's MXFP4 as stored, or quantized on load by each
 rank) and of GGUF files (kept as stored, each rank its rows; dense weights dequantized), resident or offloaded, of the
-families with plain attention (gpt-oss's sinks split with its heads; its expert and o_proj biases added by rank 0
-alone); steps run eager (no CUDA graphs are captured); prompt lookup's verify steps are eager steps like any. Refused
-in one line before anything is spawned: a RAM budget, the CPU split beside offloaded experts, MTP drafts, the hybrid,
-OLMoE and Gemma-4 attention, heads and dense intermediate sizes that do not split evenly, expert rows of fewer blocks
-than ranks.
+families whose attention is `Attention` (gpt-oss's sinks split with its heads, its expert and o_proj biases added by
+rank 0 alone; OLMoE's q/k norm over all heads from every rank's squares, `SplitRMSNorm`); steps run eager (no CUDA
+graphs are captured); prompt lookup's verify steps are eager steps like any. Refused in one line before anything is
+spawned: a RAM budget, the CPU split beside offloaded experts, MTP drafts, the hybrid and Gemma-4 attention, heads and
+dense intermediate sizes that do not split evenly, expert rows of fewer blocks than ranks.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ from torch import nn
 from edgemoe.config import EngineConfig, ModelConfig
 from edgemoe.errors import EdgeMoEError
 from edgemoe.layers.attention import Attention
+from edgemoe.layers.norm import RMSNorm
 from edgemoe.quant import QUANT_TYPES, quant_type
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")  # plain `Attention` (gpt-oss: and sinks)
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "olmoe")  # `Attention` and its subclasses
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer: a rank is gone
 
 
@@ -140,9 +141,10 @@ class Cut:
     world: int
     unit: int = 1
     unit_bytes: int | None = None  # a stacked down_proj of blocks (gpt-oss's MXFP4): the bytes of a unit in its rows
+    with_heads: tuple[str, ...] = ()  # the family's further tensors laid out by head (`SPLIT_WITH_HEADS`)
 
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        if _ROWS.search(name) or name.endswith(".self_attn.attn.sinks"):  # (sinks: one a head)
+        if _ROWS.search(name) or name.endswith((".self_attn.attn.sinks", *self.with_heads)):  # (sinks: one a head)
             return self._even(t, 0)
         if _COLUMNS.search(name):
             return self._even(t, 1)
@@ -192,6 +194,21 @@ class RowParallel(nn.Module):
         return out
 
 
+class SplitRMSNorm(nn.Module):
+    """An RMSNorm over a dimension the ranks split (OLMoE's q/k norm spans every head, not one): the mean square over
+    the whole dimension from each rank's sum of squares (one all-reduce), each rank scaling its share."""
+
+    def __init__(self, inner: RMSNorm, world: int) -> None:
+        super().__init__()
+        self.weight, self.eps, self.dim = inner.weight, inner.eps, inner.weight.shape[0] * world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        squares = h.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(squares)
+        return self.weight * (h * torch.rsqrt(squares / self.dim + self.eps)).to(x.dtype)
+
+
 class Reduced(RowParallel):
     """A layer's MLP or MoE block whose every projection back to the hidden size is split (`RowParallel`'s sum, once
     for the block); never fused with the next norm."""
@@ -204,10 +221,15 @@ def shard_model(model: nn.Module) -> None:
     """Sum the ranks' shares where a layer returns to the hidden size: after attention's o_proj (`RowParallel`) and
     after its MLP or MoE block (`Reduced`). The model was built and loaded as this rank's share (`shard_config`,
     `cut`)."""
+    world = dist.get_world_size()
     for layer in model.model.layers:
         attn = layer.self_attn
-        if type(attn) is not Attention:
+        if not isinstance(attn, Attention):
             raise EdgeMoEError(f"tensor_parallel: {type(attn).__name__} is not split yet")
+        for name in ("q_norm", "k_norm"):  # a norm over all of its heads (OLMoE's), not each head's
+            norm = getattr(attn, name)
+            if norm is not None and norm.weight.shape[0] > attn.d:
+                setattr(attn, name, SplitRMSNorm(norm, world))
         attn.o_proj = RowParallel(attn.o_proj)
         layer.mlp = Reduced(layer.mlp)
 

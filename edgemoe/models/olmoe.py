@@ -69,6 +69,10 @@ def gguf_config(ckpt) -> dict:  # noqa: ANN001 - a models.gguf.GGUFCheckpoint
     return ckpt.common_config() | fields | {"model_type": MODEL_TYPE}
 
 
+# tensor parallelism (`edgemoe.engine.parallel.Cut`): the q/k norms' weights span every head, split with them
+SPLIT_WITH_HEADS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+
+
 def rename(name: str) -> str:
     return name
 

@@ -41,6 +41,8 @@ OFFLOAD = dict(moe_strategy="offload", moe_cache_fraction=0.5, moe_collect_stats
         ("glm-air-dense2", "fused", OFFLOAD),
         ("gpt-oss-yarn-window", "per-expert", {}),
         ("gpt-oss-yarn-window", "per-expert", OFFLOAD),
+        ("olmoe-mha-clip", "per-expert", {}),
+        ("olmoe-mha-clip", "fused", OFFLOAD),
     ],
     ids=lambda v: "offloaded" if v == OFFLOAD else "resident" if v == {} else v,
 )
@@ -75,7 +77,6 @@ def test_two_ranks_decode_as_one(tiny_checkpoint, case: str, layout: str, option
         ("glm-groups-qknorm-mtp", dict(speculative="mtp"), "the MTP head is not split yet"),
         ("qwen3-head-dim", dict(expert_dtype="q8_0"), "moe_intermediate_size 32 is 1 blocks of 32 weights, fewer than"),
         ("qwen3-mqa-tied", {}, "num_key_value_heads 1 does not split into 2 equal parts"),
-        ("olmoe-mha-clip", {}, "olmoe is not split yet"),
         ("qwen3next-dense", {}, "qwen3_next is not split yet"),
     ],
 )

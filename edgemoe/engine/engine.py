@@ -95,14 +95,22 @@ class LLMEngine:
         self.num_params = count_parameters(self.model_config, family)
         started = False
         self._unit = 1  # the weights the routed experts' intermediate axis splits in among tensor-parallel ranks
+        self._segments: dict[str, list[int]] = {}
         if config.tensor_parallel > 1:
             blocks = None if gguf is None else gguf.expert_blocks(self.model_config)
             self._unit = expert_unit(config, self.model_config, blocks)
             check_parallel(config, self.model_config, config.tensor_parallel, self._unit)
+            own = getattr(family, "shard_config", None)  # a family's own shapes (the hybrids' linear attention heads)
+            segments = getattr(family, "split_segments", None)  # tensors whose rows split in runs (the full shapes')
+            self._segments = {} if segments is None else segments(self.model_config)
+            if own is not None:
+                own(self.model_config, config.tensor_parallel)  # its refusals, before anything is spawned
             started = parallel is None
             parallel = parallel or TensorParallel.start(config, _rank_main)
             # this rank's share of the shapes
             self.model_config = shard_config(self.model_config, parallel.world, parallel.rank, self._unit)
+            if own is not None:
+                self.model_config = own(self.model_config, parallel.world)
         self.parallel = parallel
         try:
             self._build(config, path, family, gguf, start)
@@ -145,8 +153,10 @@ class LLMEngine:
             share = None
             if parallel is not None:
                 packed = stored_unit_bytes(self.model_config, self._unit) if gguf is None else None
-                heads = family_value(self.model_config.model_type, "SPLIT_WITH_HEADS", ())
-                share = Cut(parallel.rank, parallel.world, self._unit, packed, heads)
+                model_type = self.model_config.model_type
+                heads = family_value(model_type, "SPLIT_WITH_HEADS", ())
+                columns = family_value(model_type, "SPLIT_COLUMNS_WITH_HEADS", ())
+                share = Cut(parallel.rank, parallel.world, self._unit, packed, heads, columns, self._segments)
             as_stored = placed and parallel is None  # (a tensor-parallel rank dequantizes its share of each)
             opts = LoadOptions(
                 self.device, self.dtype, config.progress, offload, moe.expert_dtype, ple, placed, as_stored, tier, share
@@ -220,6 +230,8 @@ class LLMEngine:
         and the KV cache takes its usual share of that."""
         offload, cfg = moe.moe_strategy == "offload", self.model_config
         self.states = self._state_cache()
+        if self.states is not None and self.parallel is not None and self.parallel.rank == 0:
+            self.states.journal = []  # the other ranks' rows follow rank 0's (`ModelRunner.prepare` sends the changes)
         state = 0 if self.states is None else self.states.num_bytes  # fixed, as the weights: counted with them
         weights = state + sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         budget = None if moe.vram_budget is None else parse_size(moe.vram_budget)

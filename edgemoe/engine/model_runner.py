@@ -231,7 +231,8 @@ class ModelRunner:
         """Inputs of an eager step: tensors of the batch's own shape (`inputs`: `host_inputs(batch)`, if made)."""
         inputs = inputs or self.host_inputs(batch)
         if self.parallel is not None:  # rank 0: every rank runs this forward on its shard (`run_sent`)
-            self.parallel.send((batch.is_prefill, list(batch.num_new), inputs))
+            journal = self.states.take_journal() if self.states is not None else []  # its state rows' changes first
+            self.parallel.send((batch.is_prefill, list(batch.num_new), inputs, journal))
         ids, positions, slots, context_lens, state_slots, tables = inputs
         self._before_step(ids)
         routed = None
@@ -268,7 +269,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run_sent(self, step: tuple) -> None:
         """A worker rank: the forward rank 0's `prepare` sent (its logits are rank 0's to take)."""
-        prefill, counts, (ids, positions, slots, context_lens, state_slots, tables) = step
+        prefill, counts, (ids, positions, slots, context_lens, state_slots, tables), journal = step
+        if self.states is not None:  # what rank 0 did to its state rows since the last forward (`StateCache.journal`)
+            self.states.apply(journal)
         states = self.to_device(state_slots) if self.states is not None else None
         ctx = self._context(prefill, counts, slots, context_lens, tables, None, states)
         self._forward(self.to_device(ids), self.to_device(positions), ctx, [])

@@ -20,10 +20,13 @@ that their caches decide alike and their misses come at the same steps (each ste
 Built so far: experts of safetensors checkpoints (float, gpt-oss's MXFP4 as stored, or quantized on load by each
 rank) and of GGUF files (kept as stored, each rank its rows; dense weights dequantized), resident or offloaded, of the
 families whose attention is `Attention` (gpt-oss's sinks split with its heads, its expert and o_proj biases added by
-rank 0 alone; OLMoE's q/k norm over all heads from every rank's squares, `SplitRMSNorm`); steps run eager (no CUDA
-graphs are captured); prompt lookup's verify steps are eager steps like any. Refused in one line before anything is
-spawned: a RAM budget, the CPU split beside offloaded experts, MTP drafts, the hybrid and Gemma-4 attention, heads and
-dense intermediate sizes that do not split evenly, expert rows of fewer blocks than ranks.
+rank 0 alone; OLMoE's q/k norm over all heads from every rank's squares, `SplitRMSNorm`) and of the hybrids (a family
+names its own shapes and the tensors laid out by head: `shard_config`, `split_segments`, `SPLIT_WITH_HEADS` in
+`edgemoe.models.qwen3_next`; each rank keeps its heads' share of every sequence's state, and rank 0's changes to its
+state rows go with the next step: `StateCache.journal`); steps run eager (no CUDA graphs are captured); prompt lookup's
+verify steps are eager steps like any. Refused in one line before anything is spawned: a RAM budget, the CPU split
+beside offloaded experts, MTP drafts, Gemma-4's attention, heads and dense intermediate sizes that do not split
+evenly, expert rows of fewer blocks than ranks.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -49,7 +52,17 @@ from edgemoe.layers.attention import Attention
 from edgemoe.layers.norm import RMSNorm
 from edgemoe.quant import QUANT_TYPES, quant_type
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "olmoe")  # `Attention` and its subclasses
+FAMILIES = (
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "olmoe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+)  # `Attention` and its subclasses; the hybrids' Gated DeltaNet
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer: a rank is gone
 
 
@@ -142,12 +155,17 @@ class Cut:
     unit: int = 1
     unit_bytes: int | None = None  # a stacked down_proj of blocks (gpt-oss's MXFP4): the bytes of a unit in its rows
     with_heads: tuple[str, ...] = ()  # the family's further tensors laid out by head (`SPLIT_WITH_HEADS`)
+    columns_with_heads: tuple[str, ...] = ()  # ... and those whose columns are (`SPLIT_COLUMNS_WITH_HEADS`)
+    segments: dict[str, list[int]] = field(default_factory=dict)  # by name's end: rows in runs, each split alike
 
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if _ROWS.search(name) or name.endswith((".self_attn.attn.sinks", *self.with_heads)):  # (sinks: one a head)
             return self._even(t, 0)
-        if _COLUMNS.search(name):
+        if _COLUMNS.search(name) or name.endswith(self.columns_with_heads):
             return self._even(t, 1)
+        runs = next((sizes for end, sizes in self.segments.items() if name.endswith(end)), None)
+        if runs is not None:  # (the hybrids' in_proj_qkv and its convolution: the q, k and v heads' rows)
+            return torch.cat([self._even(part, 0) for part in t.split(runs)])
         if name.endswith((".self_attn.o_proj.bias", ".experts.down_proj_bias")):  # added once, to the sum
             return t if self.rank == 0 else torch.zeros_like(t)
         if _EXPERT_ROWS.search(name):
@@ -224,13 +242,16 @@ def shard_model(model: nn.Module) -> None:
     world = dist.get_world_size()
     for layer in model.model.layers:
         attn = layer.self_attn
-        if not isinstance(attn, Attention):
+        if isinstance(attn, Attention):
+            for name in ("q_norm", "k_norm"):  # a norm over all of its heads (OLMoE's), not each head's
+                norm = getattr(attn, name)
+                if norm is not None and norm.weight.shape[0] > attn.d:
+                    setattr(attn, name, SplitRMSNorm(norm, world))
+            attn.o_proj = RowParallel(attn.o_proj)
+        elif getattr(attn, "splits_by_head", False):  # a token mixer whose out_proj reads its heads (Gated DeltaNet)
+            attn.out_proj = RowParallel(attn.out_proj)
+        else:
             raise EdgeMoEError(f"tensor_parallel: {type(attn).__name__} is not split yet")
-        for name in ("q_norm", "k_norm"):  # a norm over all of its heads (OLMoE's), not each head's
-            norm = getattr(attn, name)
-            if norm is not None and norm.weight.shape[0] > attn.d:
-                setattr(attn, name, SplitRMSNorm(norm, world))
-        attn.o_proj = RowParallel(attn.o_proj)
         layer.mlp = Reduced(layer.mlp)
 
 

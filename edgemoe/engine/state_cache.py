@@ -71,6 +71,9 @@ class StateCache:
         self.key: dict[int, int] = {}  # snapshot row -> its prefix hash
         self.unowned: OrderedDict[int, None] = OrderedDict()  # snapshot rows no sequence owns, least recent first
         self.saved = self.restored = 0  # snapshots taken, and resumed from
+        # tensor parallelism: rank 0 notes what it does to its rows here, for the other ranks to do to theirs before
+        # the next forward (`edgemoe.engine.model_runner.ModelRunner.prepare` sends it, `apply` replays it)
+        self.journal: list[tuple[int, int]] | None = None
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Every slot's copy of one state: [slots + 1, *shape], rows `row_bytes` apart."""
@@ -87,7 +90,7 @@ class StateCache:
         if not self.free:
             raise RuntimeError("no free state slot (the scheduler admits at most max_num_seqs sequences)")
         slot = self.free.pop()
-        self.pool[slot].zero_()
+        self._copy(-1, slot)
         return slot
 
     def release(self, slot: int) -> None:
@@ -95,11 +98,30 @@ class StateCache:
 
     def stash(self, slot: int, i: int) -> None:
         """Keep `slot`'s state in stash row i (speculative decoding: before a verify step that may be undone)."""
-        self.pool[self.stash_row + i].copy_(self.pool[slot])
+        self._copy(slot, self.stash_row + i)
 
     def unstash(self, i: int, slot: int) -> None:
         """Put stash row i's state back into `slot`: the verify step after `stash` is undone."""
-        self.pool[slot].copy_(self.pool[self.stash_row + i])
+        self._copy(self.stash_row + i, slot)
+
+    def _copy(self, src: int, dst: int) -> None:
+        """Row `src` into row `dst` (src -1: zeros), noted in the journal where one is kept."""
+        if src < 0:
+            self.pool[dst].zero_()
+        else:
+            self.pool[dst].copy_(self.pool[src])
+        if self.journal is not None:
+            self.journal.append((src, dst))
+
+    def take_journal(self) -> list[tuple[int, int]]:
+        """What was done to the rows since the last call (rank 0 of a tensor-parallel engine)."""
+        ops, self.journal = self.journal, []
+        return ops
+
+    def apply(self, ops: list[tuple[int, int]]) -> None:
+        """Another rank's journal, done to these rows (each rank's rows hold its share of every state)."""
+        for src, dst in ops:
+            self._copy(src, dst)
 
     def has(self, key: int) -> bool:
         """Whether a snapshot of the state after the prefix whose hash is `key` is kept."""
@@ -120,7 +142,7 @@ class StateCache:
             del self.key[other]
             if self.unowned.pop(other, 0) is None:
                 self.free_rows.append(other)
-        self.pool[row].copy_(self.pool[slot])
+        self._copy(slot, row)
         self.row_at[key], self.key[row] = row, key
         self.saved += 1
         return row
@@ -128,7 +150,7 @@ class StateCache:
     def restore(self, key: int, slot: int) -> None:
         """Start `slot` from the snapshot known by `key` (which `has`)."""
         row = self.row_at[key]
-        self.pool[slot].copy_(self.pool[row])
+        self._copy(row, slot)
         if row in self.unowned:
             self.unowned.move_to_end(row)
         self.restored += 1

@@ -47,6 +47,7 @@ class GatedDeltaNet(nn.Module):
     key head in one in_proj_qkvz: its family file splits them.) `tiled`: the value heads' order (module docstring)."""
 
     float32_parameters = ("A",)  # the loader keeps it fp32 whatever the model's dtype (`keep_float32`)
+    splits_by_head = True  # tensor parallelism: each rank its q/k heads' share, out_proj's sum over the ranks
 
     def __init__(
         self,

@@ -43,6 +43,33 @@ MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
+# tensor parallelism (`edgemoe.engine.parallel.Cut`): the linear attention's tensors laid out by value head, its
+# out_proj's columns likewise; in_proj_qkv's rows and its convolution's channels in three runs (q, k and v heads)
+SPLIT_WITH_HEADS = (".self_attn.in_proj_z.weight", ".self_attn.in_proj_b.weight", ".self_attn.in_proj_a.weight",
+                    ".self_attn.in_proj_ba.weight", ".self_attn.dt_bias", ".self_attn.A")  # fmt: skip
+SPLIT_COLUMNS_WITH_HEADS = (".self_attn.out_proj.weight",)
+
+
+def split_segments(cfg: ModelConfig) -> dict[str, list[int]]:
+    """The runs of in_proj_qkv's rows and of its convolution's channels that each split alike (`Cut.segments`)."""
+    s: HybridSettings = cfg.family_config
+    runs = [s.k_heads * s.k_dim, s.k_heads * s.k_dim, s.v_heads * s.v_dim]
+    return {".self_attn.in_proj_qkv.weight": runs, ".self_attn.conv1d.weight": runs}
+
+
+def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """A tensor-parallel rank's linear attention heads (`edgemoe.engine.parallel`): a contiguous run of q/k heads
+    with their value heads (grouped after them, as Hugging Face checkpoints order them). A GGUF file's tiled order,
+    heads that do not split evenly: one line."""
+    s: HybridSettings = cfg.family_config
+    if s.tiled:
+        raise EdgeMoEError(f"tensor_parallel {world}: a qwen35moe GGUF file's tiled value heads are not split yet")
+    if s.k_heads % world:
+        raise EdgeMoEError(f"tensor_parallel {world}: linear_num_key_heads {s.k_heads} does not split into {world} "
+                           "equal parts")  # fmt: skip
+    return replace(cfg, family_config=replace(s, k_heads=s.k_heads // world, v_heads=s.v_heads // world))
+
+
 @dataclass(frozen=True)
 class HybridSettings:
     layer_types: tuple[str, ...]  # per layer, one of LAYER_TYPES
@@ -257,9 +284,11 @@ def tile_value_heads(name: str, t: torch.Tensor, s: HybridSettings) -> torch.Ten
 
 def split_qkvz(w: torch.Tensor, s: HybridSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-Next's in_proj_qkvz (per key head: its q, k, value heads' v, then their z rows) -> in_proj_qkv (every q,
-    then every k, then every v row) and in_proj_z, as llama.cpp's converter splits it."""
+    then every k, then every v row) and in_proj_z, as llama.cpp's converter splits it. The key heads are counted
+    from the rows (a tensor-parallel rank's `s` has its share of them; the checkpoint's tensor has all)."""
     hidden, r = w.shape[-1], s.v_heads // s.k_heads
-    parts = w.reshape(s.k_heads, -1, hidden).split([s.k_dim, s.k_dim, r * s.v_dim, r * s.v_dim], 1)
+    sizes = [s.k_dim, s.k_dim, r * s.v_dim, r * s.v_dim]
+    parts = w.reshape(w.shape[0] // sum(sizes), -1, hidden).split(sizes, 1)
     q, k, v, z = (p.reshape(-1, hidden) for p in parts)
     return torch.cat((q, k, v)), z
 

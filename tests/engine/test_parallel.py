@@ -16,7 +16,7 @@ from edgemoe.engine.parallel import shares
 from edgemoe.engine.summary import startup_line
 from edgemoe.errors import EdgeMoEError
 from tests.conftest import TINY, hf_model, save_checkpoint
-from tests.engine.test_speculative import Open, generate
+from tests.engine.test_speculative import Open, generate, oracle_drafter
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 FLOAT32 = dict(progress=False, dtype="float32")
@@ -43,6 +43,9 @@ OFFLOAD = dict(moe_strategy="offload", moe_cache_fraction=0.5, moe_collect_stats
         ("gpt-oss-yarn-window", "per-expert", OFFLOAD),
         ("olmoe-mha-clip", "per-expert", {}),
         ("olmoe-mha-clip", "fused", OFFLOAD),
+        ("qwen3next-dense", "per-expert", {}),
+        ("qwen3next-dense", "per-expert", OFFLOAD),
+        ("qwen35-tied-mha", "per-expert", {}),
     ],
     ids=lambda v: "offloaded" if v == OFFLOAD else "resident" if v == {} else v,
 )
@@ -58,7 +61,7 @@ def test_two_ranks_decode_as_one(tiny_checkpoint, case: str, layout: str, option
         assert generate(llm, prompts(), params) == want
         one, two = startup_line(base.engine).split(": ", 2), startup_line(llm.engine).split(": ", 2)
         assert " on 2 CPU ranks, " in two[1] and one[2].split(", context")[0] == two[2].split(", context")[0]
-        attn = llm.engine.model.model.layers[0].self_attn
+        attn = next(layer.self_attn for layer in llm.engine.model.model.layers if hasattr(layer.self_attn, "nq"))
         cfg = llm.engine.model_config  # the rank's share of the heads, which its KV cache holds
         assert (attn.nq, attn.nkv) == (cfg.num_heads, cfg.num_kv_heads)
         assert attn.attn.k_cache.shape[1:] == (cfg.num_kv_heads, cfg.head_dim)
@@ -77,7 +80,6 @@ def test_two_ranks_decode_as_one(tiny_checkpoint, case: str, layout: str, option
         ("glm-groups-qknorm-mtp", dict(speculative="mtp"), "the MTP head is not split yet"),
         ("qwen3-head-dim", dict(expert_dtype="q8_0"), "moe_intermediate_size 32 is 1 blocks of 32 weights, fewer than"),
         ("qwen3-mqa-tied", {}, "num_key_value_heads 1 does not split into 2 equal parts"),
-        ("qwen3next-dense", {}, "qwen3_next is not split yet"),
     ],
 )
 def test_what_is_not_split_is_refused(tiny_checkpoint, case: str, options: dict, message: str) -> None:
@@ -141,6 +143,29 @@ def test_gpt_oss_mxfp4_experts_split_in_whole_blocks(tiny_checkpoint, tmp_path, 
         layer = llm.engine.model.model.layers[0]
         assert layer.mlp.inner.experts.down_proj.dtype == torch.uint8  # blocks, as stored
         assert layer.self_attn.attn.sinks.shape == (llm.engine.model_config.num_heads,)  # its heads' sinks
+    finally:
+        llm.engine.close()
+
+
+def test_hybrid_states_follow_rank_0s(tiny_checkpoint) -> None:
+    """A hybrid's per-sequence states live on every rank (each its heads' share), but rank 0 alone schedules: what it
+    does to its state rows (a slot cleared for a new sequence, a snapshot saved and later resumed from, a verify
+    step's state stashed and put back) reaches the other ranks with the next forward. Requests one after another (each
+    reusing the slot before it, dirty), one that resumes from the first one's snapshot, prompt lookup's drafts: tokens
+    as one process's."""
+    folder, _ = tiny_checkpoint("qwen3next-dense", "per-expert")
+    first = (prompts()[2] * 2)[:64]  # 4 whole blocks: the snapshot after its prompt stays for requests sharing it
+    batch = [first, first + [7, 8, 9], prompts()[0]]
+    base = LLM(str(folder), **FLOAT32)
+    want = [generate(base, [p], GREEDY)[0] for p in batch]
+    llm = LLM(str(folder), **FLOAT32, tensor_parallel=2, max_num_seqs=6, speculative="ngram")
+    llm.engine.gate = Open()  # drafts right up to a varying position (an oracle): kept and undone verify steps
+    llm.engine.scheduler.drafter = oracle_drafter(llm.engine, {tuple(b): w for b, w in zip(batch, want)})
+    try:
+        assert [generate(llm, [p], GREEDY)[0] for p in batch] == want
+        assert llm.engine.states.restored > 0
+        stats = llm.engine.speculative
+        assert stats.accepted > 0 and stats.drafted > stats.accepted, stats
     finally:
         llm.engine.close()
 

@@ -310,8 +310,8 @@ class EngineConfig:
     tensor_parallel: int = option(
         1,
         "processes the model is split over, one a GPU on CUDA (attention heads and every expert's intermediate axis "
-        "split; float or quantized-on-load experts, resident or offloaded, of qwen2_moe, qwen3_moe, mixtral and "
-        "glm4_moe so far)",
+        "split, quantized experts in whole blocks; safetensors or GGUF, resident or offloaded; every family but "
+        "gemma4 so far)",
     )
     seed: int | None = option(
         None, "seed of the seeds of requests that give none (None: a fresh one per engine)", cli=False

@@ -93,6 +93,8 @@ class LLMEngine:
         self.model_name = path.resolve().name if config.model else "the demo model"
         self.model_config, family, gguf = read_checkpoint(path, mtp=config.speculative == "mtp")
         self.num_params = count_parameters(self.model_config, family)
+        cfg = self.model_config  # (the whole model's: a tensor-parallel rank's config below holds its share)
+        self.num_expert_params = cfg.expert_params * cfg.num_experts * sum(cfg.moe_layers)
         started = False
         self._unit = 1  # the weights the routed experts' intermediate axis splits in among tensor-parallel ranks
         self._segments: dict[str, list[int]] = {}

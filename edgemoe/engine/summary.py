@@ -47,8 +47,7 @@ def _device(device: torch.device) -> str:
 def _parameters(engine: LLMEngine) -> str:
     """The parameters, dense apart from the routed experts, and where each lives."""
     cfg, cache, total = engine.model_config, engine.expert_cache, count(engine.num_params)
-    world = 1 if engine.parallel is None else engine.parallel.world  # (a rank's config holds 1/world of each)
-    experts = cfg.expert_params * cfg.num_experts * sum(cfg.moe_layers) * world
+    experts = engine.num_expert_params  # the whole model's (a tensor-parallel rank's config holds its share)
     dense = count(engine.num_params - experts)
     stored = _expert_formats(engine)
     in_experts = f"{count(experts)} in {stored + ' ' if stored else ''}experts"

@@ -190,7 +190,7 @@ class GGUFCheckpoint:
                 from gguf.quants import dequantize as gguf_dequantize
 
                 t = torch.from_numpy(gguf_dequantize(np.asarray(data), tensor.tensor_type)).float()
-        t = fit(t.reshape([int(d) for d in reversed(tensor.shape)]), shape, f"{self.path.name}: tensor {tensor.name}")
+        t = fit(t.reshape(stored_shape(tensor)), shape, f"{self.path.name}: tensor {tensor.name}")
         if self.permuted_qk and re.search(r"self_attn\.(q|k)_proj\.weight$", hf_name):
             heads = cfg_heads[0] if ".q_proj." in hf_name else cfg_heads[1]
             t = unpermute(t, heads)
@@ -240,6 +240,11 @@ class GGUFCheckpoint:
     def native_order(self) -> bool:
         """Whether the files' numbers are in this machine's byte order (not a byte-swapped file: read as stored)."""
         return all(r.byte_order == "I" for r in self.readers)
+
+
+def stored_shape(tensor: Any) -> list[int]:
+    """A GGUF tensor's shape in numpy's order, as stored (`fit` to it changes nothing)."""
+    return [int(d) for d in reversed(tensor.shape)]
 
 
 def fit(t: torch.Tensor, shape: Sequence[int], name: str) -> torch.Tensor:

@@ -36,7 +36,7 @@ from edgemoe.models.dense_store import (
     keep_quantized,
     quantized_buffers,
 )
-from edgemoe.models.gguf import EXPERT_PARTS, FLOAT_TYPES, GGUFCheckpoint, fit, gguf_files
+from edgemoe.models.gguf import EXPERT_PARTS, FLOAT_TYPES, GGUFCheckpoint, fit, gguf_files, stored_shape
 from edgemoe.models.ple_store import Reader, place_ple
 from edgemoe.moe.experts import carry_biases
 from edgemoe.offload.banks import TierOptions, TierPlan
@@ -516,11 +516,6 @@ def load_gguf(ckpt: GGUFCheckpoint, cfg: ModelConfig, family: ModuleType, opts: 
         _check_filled(params, filled, ckpt.path.name)
     del host, params  # views of the expert store, if any: it is finished next
     return _ready(model, opts, plan)
-
-
-def stored_shape(tensor: object) -> list[int]:
-    """A GGUF tensor's shape in numpy's order, as stored (`fit` to it changes nothing)."""
-    return [int(d) for d in reversed(tensor.shape)]
 
 
 def _unit_bytes(q: QuantType, cut: TensorCut) -> int:

@@ -116,11 +116,15 @@ def test_a_gguf_files_experts_split_in_whole_blocks(tmp_path, options: dict) -> 
 
     model = hf_model("qwen3_moe", **dict(TINY["qwen3-head-dim"][1], mlp_only_layers=[], moe_intermediate_size=96))
     file = convert(save_checkpoint(model, tmp_path / "hf", "per-expert"), tmp_path / "experts.gguf", "q8_0")
-    want = generate(LLM(str(file), **FLOAT32, **options), prompts(), GREEDY)
+    base = LLM(str(file), **FLOAT32, **options)
+    want = generate(base, prompts(), GREEDY)
     llm = LLM(str(file), **FLOAT32, **options, tensor_parallel=2)
     try:
         assert generate(llm, prompts(), GREEDY) == want
         assert llm.engine.model_config.moe_intermediate_size == 64  # rank 0's two blocks (rank 1: one)
+        # the start-up line counts the whole model's parameters, not the rank's share times the ranks
+        one, two = startup_line(base.engine).split(": ", 2), startup_line(llm.engine).split(": ", 2)
+        assert one[2].split(", context")[0] == two[2].split(", context")[0], (one, two)
         moe = next(layer.mlp.inner for layer in llm.engine.model.model.layers if layer.is_moe)
         assert moe.experts.down_proj.dtype == torch.uint8  # blocks, as stored
     finally:
